@@ -1,0 +1,20 @@
+"""hf_prefetch: run Hugging Face models larger than the GPU at close to the speed of the host-to-GPU link.
+
+Importing this package initialises neither CUDA nor `torch._dynamo`.
+"""
+
+from .config import PrefetchConfig
+from .dispatch import dispatch_model, get_state, remove_offload
+from .plan import OffloadPlan, find_layer_lists, make_plan
+
+__all__ = [
+    "PrefetchConfig",
+    "OffloadPlan",
+    "dispatch_model",
+    "remove_offload",
+    "get_state",
+    "make_plan",
+    "find_layer_lists",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,96 @@
+"""Frozen, validated configuration for prefetch offloading.
+
+This module knows the knobs and their rules; it knows nothing about models, devices or streams.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+__all__ = ["PrefetchConfig"]
+
+_warned_prefetch_step: set[tuple[int, int]] = set()
+
+
+@dataclass(frozen=True)
+class PrefetchConfig:
+    """Which layers stream from pinned host memory, and how far ahead their copies start.
+
+    Layers are grouped `group_size` at a time; the last `num_in_group` layers of every group are offloaded:
+    layer `i` (0-based) streams when `i % group_size >= group_size - num_in_group`. `group_size=8, num_in_group=2`
+    streams layers 6, 7, 14, 15, ...
+
+    Args:
+        group_size (`int`, defaults to 2): Size of a layer group.
+        num_in_group (`int`, defaults to 1): How many layers at the end of each group are offloaded.
+        prefetch_step (`int`, defaults to 2): How many offloaded layers ahead a copy is started, and therefore
+            how many copies of each offloaded parameter the GPU buffer pool holds.
+        offload_params (`Iterable[str]`, defaults to all): Parameter-name segments to offload inside the selected
+            layers. A segment matches whole dotted parts: `"experts"` matches `mlp.experts.w2_weight`, `"expert"`
+            and `"w2"` do not, and `"w2_weight"` does not match `w2_weight_scale`. Empty offloads every parameter
+            of a selected layer.
+
+    Example:
+
+    ```python
+    >>> from hf_prefetch import PrefetchConfig
+    >>> PrefetchConfig(group_size=8, num_in_group=2, prefetch_step=2).num_in_group
+    2
+    >>> PrefetchConfig(offload_params=["experts"]).offload_params
+    frozenset({'experts'})
+    ```
+    """
+
+    group_size: int = 2
+    num_in_group: int = 1
+    prefetch_step: int = 2
+    offload_params: frozenset[str] = field(default_factory=frozenset)
+
+    def __post_init__(self) -> None:
+        for name in ("group_size", "num_in_group", "prefetch_step"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"PrefetchConfig.{name}={value!r} must be an int.")
+        if self.group_size < 1:
+            raise ValueError(
+                f"PrefetchConfig.group_size={self.group_size} must be >= 1: layers are taken in groups of "
+                "`group_size` and the last `num_in_group` of each group are offloaded."
+            )
+        if not 1 <= self.num_in_group <= self.group_size:
+            raise ValueError(
+                f"PrefetchConfig.num_in_group={self.num_in_group} must be between 1 and group_size="
+                f"{self.group_size}: it counts the offloaded layers at the end of each group."
+            )
+        if self.prefetch_step < 1:
+            raise ValueError(
+                f"PrefetchConfig.prefetch_step={self.prefetch_step} must be >= 1: a layer's copy has to start "
+                "at least one offloaded layer ahead (it is also the number of buffer slots)."
+            )
+        object.__setattr__(self, "offload_params", _validate_segments(self.offload_params))
+        key = (self.prefetch_step, self.num_in_group)
+        if self.prefetch_step < self.num_in_group and key not in _warned_prefetch_step:
+            _warned_prefetch_step.add(key)
+            warnings.warn(
+                f"PrefetchConfig(prefetch_step={self.prefetch_step}, num_in_group={self.num_in_group}): "
+                "the offloaded layers of a group are consecutive, so a copy started fewer than `num_in_group` "
+                "layers ahead has no compute to hide behind. Use prefetch_step >= num_in_group.",
+                stacklevel=3,
+            )
+
+
+def _validate_segments(segments: Iterable[str]) -> frozenset[str]:
+    if isinstance(segments, str):
+        raise ValueError(
+            f"PrefetchConfig.offload_params={segments!r} is a string; pass a set of segments, "
+            f"e.g. offload_params={{{segments!r}}}."
+        )
+    result = frozenset(segments)
+    for segment in result:
+        if not isinstance(segment, str) or not segment or segment.startswith(".") or segment.endswith("."):
+            raise ValueError(
+                f"PrefetchConfig.offload_params contains {segment!r}; each segment must be a non-empty string of "
+                "whole dotted name parts such as 'experts' or 'mlp.down_proj'."
+            )
+    return result

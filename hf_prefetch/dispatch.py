@@ -1,0 +1,310 @@
+"""Wiring: `dispatch_model` executes an `OffloadPlan` on a model and `remove_offload` undoes it.
+
+This is the only module that mutates the model: it moves weights into host storage and onto the device, points
+streamed parameters at their pool slots, and attaches and detaches the hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+import torch
+from accelerate.hooks import SequentialHook, add_hook_to_module, remove_hook_from_module
+from torch import nn
+
+from .config import PrefetchConfig
+from .engine import LayerTransfer, PrefetchEngine, RingTransfers
+from .hooks import PrefetchHook
+from .host import HostArena
+from .plan import OffloadPlan, ParamSpec, make_plan
+from .pool import BufferPool
+
+__all__ = ["dispatch_model", "remove_offload", "get_state", "OffloadState"]
+
+_STATE_ATTR = "_hf_prefetch_state"
+_MISSING = object()
+
+
+@dataclass
+class OffloadedParam:
+    """A streamed parameter: the `nn.Parameter` (pointing at its slot) and the host tensor that holds its value."""
+
+    full_name: str
+    param: nn.Parameter
+    host: torch.Tensor
+    requires_grad: bool
+
+
+@dataclass
+class OffloadState:
+    """Everything `dispatch_model` set up on a model; `remove_offload` tears it down."""
+
+    plan: OffloadPlan
+    device: torch.device
+    arena: HostArena
+    offloaded: list[OffloadedParam]
+    engine: PrefetchEngine | None = None
+    hooks: list[tuple[nn.Module, PrefetchHook]] = field(default_factory=list)
+    handles: list[Any] = field(default_factory=list)
+    previous_device_map: Any = _MISSING
+
+
+def get_state(model: nn.Module) -> OffloadState | None:
+    """The offload state of a dispatched model, or None."""
+    return getattr(model, _STATE_ATTR, None)
+
+
+def dispatch_model(
+    model: nn.Module,
+    offload: str | PrefetchConfig = "prefetch",
+    *,
+    device: str | int | torch.device | None = None,
+    config: PrefetchConfig | None = None,
+    layers: str | Sequence[str] | None = None,
+    replace: bool = False,
+    **config_fields: Any,
+) -> nn.Module:
+    """Stream the selected layers' weights from pinned host memory into a static device buffer pool.
+
+    The model keeps working as before (`forward`, `generate()`, `model.device`); streamed parameters point at pool
+    slots for good, and a hook on each streamed layer overlaps copying upcoming layers with computing this one.
+
+    Args:
+        model (`nn.Module`): A built model (on CPU or GPU) with a layer list, e.g. a transformers model.
+        offload (`str` or `PrefetchConfig`): `"prefetch"` (configured by `config` or `config_fields`) or a config.
+        device: Execution device. Defaults to the current CUDA device, or `"cpu"` without CUDA (copies are then
+            synchronous, everything else is the same).
+        config (`PrefetchConfig`, *optional*): The configuration; alternatively pass its fields as keywords.
+        layers (`str` or list of `str`, *optional*): Path(s) of the layer list(s), e.g. `"model.layers"`. Found
+            from `_no_split_modules` when omitted.
+        replace (`bool`): Re-dispatch a dispatched model with a new configuration, without reloading it.
+
+    Returns:
+        The same model, dispatched.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> import hf_prefetch
+    >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+    ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=64)).eval()
+    >>> ids = torch.tensor([[1, 2, 3]])
+    >>> expected = model(ids).logits
+    >>> model = hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=1)
+    >>> torch.equal(model(ids).logits, expected)
+    True
+    >>> model = hf_prefetch.remove_offload(model)
+    ```
+    """
+    config = _resolve_config(offload, config, config_fields)
+    exec_device = resolve_device(device)
+    state = get_state(model)
+    if state is not None:
+        if not replace:
+            raise ValueError(
+                f"{type(model).__name__} is already dispatched with {state.plan.config}. Call "
+                "hf_prefetch.remove_offload(model) first, or pass replace=True to re-dispatch with the new config."
+            )
+        _teardown(model, state, target=None)
+    _check_materialized(model)
+    plan = make_plan(model, config, layers)
+    arena = HostArena([spec.nbytes for _, _, spec in host_layout(plan)], pin=exec_device.type == "cuda")
+    state = OffloadState(plan, exec_device, arena, offloaded=[])
+    try:
+        for index, (layer_path, _, spec) in enumerate(host_layout(plan)):
+            param = model.get_parameter(f"{layer_path}.{spec.name}")
+            host = arena.view(index, spec.shape, spec.stride, spec.dtype)
+            host.copy_(param.data)
+            # Drop the original storage now, so a model that starts on the GPU frees it before the pool exists.
+            param.data = host
+            state.offloaded.append(OffloadedParam(f"{layer_path}.{spec.name}", param, host, param.requires_grad))
+        attach(model, state)
+    except BaseException:
+        _teardown(model, state, target=None)
+        raise
+    return model
+
+
+def host_layout(plan: OffloadPlan) -> list[tuple[str, int, ParamSpec]]:
+    """The host arena's entries in order: (layer path, ring index, spec) for every streamed parameter."""
+    return [
+        (layer.path, ring_index, spec)
+        for ring_index, ring in enumerate(plan.rings)
+        for layer in ring.streamed
+        for spec in layer.params
+    ]
+
+
+def attach(model: nn.Module, state: OffloadState) -> None:
+    """Second half of dispatch: `state.offloaded` hold their values; place the rest, build the pool, hook the layers.
+
+    Also used by the loader, which fills host storage straight from the checkpoint.
+    """
+    device, plan = state.device, state.plan
+    setattr(model, _STATE_ATTR, state)
+    offloaded_ids = {id(o.param) for o in state.offloaded}
+    _move_tensors(model, device, skip=offloaded_ids)
+
+    by_name = {o.full_name: o for o in state.offloaded}
+    rings: list[RingTransfers] = []
+    for ring in plan.rings:
+        pool = BufferPool([spec.key for layer in ring.streamed for spec in layer.params], ring.num_slots, device)
+        transfers = []
+        for layer in ring.streamed:
+            host, slots = [], []
+            for spec in layer.params:
+                offloaded = by_name[f"{layer.path}.{spec.name}"]
+                slot_buffer = pool.buffer(spec.key, layer.slot)
+                offloaded.param.data = slot_buffer
+                offloaded.param.requires_grad_(False)  # slot storage is shared between layers: not trainable
+                host.append(offloaded.host)
+                slots.append(slot_buffer)
+            transfers.append(LayerTransfer(host, slots, layer.slot, layer.next_in_slot, layer.offloaded_bytes))
+        rings.append(RingTransfers(transfers, pool))
+    state.engine = PrefetchEngine(device, rings, pinned=state.arena.pinned)
+
+    for ring_index, ring in enumerate(plan.rings):
+        for position, layer in enumerate(ring.streamed):
+            module = model.get_submodule(layer.path)
+            hook = PrefetchHook(state.engine, ring_index, position)
+            add_hook_to_module(module, hook, append=True)
+            state.hooks.append((module, hook))
+    state.handles.append(model._register_state_dict_hook(_host_values_in_state_dict))
+    state.previous_device_map = getattr(model, "hf_device_map", _MISSING)
+    model.hf_device_map = {"": device.index if device.type == "cuda" else "cpu"}
+    state.engine.start()
+
+
+def remove_offload(model: nn.Module, device: str | int | torch.device | None = None) -> nn.Module:
+    """Undo `dispatch_model`: every weight back on one device, hooks removed, pool and pinned memory freed.
+
+    Args:
+        model (`nn.Module`): A dispatched model.
+        device (*optional*): Where the weights go; defaults to the execution device. Pass `"cpu"` to bring the
+            whole model back to host memory (e.g. when it does not fit on the GPU).
+
+    Example:
+
+    ```python
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> import hf_prefetch
+    >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
+    >>> model = hf_prefetch.remove_offload(hf_prefetch.dispatch_model(model, device="cpu"))
+    >>> hf_prefetch.get_state(model) is None
+    True
+    ```
+    """
+    state = get_state(model)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} is not dispatched by hf_prefetch: nothing to remove.")
+    target = state.device if device is None else torch.device(device)
+    _teardown(model, state, target)
+    return model
+
+
+def _teardown(model: nn.Module, state: OffloadState, target: torch.device | None) -> None:
+    # With target None, streamed parameters are left holding their host tensors (re-dispatch and rollback).
+    if state.engine is not None:
+        state.engine.synchronize()
+    for module, hook in state.hooks:
+        _remove_hook(module, hook)
+    for handle in state.handles:
+        handle.remove()
+    for offloaded in state.offloaded:
+        offloaded.param.data = offloaded.host
+        offloaded.param.requires_grad_(offloaded.requires_grad)
+    state.engine = None  # drops the pool: its memory is reused by the moves below
+    if target is not None:
+        _move_tensors(model, target, skip=set())
+    if state.previous_device_map is not _MISSING:
+        model.hf_device_map = state.previous_device_map
+    elif hasattr(model, "hf_device_map") and state.hooks:
+        del model.hf_device_map
+    state.arena.release()
+    if getattr(model, _STATE_ATTR, None) is state:
+        delattr(model, _STATE_ATTR)
+
+
+def _remove_hook(module: nn.Module, hook: PrefetchHook) -> None:
+    current = getattr(module, "_hf_hook", None)
+    if current is hook:
+        remove_hook_from_module(module)
+    elif isinstance(current, SequentialHook) and hook in current.hooks:
+        rest = [h for h in current.hooks if h is not hook]
+        module._hf_hook = rest[0] if len(rest) == 1 else SequentialHook(*rest)
+
+
+def _host_values_in_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    # A streamed parameter's slot holds whichever layer ran last; its true value lives in host storage.
+    state = get_state(module)
+    if state is None:
+        return
+    for offloaded in state.offloaded:
+        key = prefix + offloaded.full_name
+        if key in state_dict:
+            state_dict[key] = offloaded.host
+
+
+def _move_tensors(model: nn.Module, device: torch.device, skip: set[int]) -> None:
+    for param in model.parameters():
+        if id(param) not in skip and param.device != device:
+            param.data = param.data.to(device)
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[name] = buffer.to(device)
+
+
+def _check_materialized(model: nn.Module) -> None:
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.device.type == "meta":
+            raise ValueError(
+                f"{name} is on the meta device: the model has no weights yet. Load it with "
+                "hf_prefetch.from_pretrained(path) or hf_prefetch.load_checkpoint_and_dispatch(model, path)."
+            )
+
+
+def _resolve_config(offload: Any, config: PrefetchConfig | None, config_fields: dict[str, Any]) -> PrefetchConfig:
+    if isinstance(offload, PrefetchConfig):
+        if config is not None or config_fields:
+            raise ValueError("offload= is already a PrefetchConfig: do not also pass config= or config fields.")
+        return offload
+    if offload != "prefetch":
+        raise ValueError(f"offload={offload!r} is not supported; use offload='prefetch' or a PrefetchConfig.")
+    if config is not None:
+        if config_fields:
+            raise ValueError(f"Pass either config= or config fields ({sorted(config_fields)}), not both.")
+        if not isinstance(config, PrefetchConfig):
+            raise ValueError(f"config={config!r} must be a hf_prefetch.PrefetchConfig.")
+        return config
+    known = {f.name for f in fields(PrefetchConfig)}
+    unknown = sorted(set(config_fields) - known)
+    if unknown:
+        raise ValueError(f"Unknown PrefetchConfig field(s) {unknown}; valid fields are {sorted(known)}.")
+    return PrefetchConfig(**config_fields)
+
+
+def resolve_device(device: str | int | torch.device | None) -> torch.device:
+    """The execution device: CUDA when available and not told otherwise, else the CPU."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device={device!r} is not a device; use 'cuda', 'cuda:0', 0 or 'cpu'.") from err
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type != "cuda":
+        raise ValueError(f"device={device!r}: hf_prefetch executes on 'cuda' or 'cpu' devices only.")
+    if not torch.cuda.is_available():
+        reason = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA driver or GPU was found"
+        raise ValueError(f"device={device!r} but CUDA is not available ({reason}). Pass device='cpu'.")
+    index = torch.cuda.current_device() if resolved.index is None else resolved.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}: there are only {torch.cuda.device_count()} CUDA device(s).")
+    return torch.device("cuda", index)

@@ -1,0 +1,26 @@
+"""Tiny random-weight models built from transformers configs, for tests (nothing is downloaded)."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+
+def tiny_llama(num_layers: int = 8, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=256,
+        **overrides,
+    )
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def prompt(batch: int = 2, length: int = 7, vocab: int = 128, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (batch, length), generator=generator)
