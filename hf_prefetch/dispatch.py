@@ -48,6 +48,7 @@ class OffloadState:
     engine: PrefetchEngine | None = None
     hooks: list[tuple[nn.Module, PrefetchHook]] = field(default_factory=list)
     handles: list[Any] = field(default_factory=list)
+    guarded: list[nn.Module] = field(default_factory=list)
     previous_device_map: Any = _MISSING
 
 
@@ -174,6 +175,7 @@ def attach(model: nn.Module, state: OffloadState) -> None:
             add_hook_to_module(module, hook, append=True)
             state.hooks.append((module, hook))
     state.handles.append(model._register_state_dict_hook(_host_values_in_state_dict))
+    state.guarded = _guard_moves(model, [layer.path for ring in plan.rings for layer in ring.streamed])
     state.previous_device_map = getattr(model, "hf_device_map", _MISSING)
     model.hf_device_map = {"": device.index if device.type == "cuda" else "cpu"}
     state.engine.start()
@@ -215,6 +217,8 @@ def _teardown(model: nn.Module, state: OffloadState, target: torch.device | None
         _remove_hook(module, hook)
     for handle in state.handles:
         handle.remove()
+    for module in state.guarded:
+        module.__dict__.pop("_apply", None)
     for offloaded in state.offloaded:
         offloaded.param.data = offloaded.host
         offloaded.param.requires_grad_(offloaded.requires_grad)
@@ -237,6 +241,28 @@ def _remove_hook(module: nn.Module, hook: PrefetchHook) -> None:
     elif isinstance(current, SequentialHook) and hook in current.hooks:
         rest = [h for h in current.hooks if h is not hook]
         module._hf_hook = rest[0] if len(rest) == 1 else SequentialHook(*rest)
+
+
+def _guard_moves(model: nn.Module, streamed_paths: list[str]) -> list[nn.Module]:
+    # `model.to()`, `.half()`, `.cuda()`, `.float()` ... all go through `nn.Module._apply`, which would swap the
+    # streamed parameters' slot tensors for converted copies that no copy ever refreshes. Refuse it on every module
+    # that holds a streamed layer, before anything is converted.
+    paths = {""}
+    for path in streamed_paths:
+        parts = path.split(".")
+        paths.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    guarded = [model.get_submodule(path) for path in sorted(paths)]
+    for module in guarded:
+        module._apply = _refuse_apply
+    return guarded
+
+
+def _refuse_apply(*args: Any, **kwargs: Any) -> None:
+    raise RuntimeError(
+        "This model is dispatched by hf_prefetch: .to(), .cuda(), .cpu(), .half(), .float() and other conversions "
+        "would detach the streamed weights from their buffer slots. Call hf_prefetch.remove_offload(model) first "
+        "(remove_offload(model, device='cpu') if it does not fit on the GPU), convert, then dispatch again."
+    )
 
 
 def _host_values_in_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
