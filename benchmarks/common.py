@@ -1,0 +1,84 @@
+"""Shared benchmark helpers: the 8B-shaped model, the link peak, timers. GPU only."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+LLAMA_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+    tie_word_embeddings=False,
+)
+
+
+def build_model(num_layers: int | None = None, device: str = "cuda", **overrides) -> LlamaForCausalLM:
+    """Random bf16 Llama-3.1-8B-shaped model built directly on `device`."""
+    fields = {**LLAMA_8B, **overrides}
+    if num_layers is not None:
+        fields["num_hidden_layers"] = num_layers
+    config = LlamaConfig(**fields)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.eval()
+
+
+def h2d_peak_gbps(nbytes: int = 2**30, repeats: int = 5) -> float:
+    """Pinned host -> device copy bandwidth, median of `repeats` copies of `nbytes`."""
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    times = []
+    for _ in range(repeats + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return nbytes / statistics.median(times[1:]) / 1e9
+
+
+def timed(fn) -> float:
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def decode_seconds_per_token(model, ids, short: int = 8, long: int = 40) -> float:
+    """Seconds per decoded token: generate `long` and `short` new tokens, divide the difference (no prefill)."""
+    mask = torch.ones_like(ids)
+
+    def run(n):
+        return lambda: model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+
+    with torch.no_grad():
+        t_short = timed(run(short))
+        t_long = timed(run(long))
+    return (t_long - t_short) / (long - short)
+
+
+def prefill_seconds(model, length: int, repeats: int = 3) -> float:
+    ids = torch.randint(3, 1000, (1, length), device="cuda")
+    with torch.no_grad():
+        model(ids, use_cache=False)
+        return statistics.median(timed(lambda: model(ids, use_cache=False)) for _ in range(repeats))
+
+
+def gib(num_bytes: int) -> str:
+    return f"{num_bytes / 2**30:.2f}"

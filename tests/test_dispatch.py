@@ -1,0 +1,250 @@
+import subprocess
+import sys
+
+import pytest
+import torch
+from accelerate.hooks import ModelHook, add_hook_to_module
+from models import prompt, tiny_llama
+
+import hf_prefetch
+from hf_prefetch import PrefetchConfig
+
+PATTERNS = [(2, 1), (8, 2), (4, 3), (1, 1), (3, 1)]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    model = tiny_llama(8)
+    ids = prompt()
+    with torch.no_grad():
+        logits = model(ids).logits
+    tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    return model, ids, logits, tokens, state
+
+
+def _counters(model):
+    return hf_prefetch.get_state(model).engine.counters
+
+
+@pytest.mark.parametrize("prefetch_step", [1, 2, 3, 4])
+@pytest.mark.parametrize("group_size, num_in_group", PATTERNS)
+def test_logits_and_tokens_are_bitwise_equal(reference, group_size, num_in_group, prefetch_step):
+    model, ids, logits, tokens, state = reference
+    hf_prefetch.dispatch_model(
+        model, device="cpu", group_size=group_size, num_in_group=num_in_group, prefetch_step=prefetch_step
+    )
+    try:
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(model(ids).logits, logits)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+        assert torch.equal(out, tokens)
+        assert _counters(model).misses == 0
+        streamed = len(hf_prefetch.get_state(model).plan.rings[0].streamed)
+        if streamed > prefetch_step:
+            assert _counters(model).copies > streamed  # the weights really streamed, forward after forward
+    finally:
+        hf_prefetch.remove_offload(model)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, state[name]), name
+
+
+def test_streamed_parameters_point_at_pool_slots(reference):
+    model = reference[0]
+    hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
+    try:
+        layers = model.model.layers
+        # layers 1 and 5 are the 1st and 3rd streamed layers: both use slot 0
+        assert layers[1].mlp.up_proj.weight.data_ptr() == layers[5].mlp.up_proj.weight.data_ptr()
+        assert layers[1].mlp.up_proj.weight.data_ptr() != layers[3].mlp.up_proj.weight.data_ptr()
+        assert layers[0].mlp.up_proj.weight.data_ptr() != layers[2].mlp.up_proj.weight.data_ptr()
+        assert not layers[1].mlp.up_proj.weight.requires_grad
+        assert model.device == torch.device("cpu") and model.dtype == torch.float32
+        assert model.hf_device_map == {"": "cpu"}
+    finally:
+        hf_prefetch.remove_offload(model)
+    assert model.model.layers[1].mlp.up_proj.weight.requires_grad
+    assert not hasattr(model, "hf_device_map")
+    assert not any(hasattr(m, "_hf_hook") for m in model.modules())
+
+
+def test_state_dict_holds_true_values_not_slot_contents(reference):
+    model, *_, state = reference
+    hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=1)
+    try:
+        current = model.state_dict()
+        assert current.keys() == state.keys()
+        for name, tensor in current.items():
+            assert torch.equal(tensor, state[name]), name
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+class _Boom(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("failing_layer", [1, 2, 5])
+def test_forward_interrupted_in_a_layer_stays_correct(reference, failing_layer):
+    model, ids, logits, tokens, _ = reference
+    hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
+    mlp = model.model.layers[failing_layer].mlp
+    original = mlp.forward
+
+    def explode(*args, **kwargs):
+        raise _Boom("interrupted")
+
+    try:
+        mlp.forward = explode
+        with pytest.raises(_Boom), torch.no_grad():
+            model(ids)
+        mlp.forward = original
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(model(ids).logits, logits)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
+        assert torch.equal(out, tokens)
+    finally:
+        mlp.forward = original
+        hf_prefetch.remove_offload(model)
+
+
+def test_unusual_call_order_is_a_counted_miss_not_wrong_weights(reference):
+    model, ids, *_ = reference
+    layers = model.model.layers
+    hidden = torch.randn(1, 4, 64)
+    position_embeddings = model.model.rotary_emb(hidden, torch.arange(4)[None])
+    with torch.no_grad():
+        expected = [layers[i](hidden, position_embeddings=position_embeddings) for i in (5, 1, 1, 7, 3)]
+    hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
+    try:
+        with torch.no_grad():
+            got = [layers[i](hidden, position_embeddings=position_embeddings) for i in (5, 1, 1, 7, 3)]
+        for a, b in zip(got, expected):
+            assert torch.equal(a, b)
+        assert _counters(model).misses >= 3
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_dispatch_twice_needs_remove_or_replace(reference):
+    model, ids, logits, *_ = reference
+    hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=1)
+    try:
+        with pytest.raises(ValueError, match=r"already dispatched.*remove_offload\(model\) first, or pass replace=True"):
+            hf_prefetch.dispatch_model(model, device="cpu", group_size=4, num_in_group=2, prefetch_step=2)
+        hf_prefetch.dispatch_model(model, device="cpu", replace=True, group_size=4, num_in_group=2, prefetch_step=2)
+        plan = hf_prefetch.get_state(model).plan
+        assert [layer.index for layer in plan.rings[0].streamed] == [2, 3, 6, 7]
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, logits)
+        assert sum(isinstance(getattr(m, "_hf_hook", None), ModelHook) for m in model.modules()) == 4
+    finally:
+        hf_prefetch.remove_offload(model)
+    hf_prefetch.dispatch_model(model, device="cpu", group_size=1, num_in_group=1, prefetch_step=3)
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, logits)
+    finally:
+        hf_prefetch.remove_offload(model, device="cpu")
+
+
+class _CountingHook(ModelHook):
+    def __init__(self):
+        self.calls = 0
+
+    def pre_forward(self, module, *args, **kwargs):
+        self.calls += 1
+        return args, kwargs
+
+
+def test_existing_hook_is_chained_and_restored(reference):
+    model, ids, logits, *_ = reference
+    counting = _CountingHook()
+    add_hook_to_module(model.model.layers[1], counting)
+    try:
+        hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, logits)
+        assert counting.calls == 1
+        hf_prefetch.remove_offload(model)
+        assert model.model.layers[1]._hf_hook is counting
+        with torch.no_grad():
+            model(ids)
+        assert counting.calls == 2
+    finally:
+        from accelerate.hooks import remove_hook_from_module
+
+        remove_hook_from_module(model.model.layers[1])
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        ({"device": "cuda"}, ValueError, r"device='cuda' but CUDA is not available.*device='cpu'"),
+        ({"device": "mps:0"}, ValueError, r"executes on 'cuda' or 'cpu' devices only"),
+        ({"device": "cpu", "group_sise": 2}, ValueError, r"Unknown PrefetchConfig field\(s\) \['group_sise'\]"),
+        ({"device": "cpu", "config": PrefetchConfig(), "group_size": 2}, ValueError, r"either config= or config"),
+        ({"device": "cpu", "offload": "disk"}, ValueError, r"offload='disk' is not supported"),
+        ({"device": "cpu", "offload_params": {"w2"}}, ValueError, r"matched no parameter"),
+        ({"device": "cpu", "layers": "model.nope"}, ValueError, r"layers='model.nope' is not a ModuleList"),
+        ({"device": "cpu", "num_in_group": 5}, ValueError, r"num_in_group=5 must be between 1 and group_size=2"),
+    ],
+)
+def test_bad_input_leaves_nothing_behind(reference, kwargs, error, match):
+    if kwargs.get("device") == "cuda" and torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    model, ids, logits, *_ = reference
+    with pytest.raises(error, match=match):
+        hf_prefetch.dispatch_model(model, **kwargs)
+    assert hf_prefetch.get_state(model) is None
+    assert not any(hasattr(m, "_hf_hook") for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, logits)
+
+
+def test_meta_model_is_refused():
+    with torch.device("meta"):
+        model = tiny_llama(2)
+    with pytest.raises(ValueError, match=r"is on the meta device.*load_checkpoint_and_dispatch"):
+        hf_prefetch.dispatch_model(model, device="cpu")
+
+
+def test_failure_during_execution_rolls_back(reference, monkeypatch):
+    model, ids, logits, *_ = reference
+
+    def broken_hook(*args, **kwargs):
+        raise RuntimeError("hook failed")
+
+    monkeypatch.setattr("hf_prefetch.dispatch.add_hook_to_module", broken_hook)
+    with pytest.raises(RuntimeError, match="hook failed"):
+        hf_prefetch.dispatch_model(model, device="cpu")
+    monkeypatch.undo()
+    assert hf_prefetch.get_state(model) is None
+    assert not any(hasattr(m, "_hf_hook") for m in model.modules())
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, logits)
+
+
+@pytest.mark.parametrize("convert", [lambda m: m.half(), lambda m: m.to("cpu"), lambda m: m.model.layers.float()])
+def test_moving_a_dispatched_model_is_refused_before_anything_changes(reference, convert):
+    model, ids, logits, *_ = reference
+    hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
+    try:
+        with pytest.raises(RuntimeError, match=r"remove_offload\(model\) first"):
+            convert(model)
+        assert model.dtype == torch.float32
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, logits)
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_import_does_not_initialise_cuda_or_dynamo():
+    code = (
+        "import sys, torch, hf_prefetch\n"
+        "assert not torch.cuda.is_initialized(), 'CUDA initialised'\n"
+        "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
