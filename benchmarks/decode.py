@@ -15,6 +15,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import build_model, decode_seconds_per_token, gib, h2d_peak_gbps, prefill_seconds  # noqa: E402
 
 import hf_prefetch  # noqa: E402

@@ -5,16 +5,23 @@ Importing this package initialises neither CUDA nor `torch._dynamo`.
 
 from .config import PrefetchConfig
 from .dispatch import dispatch_model, get_state, remove_offload
+from .loader import from_pretrained, load_checkpoint_and_dispatch
 from .plan import OffloadPlan, find_layer_lists, make_plan
+from .stats import TransferStats, reset_stats, stats
 
 __all__ = [
     "PrefetchConfig",
     "OffloadPlan",
+    "from_pretrained",
+    "load_checkpoint_and_dispatch",
     "dispatch_model",
     "remove_offload",
     "get_state",
     "make_plan",
     "find_layer_lists",
+    "stats",
+    "reset_stats",
+    "TransferStats",
 ]
 
 __version__ = "0.1.0"

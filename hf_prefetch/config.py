@@ -40,6 +40,7 @@ class PrefetchConfig:
     2
     >>> PrefetchConfig(offload_params=["experts"]).offload_params
     frozenset({'experts'})
+
     ```
     """
 

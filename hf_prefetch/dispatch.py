@@ -50,6 +50,7 @@ class OffloadState:
     handles: list[Any] = field(default_factory=list)
     guarded: list[nn.Module] = field(default_factory=list)
     previous_device_map: Any = _MISSING
+    timing: bool = False
 
 
 def get_state(model: nn.Module) -> OffloadState | None:
@@ -65,6 +66,7 @@ def dispatch_model(
     config: PrefetchConfig | None = None,
     layers: str | Sequence[str] | None = None,
     replace: bool = False,
+    timing: bool = False,
     **config_fields: Any,
 ) -> nn.Module:
     """Stream the selected layers' weights from pinned host memory into a static device buffer pool.
@@ -81,6 +83,10 @@ def dispatch_model(
         layers (`str` or list of `str`, *optional*): Path(s) of the layer list(s), e.g. `"model.layers"`. Found
             from `_no_split_modules` when omitted.
         replace (`bool`): Re-dispatch a dispatched model with a new configuration, without reloading it.
+        timing (`bool`): Measure copy and stall seconds per layer with CUDA events (see `hf_prefetch.stats`).
+
+    A dispatched model refuses `.to()`, `.cuda()`, `.half()` and other conversions: call `remove_offload` first,
+    convert, and dispatch again. Streamed parameters are not trainable (`requires_grad=False` while dispatched).
 
     Returns:
         The same model, dispatched.
@@ -99,6 +105,7 @@ def dispatch_model(
     >>> torch.equal(model(ids).logits, expected)
     True
     >>> model = hf_prefetch.remove_offload(model)
+
     ```
     """
     config = _resolve_config(offload, config, config_fields)
@@ -114,7 +121,7 @@ def dispatch_model(
     _check_materialized(model)
     plan = make_plan(model, config, layers)
     arena = HostArena([spec.nbytes for _, _, spec in host_layout(plan)], pin=exec_device.type == "cuda")
-    state = OffloadState(plan, exec_device, arena, offloaded=[])
+    state = OffloadState(plan, exec_device, arena, offloaded=[], timing=timing)
     try:
         for index, (layer_path, _, spec) in enumerate(host_layout(plan)):
             param = model.get_parameter(f"{layer_path}.{spec.name}")
@@ -166,7 +173,7 @@ def attach(model: nn.Module, state: OffloadState) -> None:
                 slots.append(slot_buffer)
             transfers.append(LayerTransfer(host, slots, layer.slot, layer.next_in_slot, layer.offloaded_bytes))
         rings.append(RingTransfers(transfers, pool))
-    state.engine = PrefetchEngine(device, rings, pinned=state.arena.pinned)
+    state.engine = PrefetchEngine(device, rings, pinned=state.arena.pinned, timing=state.timing)
 
     for ring_index, ring in enumerate(plan.rings):
         for position, layer in enumerate(ring.streamed):
@@ -175,7 +182,7 @@ def attach(model: nn.Module, state: OffloadState) -> None:
             add_hook_to_module(module, hook, append=True)
             state.hooks.append((module, hook))
     state.handles.append(model._register_state_dict_hook(_host_values_in_state_dict))
-    state.guarded = _guard_moves(model, [layer.path for ring in plan.rings for layer in ring.streamed])
+    state.guarded = _guard_moves(model, [o.full_name for o in state.offloaded])
     state.previous_device_map = getattr(model, "hf_device_map", _MISSING)
     model.hf_device_map = {"": device.index if device.type == "cuda" else "cpu"}
     state.engine.start()
@@ -199,6 +206,7 @@ def remove_offload(model: nn.Module, device: str | int | torch.device | None = N
     >>> model = hf_prefetch.remove_offload(hf_prefetch.dispatch_model(model, device="cpu"))
     >>> hf_prefetch.get_state(model) is None
     True
+
     ```
     """
     state = get_state(model)
@@ -243,13 +251,13 @@ def _remove_hook(module: nn.Module, hook: PrefetchHook) -> None:
         module._hf_hook = rest[0] if len(rest) == 1 else SequentialHook(*rest)
 
 
-def _guard_moves(model: nn.Module, streamed_paths: list[str]) -> list[nn.Module]:
+def _guard_moves(model: nn.Module, streamed_params: list[str]) -> list[nn.Module]:
     # `model.to()`, `.half()`, `.cuda()`, `.float()` ... all go through `nn.Module._apply`, which would swap the
     # streamed parameters' slot tensors for converted copies that no copy ever refreshes. Refuse it on every module
-    # that holds a streamed layer, before anything is converted.
+    # that owns or contains a streamed parameter, before anything is converted.
     paths = {""}
-    for path in streamed_paths:
-        parts = path.split(".")
+    for name in streamed_params:
+        parts = name.split(".")[:-1]
         paths.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
     guarded = [model.get_submodule(path) for path in sorted(paths)]
     for module in guarded:

@@ -8,14 +8,27 @@ in docs/design.md.
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from .pool import BufferPool
 
-__all__ = ["PrefetchEngine", "RingTransfers", "LayerTransfer", "TransferCounters"]
+__all__ = ["PrefetchEngine", "RingTransfers", "LayerTransfer", "LayerCounters"]
+
+
+@dataclass
+class LayerCounters:
+    """What happened to one streamed layer. Seconds are filled only when timing is on."""
+
+    copies: int = 0
+    copied_bytes: int = 0
+    misses: int = 0
+    copy_seconds: float = 0.0
+    stall_seconds: float = 0.0
 
 
 @dataclass
@@ -27,8 +40,10 @@ class LayerTransfer:
     slot: int
     next_in_slot: int  # the layer (ring position) that takes over `slot` after this one ran
     nbytes: int
-    # Recorded on the copy stream after this layer's copy; the compute stream waits on it before the layer runs.
+    # Recorded on the copy stream after this layer's latest copy; the compute stream waits on it before the layer
+    # runs. With timing on, every copy gets a fresh event so that late reads see the right copy.
     done: torch.cuda.Event | None = None
+    counters: LayerCounters = field(default_factory=LayerCounters)
 
 
 @dataclass
@@ -40,19 +55,27 @@ class RingTransfers:
 
 
 @dataclass
-class TransferCounters:
-    copies: int = 0
-    copied_bytes: int = 0
-    misses: int = 0
+class _Pending:
+    # A timing measurement whose events may not have completed yet: `begin` -> `end` on the device.
+    counters: LayerCounters
+    begin: torch.cuda.Event
+    end: torch.cuda.Event
+    copy: bool  # copy time (begin/end on the copy stream) or stall (compute stream ready -> copy done)
 
 
 class PrefetchEngine:
-    """Copies layer weights from host storage into pool slots ahead of use. On CPU the copies are synchronous."""
+    """Copies layer weights from host storage into pool slots ahead of use. On CPU the copies are synchronous.
 
-    def __init__(self, device: torch.device, rings: Sequence[RingTransfers], pinned: bool) -> None:
+    With `timing=True`, copy and stall times are measured with CUDA events that are read later, when they have
+    completed (polled with `Event.query()`): no host synchronisation is added to the forward.
+    """
+
+    def __init__(
+        self, device: torch.device, rings: Sequence[RingTransfers], pinned: bool, timing: bool = False
+    ) -> None:
         self.device = device
         self.rings = list(rings)
-        self.counters = TransferCounters()
+        self.timing = timing
         self._cuda = device.type == "cuda"
         # Asynchronous copies are only truly async (and only safe to overlap) from page-locked memory; from
         # pageable memory every copy blocks the host until it completed.
@@ -61,6 +84,7 @@ class PrefetchEngine:
         # before each copy (the slot may still be read by queued kernels), and the compute stream is ordered after
         # it by each layer's `done` event.
         self.copy_stream = torch.cuda.Stream(device) if self._cuda else None
+        self._pending: deque[_Pending] = deque()
         if self._cuda:
             for ring in self.rings:
                 for layer in ring.layers:
@@ -73,13 +97,18 @@ class PrefetchEngine:
         if transfers.pool.owners[layer.slot] == position:
             return  # already there or on its way
         transfers.pool.owners[layer.slot] = position
-        self.counters.copies += 1
-        self.counters.copied_bytes += layer.nbytes
+        layer.counters.copies += 1
+        layer.counters.copied_bytes += layer.nbytes
         if not self._cuda:
-            _copy_all(layer, non_blocking=False)
+            self._copy_on_host(layer)
             return
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
+            if self.timing:
+                self._poll()
+                begin, layer.done = _timing_event(), _timing_event()
+                begin.record()
+                self._pending.append(_Pending(layer.counters, begin, layer.done, copy=True))
             _copy_all(layer, self._non_blocking)
             layer.done.record()
 
@@ -90,7 +119,12 @@ class PrefetchEngine:
         if transfers.pool.owners[layer.slot] != position:
             self._load_now(transfers, position)
         elif self._cuda:
-            torch.cuda.current_stream(self.device).wait_event(layer.done)
+            compute = torch.cuda.current_stream(self.device)
+            if self.timing:
+                ready = _timing_event()
+                ready.record(compute)
+                self._pending.append(_Pending(layer.counters, ready, layer.done, copy=False))
+            compute.wait_event(layer.done)
 
     def release(self, ring: int, position: int) -> None:
         """Layer `position` has been queued: hand its slot to the next layer that uses it."""
@@ -107,18 +141,64 @@ class PrefetchEngine:
         if self._cuda:
             self.copy_stream.synchronize()
 
+    def collect(self) -> None:
+        """Wait for the device and fold every pending timing measurement into the counters."""
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+        self._poll()
+
+    def reset(self) -> None:
+        self.collect()
+        for transfers in self.rings:
+            for layer in transfers.layers:
+                layer.counters = LayerCounters()
+
+    def _poll(self) -> None:
+        # Completed measurements leave the queue in issue order; the first incomplete one stops the scan.
+        while self._pending and self._pending[0].begin.query() and self._pending[0].end.query():
+            item = self._pending.popleft()
+            seconds = item.begin.elapsed_time(item.end) / 1e3
+            if item.copy:
+                item.counters.copy_seconds += seconds
+            else:
+                item.counters.stall_seconds += max(seconds, 0.0)
+
     def _load_now(self, transfers: RingTransfers, position: int) -> None:
         # A miss: the slot holds (or is receiving) another layer's weights, e.g. after a forward interrupted by an
         # exception or a model that skips or repeats layers. Copy on the compute stream so the layer sees its own
         # weights, after any copy into the slot still in flight.
         layer = transfers.layers[position]
         transfers.pool.owners[layer.slot] = position
-        self.counters.misses += 1
-        self.counters.copies += 1
-        self.counters.copied_bytes += layer.nbytes
-        if self._cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-        _copy_all(layer, self._non_blocking)
+        layer.counters.misses += 1
+        layer.counters.copies += 1
+        layer.counters.copied_bytes += layer.nbytes
+        if not self._cuda:
+            self._copy_on_host(layer)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_stream(self.copy_stream)
+        if self.timing:
+            begin, end = _timing_event(), _timing_event()
+            begin.record(compute)
+            _copy_all(layer, self._non_blocking)
+            end.record(compute)
+            self._pending.append(_Pending(layer.counters, begin, end, copy=True))
+            self._pending.append(_Pending(layer.counters, begin, end, copy=False))
+        else:
+            _copy_all(layer, self._non_blocking)
+
+    def _copy_on_host(self, layer: LayerTransfer) -> None:
+        # CPU execution: the copy is synchronous, so all of it is time the forward waits.
+        begin = time.perf_counter() if self.timing else 0.0
+        _copy_all(layer, non_blocking=False)
+        if self.timing:
+            seconds = time.perf_counter() - begin
+            layer.counters.copy_seconds += seconds
+            layer.counters.stall_seconds += seconds
+
+
+def _timing_event() -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=True)
 
 
 def _copy_all(layer: LayerTransfer, non_blocking: bool) -> None:

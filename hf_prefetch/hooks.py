@@ -24,20 +24,33 @@ class PrefetchHook(ModelHook):
 
     def pre_forward(self, module, *args, **kwargs):
         # transformers sometimes calls `pre_forward(module)` with no inputs: the signature accepts both.
-        if torch.autograd._profiler_enabled():
-            with torch.profiler.record_function("hf_prefetch.wait"):
-                self.engine.wait(self.ring, self.position)
-        else:
-            self.engine.wait(self.ring, self.position)
+        _run(self.engine.wait, self.ring, self.position, "hf_prefetch.wait")
         return args, kwargs
 
     def post_forward(self, module, output):
-        if torch.autograd._profiler_enabled():
-            with torch.profiler.record_function("hf_prefetch.release"):
-                self.engine.release(self.ring, self.position)
-        else:
-            self.engine.release(self.ring, self.position)
+        _run(self.engine.release, self.ring, self.position, "hf_prefetch.release")
         return output
 
     def __repr__(self) -> str:
         return f"PrefetchHook(ring={self.ring}, position={self.position})"
+
+
+def _run(step, ring: int, position: int, label: str) -> None:
+    if torch.compiler.is_compiling():
+        # Under torch.compile the engine's stream and slot bookkeeping runs eagerly, outside the graph.
+        _eager(step, ring, position)
+    elif torch.autograd._profiler_enabled():
+        with torch.profiler.record_function(label):
+            step(ring, position)
+    else:
+        step(ring, position)
+
+
+def _eager(step, ring: int, position: int) -> None:
+    global _eager_step
+    if _eager_step is None:
+        _eager_step = torch.compiler.disable(lambda fn, r, p: fn(r, p))
+    _eager_step(step, ring, position)
+
+
+_eager_step = None

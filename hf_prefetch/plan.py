@@ -165,6 +165,7 @@ def find_layer_lists(model: nn.Module) -> list[str]:
     ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
     >>> find_layer_lists(model)
     ['model.layers']
+
     ```
     """
     block_classes = set(getattr(model, "_no_split_modules", None) or ())
@@ -251,6 +252,7 @@ def make_plan(
     >>> plan = make_plan(model, PrefetchConfig(group_size=4, num_in_group=2, prefetch_step=2))
     >>> [layer.index for layer in plan.rings[0].streamed]
     [2, 3, 6, 7]
+
     ```
     """
     paths = _resolve_layer_lists(model, layers)

@@ -26,6 +26,7 @@ class BufferPool:
     >>> pool = BufferPool([("w", (2, 3), (3, 1), torch.float32)], num_slots=2, device=torch.device("cpu"))
     >>> pool.buffer(("w", (2, 3), (3, 1), torch.float32), 1).shape, pool.nbytes
     (torch.Size([2, 3]), 48)
+
     ```
     """
 

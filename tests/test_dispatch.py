@@ -24,7 +24,7 @@ def reference():
 
 
 def _counters(model):
-    return hf_prefetch.get_state(model).engine.counters
+    return hf_prefetch.stats(model)
 
 
 @pytest.mark.parametrize("prefetch_step", [1, 2, 3, 4])

@@ -7,6 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_prefetch
+from hf_prefetch.host import _clear_last_cuda_error
 
 pytestmark = pytest.mark.gpu
 
@@ -67,7 +68,7 @@ def test_200_decode_steps_bitwise_equal_on_cuda(gpu_reference, prefetch_step):
                 assert torch.equal(got, want), f"logits differ at decode step {step}"
             for _ in range(2):
                 assert torch.equal(model(long_ids).logits, prefill)
-        assert hf_prefetch.get_state(model).engine.counters.misses == 0
+        assert hf_prefetch.stats(model).misses == 0
     finally:
         hf_prefetch.remove_offload(model, device="cpu")
 
@@ -100,7 +101,12 @@ def test_memory_accounting_on_cuda(gpu_reference):
         assert abs(allocated - (plan.resident_bytes + plan.pool_bytes)) <= 0.02 * (plan.resident_bytes + plan.pool_bytes)
         assert state.arena.pinned
         assert abs(state.arena.nbytes - plan.offloaded_bytes) <= 0.01 * plan.offloaded_bytes
-        assert all(o.host.is_pinned() for o in state.offloaded)
+        # The arena is page-locked with cudaHostRegister (PyTorch's is_pinned() only knows its own allocator):
+        # registering the range again must fail with cudaErrorHostMemoryAlreadyRegistered (712).
+        buffer = state.arena.bytes_view(0, 1)
+        err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), state.arena.nbytes, 0)
+        _clear_last_cuda_error()
+        assert int(err) == 712
     finally:
         hf_prefetch.remove_offload(model, device="cpu")
     torch.cuda.synchronize()
@@ -119,7 +125,7 @@ def test_interrupted_forward_on_cuda(gpu_reference):
         with torch.no_grad():
             for _ in range(3):
                 assert torch.equal(model(long_ids).logits, prefill)
-        assert hf_prefetch.get_state(model).engine.counters.misses > 0
+        assert hf_prefetch.stats(model).misses > 0
     finally:
         mlp.__dict__.pop("forward", None)
         hf_prefetch.remove_offload(model, device="cpu")

@@ -78,7 +78,12 @@ ARCHS = [
     ),
     Arch("phi3", "Phi3Config", "Phi3ForCausalLM", {**_LLAMA_SIZES, "pad_token_id": 0}),
     # Conv1D weights (stored transposed) and an lm_head tied to the input embedding.
-    Arch("gpt2", "GPT2Config", "GPT2LMHeadModel", dict(n_embd=64, n_layer=8, n_head=4, n_positions=256, vocab_size=VOCAB)),
+    Arch(
+        "gpt2",
+        "GPT2Config",
+        "GPT2LMHeadModel",
+        dict(n_embd=64, n_layer=8, n_head=4, n_positions=256, vocab_size=VOCAB),
+    ),
     Arch(
         "gpt_neox",
         "GPTNeoXConfig",

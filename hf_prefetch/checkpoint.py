@@ -1,0 +1,458 @@
+"""The checkpoint: safetensors files (one, or shards named by an index), parsed, validated and read by position.
+
+A checkpoint is untrusted input. `Checkpoint.open` reads only the headers and checks every value in them against
+the files before anyone allocates anything: header lengths, JSON, dtypes, shapes, byte ranges, and (for sharded
+checkpoints) that every shard exists and lies inside the checkpoint folder. `Checkpoint.read` copies a tensor's bytes
+into a caller's buffer with positional reads; `TensorReader` fills caller-owned tensors, in host memory or on a CUDA
+device, from a thread pool. The checkpoint knows nothing about models: which tensor goes where is the loader's call.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["Checkpoint", "TensorEntry", "TensorReader", "SAFE_WEIGHTS_NAME", "SAFE_WEIGHTS_INDEX_NAME"]
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+# The safetensors format refuses headers above 100 MB; so do we, before reading them.
+MAX_HEADER_BYTES = 100_000_000
+_CHUNK_BYTES = 16 * 2**20  # one positional read; big tensors are split so that every reader thread has work
+_READERS = min(8, os.cpu_count() or 4)
+_STAGING_BYTES = 32 * 2**20  # one pinned staging buffer (CUDA destinations only)
+_STAGING_BUFFERS = 4
+
+_DTYPES: dict[str, torch.dtype] = {
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "U16": torch.uint16,
+    "I16": torch.int16,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "U32": torch.uint32,
+    "I32": torch.int32,
+    "F32": torch.float32,
+    "U64": torch.uint64,
+    "I64": torch.int64,
+    "F64": torch.float64,
+    "C64": torch.complex64,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a checkpoint: where its bytes are (`offset` is absolute in `path`) and what they hold."""
+
+    key: str
+    path: Path
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int
+    nbytes: int
+
+
+class Checkpoint:
+    """The validated tensors of a safetensors checkpoint, read with positional reads (thread-safe).
+
+    Example:
+
+    ```python
+    >>> import tempfile, numpy as np, torch
+    >>> from safetensors.torch import save_file
+    >>> from hf_prefetch.checkpoint import Checkpoint
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     save_file({"w": torch.arange(6, dtype=torch.float32).reshape(2, 3)}, f"{folder}/model.safetensors")
+    ...     with Checkpoint.open(folder) as checkpoint:
+    ...         entry = checkpoint["w"]
+    ...         out = np.empty(entry.nbytes, dtype=np.uint8)
+    ...         checkpoint.read(entry, out)
+    >>> entry.dtype, entry.shape, torch.from_numpy(out).view(entry.dtype).reshape(entry.shape)
+    (torch.float32, (2, 3), tensor([[0., 1., 2.],
+            [3., 4., 5.]]))
+
+    ```
+    """
+
+    def __init__(self, folder: Path, entries: dict[str, TensorEntry]) -> None:
+        self.folder = folder
+        self.entries = entries
+        self._fds: dict[Path, int] = {}
+        self._lock = threading.Lock()
+
+    @classmethod
+    def open(cls, path: str | os.PathLike) -> Checkpoint:
+        """Parse and validate a checkpoint: a folder, a `.safetensors` file, or a `model.safetensors.index.json`.
+
+        Raises `FileNotFoundError` for missing files and `ValueError` for anything malformed, naming the file, the
+        key and the fix. Reads headers only.
+        """
+        path = Path(path)
+        if path.is_dir():
+            folder = path
+            if (path / SAFE_WEIGHTS_INDEX_NAME).is_file():
+                path = path / SAFE_WEIGHTS_INDEX_NAME
+            elif (path / SAFE_WEIGHTS_NAME).is_file():
+                path = path / SAFE_WEIGHTS_NAME
+            else:
+                found = sorted(p.name for p in folder.iterdir())[:10]
+                raise FileNotFoundError(
+                    f"{folder} holds neither {SAFE_WEIGHTS_INDEX_NAME} nor {SAFE_WEIGHTS_NAME} (found {found}). "
+                    "Save the model with save_pretrained(..., safe_serialization=True) or convert it to safetensors."
+                )
+        elif not path.is_file():
+            raise FileNotFoundError(f"Checkpoint {path} does not exist; pass a folder or a .safetensors file.")
+        else:
+            folder = path.parent
+        if path.name.endswith(".json"):
+            return cls(folder, _entries_from_index(path, folder))
+        _check_inside(path, folder, path, "the checkpoint file")
+        return cls(folder, _parse_file(path))
+
+    def __getitem__(self, key: str) -> TensorEntry:
+        return self.entries[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self.entries
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def keys(self) -> list[str]:
+        return list(self.entries)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(entry.nbytes for entry in self.entries.values())
+
+    def read(self, entry: TensorEntry, out: np.ndarray, start: int = 0) -> None:
+        """Fill `out` (contiguous uint8) with `out.nbytes` bytes of `entry`, beginning at byte `start` of it."""
+        if start < 0 or start + out.nbytes > entry.nbytes:
+            raise ValueError(f"Bytes [{start}, {start + out.nbytes}) are outside {entry.key!r} ({entry.nbytes} B).")
+        view = memoryview(out).cast("B")
+        fd, position, done = self._fd(entry.path), entry.offset + start, 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], position + done)
+            if got == 0:
+                raise ValueError(
+                    f"{entry.path}: the file ended while reading {entry.key!r} (byte {position + done}); it was "
+                    "truncated after it was opened. Re-download or re-save the checkpoint."
+                )
+            done += got
+
+    def close(self) -> None:
+        with self._lock:
+            fds, self._fds = self._fds, {}
+        for fd in fds.values():
+            os.close(fd)
+
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        files = len({entry.path for entry in self.entries.values()})
+        return f"Checkpoint({str(self.folder)!r}, tensors={len(self)}, files={files}, nbytes={self.nbytes})"
+
+    def _fd(self, path: Path) -> int:
+        with self._lock:
+            if path not in self._fds:
+                self._fds[path] = os.open(path, os.O_RDONLY)
+            return self._fds[path]
+
+
+class TensorReader:
+    """Fills tensors with checkpoint tensors, casting where the dtypes differ.
+
+    Host destinations (pinned or not) are written in place by positional reads from a thread pool; CUDA destinations
+    are filled through a small ring of pinned staging buffers whose asynchronous copies overlap the next reads. No
+    intermediate copy of a whole tensor is made, except for the rare destination that is not contiguous.
+
+    Example:
+
+    ```python
+    >>> import tempfile, torch
+    >>> from safetensors.torch import save_file
+    >>> from hf_prefetch.checkpoint import Checkpoint, TensorReader
+    >>> out = torch.empty(2, 3, dtype=torch.bfloat16)
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     save_file({"w": torch.ones(2, 3)}, f"{folder}/model.safetensors")
+    ...     with Checkpoint.open(folder) as checkpoint, TensorReader(checkpoint) as reader:
+    ...         reader.load([(checkpoint["w"], out)])
+    >>> out.sum().item(), reader.bytes_read
+    (6.0, 24)
+
+    ```
+    """
+
+    def __init__(self, checkpoint: Checkpoint, on_read: Callable[[int], Any] | None = None) -> None:
+        self.checkpoint = checkpoint
+        self.on_read = on_read
+        self.bytes_read = 0
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(_READERS, thread_name_prefix="hf_prefetch-read")
+
+    def load(self, reads: Sequence[tuple[TensorEntry, torch.Tensor]]) -> None:
+        """Fill each `(entry, out)` pair's `out` (same shape as the entry) and return once all are filled."""
+        for entry, out in reads:
+            if tuple(out.shape) != entry.shape:
+                raise ValueError(f"{entry.key!r} has shape {list(entry.shape)}, the destination {list(out.shape)}.")
+        futures = [f for entry, out in reads if out.device.type == "cpu" for f in self._submit_host(entry, out)]
+        try:
+            self._to_device([(entry, out) for entry, out in reads if out.device.type != "cpu"])
+            for future in futures:
+                future.result()
+        finally:
+            for future in futures:
+                future.cancel()
+            for future in futures:
+                if not future.cancelled():
+                    future.exception()  # wait: nothing may still write into `out` once this returns
+
+    def read_tensor(self, entry: TensorEntry) -> torch.Tensor:
+        """A new host tensor holding `entry`."""
+        out = torch.empty(entry.shape, dtype=entry.dtype)
+        if entry.nbytes:
+            self._read(entry, _bytes_of(out), 0)
+        return out
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def __enter__(self) -> TensorReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _read(self, entry: TensorEntry, out: np.ndarray, start: int) -> None:
+        self.checkpoint.read(entry, out, start)
+        with self._lock:
+            self.bytes_read += out.nbytes
+            if self.on_read is not None:
+                self.on_read(out.nbytes)
+
+    def _read_cast(self, entry: TensorEntry, out: torch.Tensor, first: int) -> None:
+        # Elements [first, first + out.numel()) of `entry`, through a small temporary, cast into `out`.
+        staged = torch.empty(out.numel(), dtype=entry.dtype)
+        self._read(entry, _bytes_of(staged), first * entry.dtype.itemsize)
+        out.copy_(staged.view(out.shape))
+
+    def _submit_host(self, entry: TensorEntry, out: torch.Tensor) -> list[Future]:
+        if out.numel() == 0:
+            return []
+        if not out.is_contiguous():
+            return [self._pool.submit(lambda: out.copy_(self.read_tensor(entry)))]
+        if out.dtype == entry.dtype:
+            raw = _bytes_of(out)
+            return [self._pool.submit(self._read, entry, raw[a:b], a) for a, b in _spans(entry.nbytes, _CHUNK_BYTES)]
+        flat, step = out.view(-1), max(1, _CHUNK_BYTES // entry.dtype.itemsize)
+        return [self._pool.submit(self._read_cast, entry, flat[a:b], a) for a, b in _spans(flat.numel(), step)]
+
+    def _to_device(self, reads: list[tuple[TensorEntry, torch.Tensor]]) -> None:
+        # [Note: staging ring] A CUDA destination is read in pieces of at most _STAGING_BYTES into the next pinned
+        # staging buffer and copied to the device asynchronously on `stream`, so reading the next pieces overlaps the
+        # copy. A staging buffer is refilled only after the event recorded behind its last copy has completed.
+        pieces = []
+        for entry, out in reads:
+            if out.numel() and not out.is_contiguous():
+                out.copy_(self.read_tensor(entry))  # rare (a permuted layout): synchronous, through pageable memory
+            elif out.numel():
+                flat, step = out.view(-1), _STAGING_BYTES // entry.dtype.itemsize
+                pieces += [(entry, a, flat[a:b]) for a, b in _spans(flat.numel(), step)]
+        if not pieces:
+            return
+        device = pieces[0][2].device
+        # stream: runs the staging -> device copies, ordered after the work queued on the current stream so far (the
+        # destinations were allocated there). copied[k]: recorded on `stream` after the last copy out of ring[k].
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        ring = [torch.empty(_STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(_STAGING_BUFFERS)]
+        copied: list[torch.cuda.Event | None] = [None] * len(ring)
+        # Own reader threads: the shared pool may be busy with host destinations queued before.
+        stagers = ThreadPoolExecutor(_STAGING_BUFFERS, thread_name_prefix="hf_prefetch-stage")
+        try:
+            for i, (entry, first, out) in enumerate(pieces):
+                k = i % len(ring)
+                if copied[k] is not None:
+                    copied[k].synchronize()
+                nbytes, start = out.numel() * entry.dtype.itemsize, first * entry.dtype.itemsize
+                raw = ring[k].numpy()
+                spans = _spans(nbytes, _STAGING_BYTES // _STAGING_BUFFERS)
+                for future in [stagers.submit(self._read, entry, raw[a:b], start + a) for a, b in spans]:
+                    future.result()
+                staged = ring[k][:nbytes]
+                with torch.cuda.stream(stream):
+                    if out.dtype == entry.dtype:
+                        out.view(torch.uint8).copy_(staged, non_blocking=True)
+                    else:
+                        out.copy_(staged.view(entry.dtype), non_blocking=True)  # cast on the device
+                    copied[k] = torch.cuda.Event()
+                    copied[k].record(stream)
+        finally:
+            stagers.shutdown(wait=True, cancel_futures=True)
+            stream.synchronize()
+
+
+def _entries_from_index(index_path: Path, folder: Path) -> dict[str, TensorEntry]:
+    _check_inside(index_path, folder, index_path, "the index")
+    try:
+        index = json.loads(index_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{index_path} is not valid JSON ({err}). Re-download or re-save the checkpoint.") from err
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ValueError(
+            f"{index_path} has no 'weight_map' object of tensor name -> shard file name. Re-save the checkpoint."
+        )
+    keys_by_shard: dict[str, list[str]] = {}
+    for key, shard in weight_map.items():
+        keys_by_shard.setdefault(shard, []).append(key)
+
+    entries: dict[str, TensorEntry] = {}
+    for shard, keys in keys_by_shard.items():
+        shard_path = folder / shard
+        if Path(shard).is_absolute() or ".." in Path(shard).parts:
+            raise ValueError(
+                f"{index_path} maps {keys[0]!r} to {shard!r}, which is outside the checkpoint folder {folder}. "
+                "Shard names must be plain file names next to the index; fix the index or move the shard."
+            )
+        if not shard_path.is_file():
+            raise FileNotFoundError(
+                f"{index_path} maps {keys[0]!r} (and {len(keys) - 1} more) to {shard!r}, but {shard_path} does not "
+                "exist. Download the missing shard or re-save the checkpoint."
+            )
+        _check_inside(shard_path, folder, index_path, f"the shard holding {keys[0]!r}")
+        parsed = _parse_file(shard_path)
+        for key in keys:
+            if key not in parsed:
+                raise ValueError(
+                    f"{index_path} maps {key!r} to {shard!r}, but that file has no such tensor. The index and the "
+                    "shards are from different saves: re-download or re-save the checkpoint."
+                )
+        for key, entry in parsed.items():
+            if key in entries:
+                raise ValueError(
+                    f"Tensor {key!r} is stored twice: in {entries[key].path.name} and in {shard_path.name}. "
+                    "Re-save the checkpoint."
+                )
+            entries[key] = entry
+    return entries
+
+
+def _check_inside(path: Path, folder: Path, named_by: Path, what: str) -> None:
+    # A symlink may lead out of the folder; resolve it. Hugging Face's cache keeps a snapshot's files as symlinks into
+    # the repository's `blobs` folder, which belongs to the same checkpoint.
+    roots = [folder.resolve()]
+    if folder.resolve().parent.name == "snapshots":
+        roots.append(folder.resolve().parent.parent / "blobs")
+    target = path.resolve()
+    if not any(target.is_relative_to(root) for root in roots):
+        raise ValueError(
+            f"{named_by} names {what} at {path}, which resolves to {target}, outside the checkpoint folder "
+            f"{folder.resolve()}. Checkpoint files must live inside the checkpoint folder; copy them there."
+        )
+
+
+def _parse_file(path: Path) -> dict[str, TensorEntry]:
+    file_bytes = path.stat().st_size
+    if file_bytes < 8:
+        raise ValueError(
+            f"{path} is truncated: {file_bytes} bytes, fewer than the 8-byte header length of a safetensors file. "
+            "Re-download or re-save it."
+        )
+    with open(path, "rb") as file:
+        header_bytes = int.from_bytes(file.read(8), "little")
+        if header_bytes > MAX_HEADER_BYTES:
+            raise ValueError(
+                f"{path} declares a {header_bytes}-byte header, above safetensors' {MAX_HEADER_BYTES}-byte limit; "
+                "the file is corrupt or not a safetensors file. Re-download or re-save it."
+            )
+        if header_bytes > file_bytes - 8:
+            raise ValueError(
+                f"{path} declares a {header_bytes}-byte header but holds only {file_bytes - 8} bytes after the "
+                "length: the file is truncated. Re-download or re-save it."
+            )
+        raw = file.read(header_bytes)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(
+            f"{path} has an invalid JSON header ({err}); the file is corrupt or not a safetensors file. "
+            "Re-download or re-save it."
+        ) from err
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: the header is not a JSON object of tensor entries. Re-download or re-save it.")
+    metadata = header.pop("__metadata__", None)
+    if metadata is not None and not isinstance(metadata, dict):
+        raise ValueError(f"{path}: __metadata__ must be a JSON object of strings. Re-download or re-save it.")
+
+    data_start, data_bytes = 8 + header_bytes, file_bytes - 8 - header_bytes
+    entries = {key: _parse_entry(path, key, info, data_start, data_bytes) for key, info in header.items()}
+    previous: TensorEntry | None = None
+    for entry in sorted(entries.values(), key=lambda e: (e.offset, e.nbytes)):
+        if previous is not None and entry.offset < previous.offset + previous.nbytes:
+            raise ValueError(
+                f"{path}: the bytes of {entry.key!r} overlap those of {previous.key!r}; the file is corrupt. "
+                "Re-download or re-save it."
+            )
+        previous = entry
+    return entries
+
+
+def _parse_entry(path: Path, key: str, info: Any, data_start: int, data_bytes: int) -> TensorEntry:
+    where = f"{path}: tensor {key!r}"
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise ValueError(f"{where} needs 'dtype', 'shape' and 'data_offsets'; got {info!r:.200}. Re-save the file.")
+    dtype = _DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+    if dtype is None:
+        raise ValueError(
+            f"{where} has dtype {info['dtype']!r:.50}, which hf_prefetch cannot load; known dtypes are "
+            f"{sorted(_DTYPES)}. Convert the tensor to one of them and re-save."
+        )
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise ValueError(f"{where} has shape {shape!r:.100}; a shape is a list of non-negative ints. Re-save it.")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+        raise ValueError(f"{where} has data_offsets {offsets!r:.100}; expected [begin, end]. Re-save the file.")
+    begin, end = offsets
+    if not begin <= end <= data_bytes:
+        raise ValueError(
+            f"{where} has data_offsets [{begin}, {end}] outside the file's {data_bytes}-byte data section: the file "
+            "is truncated or corrupt. Re-download or re-save it."
+        )
+    expected = math.prod(shape) * dtype.itemsize
+    if end - begin != expected:
+        raise ValueError(
+            f"{where} holds {end - begin} bytes but dtype {info['dtype']} x shape {shape} needs {expected}; the file "
+            "is corrupt. Re-download or re-save it."
+        )
+    return TensorEntry(key, path, dtype, tuple(shape), data_start + begin, expected)
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
+    # The raw bytes of a contiguous host tensor, as a writable uint8 numpy array sharing its memory.
+    return tensor.reshape(-1).view(torch.uint8).numpy()
+
+
+def _spans(total: int, step: int) -> list[tuple[int, int]]:
+    return [(a, min(a + step, total)) for a in range(0, total, step)]

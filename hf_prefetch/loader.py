@@ -1,0 +1,465 @@
+"""The loader: a safetensors checkpoint -> a dispatched model, every byte read once, straight into its final place.
+
+Offloaded parameters are read into their exact-size host arena slots, resident ones onto the execution device
+(through a small ring of pinned staging buffers on CUDA). Checkpoint keys are renamed and converted with
+transformers' own mapping for the architecture. Every header, key and shape is validated before anything large is
+allocated, and a failed load leaves the model as it was given. The loader knows checkpoints, plans and parameter
+names; building the buffer pool and hooking layers is `dispatch.attach`'s job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Sequence
+from copy import deepcopy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from . import dispatch
+from .checkpoint import Checkpoint, TensorEntry, TensorReader
+from .config import PrefetchConfig
+from .host import HostArena
+from .plan import make_plan
+
+__all__ = ["from_pretrained", "load_checkpoint_and_dispatch"]
+
+logger = logging.getLogger(__name__)
+
+# A region of a destination tensor: the whole tensor (None) or `dest[index]`, optionally narrowed on its first dim.
+Region = tuple[int, int | None, int | None] | None
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    *,
+    offload: str | PrefetchConfig = "prefetch",
+    device: str | int | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    layers: str | Sequence[str] | None = None,
+    model_class: type | None = None,
+    progress: bool | None = None,
+    **config_fields: Any,
+) -> nn.Module:
+    """Load a local transformers checkpoint straight into a dispatched model, without a full copy in host memory.
+
+    Reads `config.json`, builds the model on the meta device, plans which parameters stream, and reads every
+    safetensors shard once: offloaded weights into pinned host memory, the rest onto `device`. Nothing is downloaded.
+
+    Args:
+        path (`str` or `os.PathLike`): A folder with `config.json` and `model.safetensors` or a sharded
+            `model.safetensors.index.json`.
+        offload (`str` or `PrefetchConfig`): `"prefetch"` (configured by `config_fields`) or a config.
+        device: Execution device. Defaults to the current CUDA device, or `"cpu"` without CUDA.
+        dtype (`torch.dtype`, *optional*): Floating-point dtype of the weights. Defaults to `config.dtype` (then to
+            the checkpoint's), as in transformers' `dtype="auto"`.
+        layers (`str` or list of `str`, *optional*): Path(s) of the layer list(s); found when omitted.
+        model_class (*optional*): A transformers Auto class or model class. Defaults to `AutoModelForCausalLM`.
+        progress (`bool`, *optional*): Show a progress bar over bytes; by default only on a terminal.
+        config_fields: `PrefetchConfig` fields, e.g. `group_size=2, num_in_group=1`.
+
+    Returns:
+        The model, dispatched and in eval mode.
+
+    Example:
+
+    ```python
+    >>> import tempfile, torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> import hf_prefetch
+    >>> config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+    ...     num_key_value_heads=2, vocab_size=64)
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     LlamaForCausalLM(config).save_pretrained(folder)
+    ...     model = hf_prefetch.from_pretrained(folder, device="cpu", group_size=2, num_in_group=1, prefetch_step=1)
+    >>> [layer.path for layer in hf_prefetch.get_state(model).plan.rings[0].streamed]
+    ['model.layers.1', 'model.layers.3']
+    >>> model(torch.tensor([[1, 2, 3]])).logits.shape
+    torch.Size([1, 3, 64])
+
+    ```
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = dispatch._resolve_config(offload, None, config_fields)
+    exec_device = dispatch.resolve_device(device)
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{folder} has no config.json. from_pretrained reads local folders only (nothing is downloaded): pass "
+            "the folder written by save_pretrained, or a local snapshot (huggingface_hub.snapshot_download)."
+        )
+    with Checkpoint.open(folder) as checkpoint:
+        model_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+        if getattr(model_config, "quantization_config", None) is not None:
+            raise ValueError(f"{folder} is a quantized checkpoint; hf_prefetch loads unquantized checkpoints only.")
+        torch_dtype = _auto_dtype(dtype, model_config, checkpoint)
+        model = _build_empty(model_class or AutoModelForCausalLM, model_config, torch_dtype)
+        model.config.name_or_path = str(folder)
+        _load(model, checkpoint, config, exec_device, torch_dtype, cast=False, layers=layers, progress=progress)
+    if (folder / "generation_config.json").is_file() and model.can_generate():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
+    return model
+
+
+def load_checkpoint_and_dispatch(
+    model: nn.Module,
+    checkpoint: str | os.PathLike,
+    offload: str | PrefetchConfig = "prefetch",
+    *,
+    device: str | int | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    layers: str | Sequence[str] | None = None,
+    progress: bool | None = None,
+    **config_fields: Any,
+) -> nn.Module:
+    """Load a checkpoint into a model built on the meta device and dispatch it, like `from_pretrained`.
+
+    Build the model under `accelerate.init_empty_weights()` (which keeps buffers real, so rotary tables and other
+    non-persistent buffers are computed as usual). On any error the model is left as it was given.
+
+    Args:
+        model (`nn.Module`): The model skeleton, parameters on the meta device.
+        checkpoint (`str` or `os.PathLike`): A folder, a `.safetensors` file or a `model.safetensors.index.json`.
+        offload, device, layers, progress, config_fields: As in `from_pretrained`.
+        dtype (`torch.dtype`, *optional*): Cast floating-point parameters to this dtype; by default each parameter
+            keeps the model's dtype (the checkpoint's values are cast to it).
+
+    Returns:
+        The same model, loaded, dispatched and in eval mode.
+
+    Example:
+
+    ```python
+    >>> import tempfile, torch
+    >>> from accelerate import init_empty_weights
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> import hf_prefetch
+    >>> config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+    ...     num_key_value_heads=2, vocab_size=64)
+    >>> with init_empty_weights():
+    ...     model = LlamaForCausalLM(config)
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     LlamaForCausalLM(config).save_pretrained(folder)
+    ...     model = hf_prefetch.load_checkpoint_and_dispatch(model, folder, device="cpu", dtype=torch.bfloat16)
+    >>> model.lm_head.weight.dtype, hf_prefetch.get_state(model) is not None
+    (torch.bfloat16, True)
+
+    ```
+    """
+    config = dispatch._resolve_config(offload, None, config_fields)
+    exec_device = dispatch.resolve_device(device)
+    if dispatch.get_state(model) is not None:
+        raise ValueError(
+            f"{type(model).__name__} is already dispatched; call hf_prefetch.remove_offload(model) before loading."
+        )
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"dtype={dtype!r} must be a floating-point torch.dtype such as torch.bfloat16, or None.")
+    with Checkpoint.open(checkpoint) as opened:
+        _load(model, opened, config, exec_device, dtype, cast=True, layers=layers, progress=progress)
+    return model
+
+
+@dataclass
+class _KeyMap:
+    """Which checkpoint tensors fill which model tensor (by canonical name: the first of a tied tensor's names)."""
+
+    model_tensors: dict[str, torch.Tensor]  # canonical name -> the model's (meta) parameter or buffer
+    streamed: dict[str, list[tuple[TensorEntry, Region]]] = field(default_factory=dict)
+    # Not streamable: (converter, target key, [(source pattern, entry)], {output key: canonical name}).
+    converted: list[tuple[Any, str, list[tuple[str, TensorEntry]], dict[str, str]]] = field(default_factory=list)
+    duplicates: list[tuple[TensorEntry, str]] = field(default_factory=list)  # tied tensors stored twice
+    used_conversions: list[Any] = field(default_factory=list)
+
+
+def _load(
+    model: nn.Module,
+    checkpoint: Checkpoint,
+    config: PrefetchConfig,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    *,
+    cast: bool,
+    layers: str | Sequence[str] | None,
+    progress: bool | None,
+) -> None:
+    from transformers import PreTrainedModel
+
+    if isinstance(model, PreTrainedModel):
+        # accelerate's init_empty_weights re-creates a parameter each time one is registered, which unties the
+        # weights that __init__ tied; tie them again so that a tied tensor is one parameter (kept resident).
+        model.tie_weights()
+    undo: list[Callable[[], None]] = []
+    arena = None
+    try:
+        _set_dtypes(model, dtype, cast, undo)
+        keymap = _map_keys(model, checkpoint)
+        plan = make_plan(model, config, layers)
+        # Everything is validated: allocate the host arena exactly as dispatch_model does, then the resident tensors.
+        layout = dispatch.host_layout(plan)
+        arena = HostArena([spec.nbytes for _, _, spec in layout], pin=device.type == "cuda")
+        dests = {}
+        for i, (path, _, spec) in enumerate(layout):
+            dests[f"{path}.{spec.name}"] = arena.view(i, spec.shape, spec.stride, spec.dtype)
+        offloaded_names = list(dests)
+        for name in _filled_names(keymap):
+            if name not in dests:
+                tensor = keymap.model_tensors[name]
+                dests[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        seconds, bytes_read = _read_all(checkpoint, keymap, dests, model, progress)
+        _install(model, keymap, dests, undo)
+        tensors = keymap.model_tensors
+        offloaded = [
+            dispatch.OffloadedParam(n, tensors[n], dests[n], tensors[n].requires_grad) for n in offloaded_names
+        ]
+        dispatch.attach(model, dispatch.OffloadState(plan, device, arena, offloaded))
+    except BaseException:
+        if (state := dispatch.get_state(model)) is not None:
+            dispatch._teardown(model, state, target=None)
+        for step in reversed(undo):
+            step()
+        if arena is not None:
+            arena.release()
+        raise
+    if isinstance(model, PreTrainedModel):
+        model._weight_conversions = keymap.used_conversions  # what save_pretrained reverts, as after from_pretrained
+    model.eval()
+    gb, pinned_gib = bytes_read / 1e9, (arena.nbytes if arena.pinned else 0) / 2**30
+    gpu_gib = (plan.device_bytes if device.type == "cuda" else 0) / 2**30
+    message = "Loaded %s: read %.2f GB in %.2f s (%.2f GB/s); pinned host %.2f GiB, GPU %.2f GiB"
+    logger.info(message, checkpoint.folder, gb, seconds, gb / max(seconds, 1e-9), pinned_gib, gpu_gib)
+
+
+def _build_empty(model_class: type, config: Any, dtype: torch.dtype) -> nn.Module:
+    from accelerate import init_empty_weights
+
+    # Parameters on the meta device, buffers real: non-persistent buffers (rotary tables, ...) are computed by the
+    # modules' own __init__, under the same default dtype as transformers' from_pretrained uses.
+    with init_empty_weights(include_buffers=False):
+        if hasattr(model_class, "from_config"):  # an Auto class
+            return model_class.from_config(config, dtype=dtype)
+        return model_class._from_config(config, dtype=dtype)
+
+
+def _auto_dtype(dtype: Any, config: Any, checkpoint: Checkpoint) -> torch.dtype:
+    if dtype is None or dtype == "auto":
+        dtype = getattr(config, "dtype", None)
+        if dtype is None:
+            floating = [e.dtype for e in checkpoint.entries.values() if e.dtype.is_floating_point]
+            dtype = floating[0] if floating else torch.get_default_dtype()
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"dtype={dtype!r} must be a floating-point torch.dtype such as torch.bfloat16, or None.")
+    return dtype
+
+
+def _set_dtypes(model: nn.Module, dtype: torch.dtype | None, cast: bool, undo: list) -> None:
+    # transformers keeps some modules in float32 (`_keep_in_fp32_modules`) whatever the requested dtype.
+    from transformers.core_model_loading import build_glob_alternation
+
+    dtype_plan = model._get_dtype_plan(dtype) if dtype is not None and hasattr(model, "_get_dtype_plan") else {}
+    if dtype_plan:
+        alternation, glob_of_group, _ = build_glob_alternation(list(dtype_plan))
+    for name, param in model.named_parameters():
+        target = dtype if cast and dtype is not None and param.is_floating_point() else param.dtype
+        if dtype_plan and (match := alternation.search(name)):
+            target = dtype_plan[glob_of_group[match.lastgroup]]
+        if target != param.dtype:
+            old = param.data
+            param.data = old.to(target)
+            undo.append(lambda param=param, old=old: setattr(param, "data", old))
+
+
+def _map_keys(model: nn.Module, checkpoint: Checkpoint) -> _KeyMap:
+    from transformers import PreTrainedModel
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+    meta_state = model.state_dict(keep_vars=True)
+    canonical: dict[int, str] = {}
+    for name, tensor in meta_state.items():
+        canonical.setdefault(id(tensor), name)
+    keymap = _KeyMap({name: meta_state[name] for name in canonical.values()})
+    model_name = type(model).__name__
+
+    is_hf = isinstance(model, PreTrainedModel)
+    mapping = get_model_conversion_mapping(model) if is_hf else []
+    prefix = model.base_model_prefix if is_hf else None
+    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
+    converters = [m for m in mapping if isinstance(m, WeightConverter)]
+    converter_of = {pattern: c for c in converters for pattern in c.source_patterns}
+
+    # As transformers' convert_and_load_state_dict_in_model: rename in natural key order (merged experts stack in it).
+    groups: dict[str, tuple[Any, list[tuple[str, TensorEntry]]]] = {}
+    unexpected: list[tuple[TensorEntry, str]] = []
+    for key in sorted(checkpoint.keys(), key=dot_natural_key):
+        entry = checkpoint[key]
+        renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta_state)
+        if renamed not in meta_state and key in meta_state:
+            renamed, pattern = rename_source_key(key, [], [], prefix, meta_state)
+        if renamed not in meta_state:
+            unexpected.append((entry, renamed))
+        elif pattern is not None:
+            groups.setdefault(renamed, (deepcopy(converter_of[pattern]), []))[1].append((pattern, entry))
+        else:
+            name = canonical[id(meta_state[renamed])]
+            expected = meta_state[renamed].shape
+            if entry.shape != tuple(expected):
+                raise ValueError(
+                    f"{entry.path}: tensor {key!r} has shape {list(entry.shape)} but {model_name}.{renamed} has shape "
+                    f"{list(expected)}. The checkpoint was saved for another configuration: check config.json "
+                    "(hidden_size, vocab_size, num_key_value_heads, ...)."
+                )
+            if name in keymap.streamed:
+                keymap.duplicates.append((entry, name))
+            else:
+                keymap.streamed[name] = [(entry, None)]
+
+    for target_key, (converter, sources) in groups.items():
+        _map_conversion(model, keymap, canonical, meta_state, converter, target_key, sources)
+    keymap.used_conversions = [m for m in mapping if m.was_used()]
+
+    ignored = [*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()), r"rotary_emb\.inv_freq"]
+    ignored.append(r"(^|\.)position_ids$")
+    unexpected = [(e, r) for e, r in unexpected if not any(re.search(p, r) for p in ignored)]
+    if unexpected:
+        entry, renamed = unexpected[0]
+        raise ValueError(
+            f"{entry.path}: tensor {entry.key!r} (as {renamed!r}) matches no parameter or buffer of {model_name} "
+            f"({len(unexpected)} unexpected key(s): {[e.key for e, _ in unexpected[:5]]}). The checkpoint is for "
+            "another architecture or configuration: check config.json, or pass model_class= to from_pretrained."
+        )
+    covered = {id(keymap.model_tensors[name]) for name in _filled_names(keymap)}
+    kept = [name for name, t in keymap.model_tensors.items() if id(t) not in covered and not t.is_meta]
+    missing = [name for name, t in keymap.model_tensors.items() if id(t) not in covered and t.is_meta]
+    missing += [f"{n} (a parameter)" for n in kept if isinstance(keymap.model_tensors[n], nn.Parameter)]
+    if missing:
+        raise ValueError(
+            f"The checkpoint at {checkpoint.folder} has no tensor for {model_name}.{missing[0]} ({len(missing)} "
+            f"missing: {missing[:5]}). It holds keys like {checkpoint.keys()[:3]}: it was saved from another "
+            "architecture or configuration (check config.json), or shards are missing from the index."
+        )
+    if kept:
+        logger.info("Not in the checkpoint, keeping the values the model computed: %s", kept)
+    unbuilt = [name for name, buffer in model.named_buffers() if buffer.is_meta and id(buffer) not in covered]
+    if unbuilt:
+        raise ValueError(
+            f"Buffer {unbuilt[0]} of {model_name} is on the meta device and not in the checkpoint, so it cannot be "
+            "computed. Build the model under accelerate.init_empty_weights(include_buffers=False) (the default)."
+        )
+    return keymap
+
+
+def _map_conversion(model, keymap, canonical, meta_state, converter, target_key, sources) -> None:
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    def meta(entry: TensorEntry) -> torch.Tensor:
+        return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+
+    try:  # run the conversion on meta tensors: target names and shapes, no data
+        outputs = _convert(model, converter, target_key, sources, meta)
+    except Exception as err:
+        raise ValueError(
+            f"Cannot convert checkpoint tensors {[e.key for _, e in sources[:4]]} of {sources[0][1].path.name} into "
+            f"{target_key} with {converter.operations}: {err}. The checkpoint does not fit this architecture's "
+            "configuration: check config.json (num_experts, intermediate sizes, ...)."
+        ) from err
+    names: dict[str, str] = {}
+    for out_key, value in outputs.items():
+        if out_key not in meta_state or tuple(value.shape) != tuple(meta_state[out_key].shape):
+            expected = list(meta_state[out_key].shape) if out_key in meta_state else "no such tensor"
+            raise ValueError(
+                f"Checkpoint tensors {[e.key for _, e in sources[:4]]} convert to {out_key} of shape "
+                f"{list(value.shape)}, but {type(model).__name__} has {expected}. Check config.json."
+            )
+        name = canonical[id(meta_state[out_key])]
+        if name in keymap.streamed or any(name in outs.values() for *_, outs in keymap.converted):
+            raise ValueError(f"Two checkpoint tensors fill {out_key}: {sources[0][1].key!r} and another. Re-save it.")
+        names[out_key] = name
+
+    ops = [(type(op), getattr(op, "dim", None)) for op in converter.operations]
+    patterns = list(dict.fromkeys(pattern for pattern, _ in sources))
+    if list(names) == [target_key] and ops == [(MergeModulelist, 0)] and len(patterns) == 1:
+        # Experts stacked on a new first dim: expert i's bytes are exactly dest[i].
+        keymap.streamed[target_key] = [(entry, (i, None, None)) for i, (_, entry) in enumerate(sources)]
+    elif list(names) == [target_key] and ops == [(MergeModulelist, 0), (Concatenate, 1)]:
+        # Stacked per pattern, then concatenated on dim 1 in source-pattern order (gate before up): expert i of the
+        # p-th pattern fills rows [offset_p, offset_p + n_p) of dest[i], a contiguous block.
+        pieces, offset = [], 0
+        for pattern in (p for p in converter.source_patterns if p in patterns):
+            of_pattern = [entry for p, entry in sources if p == pattern]
+            pieces += [(entry, (i, offset, entry.shape[0])) for i, entry in enumerate(of_pattern)]
+            offset += of_pattern[0].shape[0]
+        keymap.streamed[target_key] = pieces
+    else:
+        keymap.converted.append((converter, target_key, sources, names))
+
+
+def _convert(model, converter, target_key, sources, load: Callable[[TensorEntry], torch.Tensor]) -> dict:
+    # transformers' WeightConverter.convert, fed with tensors from `load` instead of its own file handles.
+    converter = deepcopy(converter)
+    for pattern, entry in sources:
+        converter.add_tensor(target_key, entry.key, pattern, lambda entry=entry: load(entry))
+    outputs = converter.convert(target_key, model=model, config=getattr(model, "config", None))
+    return {name: value[0] if isinstance(value, list) else value for name, value in outputs.items()}
+
+
+def _read_all(checkpoint, keymap, dests, model, progress) -> tuple[float, int]:
+    reads = [(e, _region(dests[name], region)) for name, pieces in keymap.streamed.items() for e, region in pieces]
+    total = sum(e.nbytes for e, _ in reads) + sum(e.nbytes for e, _ in keymap.duplicates)
+    total += sum(e.nbytes for _, _, sources, _ in keymap.converted for _, e in sources)
+    disable = None if progress is None else not progress  # None: tqdm shows it only on a terminal
+    started = time.perf_counter()
+    with (
+        tqdm(total=total, unit="B", unit_scale=True, desc="Loading checkpoint", disable=disable) as bar,
+        TensorReader(checkpoint, on_read=bar.update) as reader,
+    ):
+        reader.load(reads)
+        if keymap.converted:
+            logger.info("Not streamed (converted through transformers): %s", [t for _, t, _, _ in keymap.converted])
+        for converter, target_key, sources, names in keymap.converted:
+            dtype = dests[names[target_key]].dtype  # transformers casts the sources before converting
+            outputs = _convert(model, converter, target_key, sources, lambda e, d=dtype: reader.read_tensor(e).to(d))
+            for out_key, value in outputs.items():
+                dests[names[out_key]].copy_(value)
+        for entry, name in keymap.duplicates:
+            if not torch.equal(reader.read_tensor(entry).to(dests[name].dtype), dests[name].cpu()):
+                raise ValueError(
+                    f"{entry.path}: {entry.key!r} and {keymap.streamed[name][0][0].key!r} fill one tensor ({name}: "
+                    "the config ties them) but hold different values. Set tie_word_embeddings=False in config.json."
+                )
+    return time.perf_counter() - started, reader.bytes_read
+
+
+def _install(model: nn.Module, keymap: _KeyMap, dests: dict[str, torch.Tensor], undo: list) -> None:
+    # Swap each meta tensor's contents for its loaded value in place, so every name of a tied tensor sees it.
+    for name, value in dests.items():
+        tensor = keymap.model_tensors[name]
+        if isinstance(tensor, nn.Parameter):
+            value = nn.Parameter(value, requires_grad=tensor.requires_grad)
+        torch.utils.swap_tensors(tensor, value)
+        undo.append(lambda tensor=tensor, value=value: torch.utils.swap_tensors(tensor, value))
+    # dispatch.attach() replaces buffers by their copies on the device: restore the dicts on failure.
+    saved = [(module, dict(module._buffers)) for module in model.modules()]
+    undo.append(lambda: [module._buffers.update(buffers) for module, buffers in saved])
+
+
+def _filled_names(keymap: _KeyMap) -> list[str]:
+    return [*keymap.streamed, *(name for *_, outputs in keymap.converted for name in outputs.values())]
+
+
+def _region(dest: torch.Tensor, region: Region) -> torch.Tensor:
+    if region is None:
+        return dest
+    index, start, length = region
+    return dest[index] if start is None else dest[index].narrow(0, start, length)

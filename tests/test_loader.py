@@ -1,0 +1,366 @@
+"""The loader end to end: tiny checkpoints written by `save_pretrained` load bitwise like transformers' loader."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+import torch
+from accelerate import init_empty_weights
+from models import prompt
+from safetensors.torch import load_file, save_file
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaModel,
+    MixtralConfig,
+    Qwen2Config,
+    Qwen2MoeConfig,
+)
+
+import hf_prefetch
+from hf_prefetch import dispatch, loader
+from hf_prefetch.checkpoint import Checkpoint
+
+ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(intermediate_size=128, num_hidden_layers=4, **ATTENTION),
+    "llama-tied": lambda: LlamaConfig(intermediate_size=128, num_hidden_layers=4, tie_word_embeddings=True, **ATTENTION),
+    "qwen2": lambda: Qwen2Config(intermediate_size=128, num_hidden_layers=4, **ATTENTION),
+    "gpt2": lambda: GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=128, bos_token_id=1, eos_token_id=2),
+    "qwen2_moe": lambda: Qwen2MoeConfig(
+        intermediate_size=128, moe_intermediate_size=32, shared_expert_intermediate_size=64, num_experts=4,
+        num_experts_per_tok=2, num_hidden_layers=4, **ATTENTION,
+    ),
+    "mixtral": lambda: MixtralConfig(
+        intermediate_size=96, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=4, **ATTENTION
+    ),
+}  # fmt: skip
+# (checkpoint name, config, tied embeddings, max_shard_size: None writes one model.safetensors)
+CHECKPOINTS = {
+    "llama-sharded": ("llama", False, "200KB"),
+    "llama-tied-single": ("llama-tied", True, None),
+    "qwen2-sharded": ("qwen2", False, "200KB"),
+    "gpt2-tied-sharded": ("gpt2", True, "200KB"),
+    "qwen2_moe-sharded": ("qwen2_moe", False, "200KB"),
+    "mixtral-single": ("mixtral", False, None),
+}
+PATTERNS = {
+    "every-second": dict(group_size=2, num_in_group=1, prefetch_step=1),
+    "three-of-four": dict(group_size=4, num_in_group=3, prefetch_step=3),
+}
+MOE_PATTERN = dict(group_size=1, num_in_group=1, prefetch_step=2, offload_params={"experts"})
+CASES = [(name, pattern) for name in CHECKPOINTS for pattern in PATTERNS]
+CASES += [("qwen2_moe-sharded", "experts-only"), ("mixtral-single", "experts-only")]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """`saved(name)`: the folder of a checkpoint from CHECKPOINTS, written once per module by save_pretrained."""
+    folders = {}
+
+    def get(name: str):
+        if name not in folders:
+            config_name, tied, shard_size = CHECKPOINTS[name]
+            torch.manual_seed(0)
+            model = AutoModelForCausalLM.from_config(CONFIGS[config_name]())
+            assert model.config.tie_word_embeddings is tied
+            folder = tmp_path_factory.mktemp(name)
+            model.save_pretrained(folder, **({"max_shard_size": shard_size} if shard_size else {}))
+            index = (folder / "model.safetensors.index.json").is_file()
+            assert index is (shard_size is not None)
+            folders[name] = folder
+        return folders[name]
+
+    return get
+
+
+def logits(model: torch.nn.Module, vocab: int = 128) -> torch.Tensor:
+    with torch.no_grad():
+        return model(prompt(vocab=vocab)).logits
+
+
+def reference(folder, dtype=None) -> torch.nn.Module:
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+
+
+@pytest.mark.parametrize("name, pattern", CASES, ids=[f"{n}-{p}" for n, p in CASES])
+def test_from_pretrained_matches_transformers(saved, name, pattern):
+    folder = saved(name)
+    model = hf_prefetch.from_pretrained(folder, device="cpu", **PATTERNS.get(pattern, MOE_PATTERN))
+    expected = reference(folder)
+    assert torch.equal(logits(model), logits(expected))
+    state = hf_prefetch.get_state(model)
+    assert state.plan.offloaded_bytes > 0 and not model.training
+    for (name_a, a), (name_b, b) in zip(model.named_buffers(), expected.named_buffers(), strict=True):
+        assert name_a == name_b and torch.equal(a, b), name_a  # rotary tables computed as transformers does
+    input_embeddings, output_embeddings = model.get_input_embeddings().weight, model.get_output_embeddings().weight
+    assert (input_embeddings is output_embeddings) is CHECKPOINTS[name][1]
+
+
+@pytest.mark.parametrize("name", ["llama-sharded", "qwen2_moe-sharded", "gpt2-tied-sharded"])
+def test_dtype_cast_matches_transformers(saved, name):
+    folder = saved(name)
+    model = hf_prefetch.from_pretrained(folder, device="cpu", dtype=torch.bfloat16, **PATTERNS["three-of-four"])
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert {o.host.dtype for o in hf_prefetch.get_state(model).offloaded} == {torch.bfloat16}
+    assert torch.equal(logits(model), logits(reference(folder, dtype=torch.bfloat16)))
+
+
+@pytest.mark.parametrize("target", ["folder", "index", "file"])
+def test_load_checkpoint_and_dispatch_matches_transformers(saved, target):
+    folder = saved("llama-tied-single" if target == "file" else "llama-sharded")
+    path = {"folder": folder, "index": folder / "model.safetensors.index.json", "file": folder / "model.safetensors"}
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    loaded = hf_prefetch.load_checkpoint_and_dispatch(model, path[target], device="cpu", **PATTERNS["every-second"])
+    expected = reference(folder)
+    assert loaded is model and torch.equal(logits(model), logits(expected))
+    hf_prefetch.remove_offload(model)
+    assert torch.equal(logits(model), logits(expected))
+
+
+def test_load_checkpoint_and_dispatch_casts_on_request(saved):
+    folder = saved("qwen2_moe-sharded")
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    hf_prefetch.load_checkpoint_and_dispatch(model, folder, device="cpu", dtype=torch.bfloat16, **MOE_PATTERN)
+    assert torch.equal(logits(model), logits(reference(folder, dtype=torch.bfloat16)))
+
+
+def test_base_model_checkpoint_gets_the_prefix(tmp_path):
+    # A checkpoint of the bare LlamaModel ("layers.0...") loads into LlamaForCausalLM ("model.layers.0...").
+    torch.manual_seed(0)
+    LlamaModel(CONFIGS["llama-tied"]()).save_pretrained(tmp_path)
+    model = hf_prefetch.from_pretrained(tmp_path, device="cpu", **PATTERNS["every-second"])
+    assert torch.equal(logits(model), logits(reference(tmp_path)))
+
+
+def test_generation_config_and_generate(tmp_path):
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(CONFIGS["llama"]())
+    source.generation_config.max_new_tokens = 3
+    source.save_pretrained(tmp_path)
+    model = hf_prefetch.from_pretrained(tmp_path, device="cpu", **PATTERNS["every-second"])
+    assert model.generation_config.max_new_tokens == 3
+    ids = prompt(batch=1)
+    assert torch.equal(model.generate(ids, do_sample=False), reference(tmp_path).generate(ids, do_sample=False))
+
+
+class FusedQKVLlamaForCausalLM(LlamaForCausalLM):
+    """A Llama whose checkpoints store q, k and v fused: a conversion (Chunk) the loader does not stream."""
+
+
+def test_conversion_that_cannot_stream_goes_through_transformers(tmp_path, caplog):
+    from transformers.conversion_mapping import register_checkpoint_conversion_mapping
+    from transformers.core_model_loading import Chunk, WeightConverter
+
+    targets = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"]
+    fuse = WeightConverter("self_attn.qkv_proj.weight", targets, operations=[Chunk(dim=0)])
+    register_checkpoint_conversion_mapping(FusedQKVLlamaForCausalLM.__name__, [fuse], overwrite=True)
+    torch.manual_seed(0)
+    config = LlamaConfig(intermediate_size=128, num_hidden_layers=2, **{**ATTENTION, "num_key_value_heads": 4})
+    source = LlamaForCausalLM(config).eval()
+    state = source.state_dict()
+    for i in range(config.num_hidden_layers):
+        qkv = [state.pop(f"model.layers.{i}.{t}") for t in targets]
+        state[f"model.layers.{i}.self_attn.qkv_proj.weight"] = torch.cat(qkv)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    config.save_pretrained(tmp_path)
+
+    with caplog.at_level(logging.INFO, logger="hf_prefetch.loader"):
+        model = hf_prefetch.from_pretrained(tmp_path, device="cpu", model_class=FusedQKVLlamaForCausalLM, group_size=2)
+    assert "Not streamed (converted through transformers)" in caplog.text
+    assert "model.layers.1.self_attn.q_proj.weight" in caplog.text
+    assert torch.equal(logits(model), logits(source))
+
+
+def test_progress_bar_and_final_log_line(saved, caplog, capsys):
+    with caplog.at_level(logging.INFO, logger="hf_prefetch.loader"):
+        hf_prefetch.from_pretrained(saved("llama-sharded"), device="cpu", progress=True)
+    assert "Loading checkpoint" in capsys.readouterr().err
+    assert caplog.records[-1].getMessage().endswith("GB/s); pinned host 0.00 GiB, GPU 0.00 GiB")
+    hf_prefetch.from_pretrained(saved("llama-sharded"), device="cpu")  # not a terminal: quiet
+    assert "Loading checkpoint" not in capsys.readouterr().err
+
+
+# ---- bad input: a clear error before anything large is allocated, and the model left as it was ----------------------
+
+
+@pytest.fixture
+def arenas(monkeypatch):
+    """Every HostArena the loader allocates."""
+    created = []
+
+    class RecordingArena(loader.HostArena):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            created.append(self)
+
+    monkeypatch.setattr(loader, "HostArena", RecordingArena)
+    return created
+
+
+def empty_model(folder, **overrides) -> torch.nn.Module:
+    config = AutoConfig.from_pretrained(folder, **overrides)
+    with init_empty_weights():
+        return AutoModelForCausalLM.from_config(config)
+
+
+def assert_left_as_given(model) -> None:
+    assert hf_prefetch.get_state(model) is None and not hasattr(model, "hf_device_map")
+    assert all(not hasattr(m, "_hf_hook") and "_apply" not in m.__dict__ for m in model.modules())
+    assert all(p.is_meta for p in model.parameters())
+    assert all(not b.is_meta for b in model.buffers())
+
+
+def copy_checkpoint(folder, tmp_path, edit) -> None:
+    """A single-file copy of the checkpoint in `folder`, with `edit(state_dict)` applied, plus its config."""
+    state = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    edit(state)
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text((folder / "config.json").read_text())
+
+
+def drop_norm(state):
+    del state["model.norm.weight"]
+
+
+def add_extra(state):
+    state["model.extra.weight"] = torch.ones(3)
+
+
+BAD_CHECKPOINTS = [
+    ("missing-key", drop_norm, {}, r"no tensor for LlamaForCausalLM\.model\.norm\.weight \(1 missing"),
+    ("unexpected-key", add_extra, {}, r"'model\.extra\.weight' \(as 'model\.extra\.weight'\) matches no parameter"),
+    ("shape-mismatch", None, {"intermediate_size": 96},
+     r"'model\.layers\.0\.mlp\.down_proj\.weight' has shape \[64, 128\] but LlamaForCausalLM\.model\.layers\.0\.mlp"
+     r"\.down_proj\.weight has shape \[64, 96\]\. The checkpoint was saved for another configuration"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, edit, overrides, message", BAD_CHECKPOINTS, ids=[c[0] for c in BAD_CHECKPOINTS])
+def test_bad_checkpoint_is_rejected_before_allocating(saved, tmp_path, arenas, name, edit, overrides, message):
+    folder = saved("llama-sharded")
+    if edit is not None:
+        copy_checkpoint(folder, tmp_path, edit)
+        folder = tmp_path
+        with pytest.raises(ValueError, match=message):
+            hf_prefetch.from_pretrained(folder, device="cpu")
+    model = empty_model(folder, **overrides)
+    with pytest.raises(ValueError, match=message):
+        hf_prefetch.load_checkpoint_and_dispatch(model, folder, device="cpu", dtype=torch.bfloat16)
+    assert arenas == []
+    assert_left_as_given(model)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # the requested cast was undone
+
+
+def test_moe_checkpoint_for_another_expert_size(saved, arenas):
+    model = empty_model(saved("qwen2_moe-sharded"), moe_intermediate_size=24)
+    message = (
+        r"Checkpoint tensors \['model\.layers\.0\.mlp\.experts\.0\.down_proj\.weight', .* convert to "
+        r"model\.layers\.0\.mlp\.experts\.down_proj of shape \[4, 64, 32\], but Qwen2MoeForCausalLM has \[4, 64, 24\]"
+    )
+    with pytest.raises(ValueError, match=message):
+        hf_prefetch.load_checkpoint_and_dispatch(model, saved("qwen2_moe-sharded"), device="cpu")
+    assert arenas == []
+    assert_left_as_given(model)
+
+
+def test_corrupt_shard_is_rejected_before_building_anything(saved, tmp_path, arenas):
+    folder = saved("llama-sharded")
+    for file in folder.iterdir():
+        (tmp_path / file.name).write_bytes(file.read_bytes())
+    shard = sorted(tmp_path.glob("*.safetensors"))[1]
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with pytest.raises(ValueError, match=rf"{shard.name}: tensor '.*' has data_offsets .* outside .* truncated"):
+        hf_prefetch.from_pretrained(tmp_path, device="cpu")
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=rf"to '{shard.name}', but .* does not exist"):
+        hf_prefetch.from_pretrained(tmp_path, device="cpu")
+    with pytest.raises(FileNotFoundError, match=r"has no config.json"):
+        hf_prefetch.from_pretrained(tmp_path / "elsewhere", device="cpu")
+    assert arenas == []
+
+
+def test_tied_weights_stored_twice_must_agree(saved, tmp_path):
+    folder = saved("llama-tied-single")
+
+    def add_lm_head(value):
+        return lambda state: state.update({"lm_head.weight": value(state["model.embed_tokens.weight"])})
+
+    copy_checkpoint(folder, tmp_path, add_lm_head(lambda embeddings: embeddings.clone()))
+    model = hf_prefetch.from_pretrained(tmp_path, device="cpu")
+    assert torch.equal(logits(model), logits(reference(folder)))
+    copy_checkpoint(folder, tmp_path, add_lm_head(lambda embeddings: embeddings + 1))
+    with pytest.raises(ValueError, match=r"'model.embed_tokens.weight' and 'lm_head.weight' fill one tensor"):
+        hf_prefetch.from_pretrained(tmp_path, device="cpu")
+
+
+def test_meta_buffers_need_init_empty_weights_without_buffers(saved, arenas):
+    folder = saved("llama-sharded")
+    with init_empty_weights(include_buffers=True):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    with pytest.raises(ValueError, match=r"Buffer model\.rotary_emb\.inv_freq .* is on the meta device"):
+        hf_prefetch.load_checkpoint_and_dispatch(model, folder, device="cpu")
+    assert arenas == []
+
+
+def test_failed_read_releases_everything(saved, monkeypatch, arenas):
+    folder = saved("llama-sharded")
+    model = empty_model(folder)
+    buffers = dict(model.named_buffers())
+    calls = []
+    real_read = Checkpoint.read
+
+    def failing_read(self, entry, out, start=0):
+        calls.append(entry.key)
+        if len(calls) == 10:
+            raise OSError("Input/output error")
+        real_read(self, entry, out, start)
+
+    monkeypatch.setattr(Checkpoint, "read", failing_read)
+    with pytest.raises(OSError, match="Input/output error"):
+        hf_prefetch.load_checkpoint_and_dispatch(model, folder, device="cpu", **PATTERNS["every-second"])
+    assert len(arenas) == 1 and arenas[0]._buffer.numel() == 0  # released
+    assert_left_as_given(model)
+    assert all(b is buffers[name] for name, b in model.named_buffers())
+
+
+def test_failed_attach_is_rolled_back(saved, monkeypatch, arenas):
+    folder = saved("llama-sharded")
+    model = empty_model(folder)
+    buffers = dict(model.named_buffers())
+    real_attach = dispatch.attach
+
+    def attach_then_fail(model, state):
+        real_attach(model, state)
+        raise RuntimeError("late failure")
+
+    monkeypatch.setattr(dispatch, "attach", attach_then_fail)
+    with pytest.raises(RuntimeError, match="late failure"):
+        hf_prefetch.load_checkpoint_and_dispatch(model, folder, device="cpu", **PATTERNS["every-second"])
+    assert len(arenas) == 1 and arenas[0]._buffer.numel() == 0
+    assert_left_as_given(model)
+    assert all(b is buffers[name] for name, b in model.named_buffers())
+    monkeypatch.setattr(dispatch, "attach", real_attach)
+    hf_prefetch.load_checkpoint_and_dispatch(model, folder, device="cpu")  # the same skeleton loads afterwards
+    assert torch.equal(logits(model), logits(reference(folder)))
+
+
+def test_argument_errors(saved):
+    folder = saved("llama-sharded")
+    model = hf_prefetch.from_pretrained(folder, device="cpu")
+    with pytest.raises(ValueError, match=r"already dispatched; call hf_prefetch.remove_offload\(model\)"):
+        hf_prefetch.load_checkpoint_and_dispatch(model, folder, device="cpu")
+    with pytest.raises(ValueError, match=r"dtype='half' must be a floating-point torch.dtype"):
+        hf_prefetch.load_checkpoint_and_dispatch(empty_model(folder), folder, device="cpu", dtype="half")
+    with pytest.raises(ValueError, match=r"Unknown PrefetchConfig field\(s\) \['group'\]"):
+        hf_prefetch.from_pretrained(folder, device="cpu", group=2)
+    json.loads((folder / "config.json").read_text())  # untouched
