@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import build_model, decode_seconds_per_token, gib, h2d_peak_gbps, prefill_seconds  # noqa: E402
+from common import build_model, decode_seconds_per_token, gib, h2d_peak_gbps, prefill_seconds, timed  # noqa: E402
 
 import hf_prefetch  # noqa: E402
 
@@ -61,7 +61,7 @@ def main() -> None:
                 tokens[name] = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16,
                                               do_sample=False)
             if state is not None:
-                info[name]["misses"] = state.engine.counters.misses
+                info[name]["misses"] = hf_prefetch.stats(model).misses
                 hf_prefetch.remove_offload(model)
             print(f"round {round_index} {name}: {decode[name][-1]:.4f} s/token", flush=True)
 
@@ -84,6 +84,20 @@ def main() -> None:
             t = statistics.median(prefill[(name, length)])
             bound = max(base, info[name]["streamed"] / (peak * 1e9))
             print(f"{name:<42} {t:>8.4f} s  bound {bound:.4f}  x bound {t / bound:.3f}  x all-on-GPU {t / base:.2f}")
+    print("\nwhere the time goes (timing=True, 32 decode steps)")
+    for name, fields in SYSTEMS.items():
+        if fields is None:
+            continue
+        hf_prefetch.dispatch_model(model, device="cuda", timing=True, **fields)
+        decode_seconds_per_token(model, ids, short=1, long=2)
+        hf_prefetch.reset_stats(model)
+        with torch.no_grad():
+            per_token = timed(lambda: model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32,
+                                                     min_new_tokens=32, do_sample=False)) / 32
+        s = hf_prefetch.stats(model)
+        print(f"{name:<42} {per_token:.4f} s/token  copy {s.copy_seconds / 32:.4f} s/token at {s.gbps:.1f} GB/s  "
+              f"stall {s.stall_seconds / 32:.4f} s/token  misses {s.misses}")
+        hf_prefetch.remove_offload(model)
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, "decode.json"), "w") as f:

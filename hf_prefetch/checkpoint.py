@@ -311,9 +311,11 @@ class TensorReader:
 
 def _entries_from_index(index_path: Path, folder: Path) -> dict[str, TensorEntry]:
     _check_inside(index_path, folder, index_path, "the index")
+    if index_path.stat().st_size > MAX_HEADER_BYTES:
+        raise ValueError(f"{index_path} is over {MAX_HEADER_BYTES} bytes: not a weight map. Re-save the checkpoint.")
     try:
         index = json.loads(index_path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise ValueError(f"{index_path} is not valid JSON ({err}). Re-download or re-save the checkpoint.") from err
     weight_map = index.get("weight_map") if isinstance(index, dict) else None
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
@@ -391,7 +393,7 @@ def _parse_file(path: Path) -> dict[str, TensorEntry]:
         raw = file.read(header_bytes)
     try:
         header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise ValueError(
             f"{path} has an invalid JSON header ({err}); the file is corrupt or not a safetensors file. "
             "Re-download or re-save it."
@@ -426,7 +428,7 @@ def _parse_entry(path: Path, key: str, info: Any, data_start: int, data_bytes: i
             f"{sorted(_DTYPES)}. Convert the tensor to one of them and re-save."
         )
     shape, offsets = info["shape"], info["data_offsets"]
-    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+    if not isinstance(shape, list) or not all(_is_count(d) and d < 2**63 for d in shape):
         raise ValueError(f"{where} has shape {shape!r:.100}; a shape is a list of non-negative ints. Re-save it.")
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
         raise ValueError(f"{where} has data_offsets {offsets!r:.100}; expected [begin, end]. Re-save the file.")

@@ -24,7 +24,8 @@ from .pool import BufferPool
 __all__ = ["dispatch_model", "remove_offload", "get_state", "OffloadState"]
 
 _STATE_ATTR = "_hf_prefetch_state"
-_MISSING = object()
+_MISSING = object()  # the model had no hf_device_map
+_UNSET = object()  # attach() has not set hf_device_map
 
 
 @dataclass
@@ -49,7 +50,7 @@ class OffloadState:
     hooks: list[tuple[nn.Module, PrefetchHook]] = field(default_factory=list)
     handles: list[Any] = field(default_factory=list)
     guarded: list[nn.Module] = field(default_factory=list)
-    previous_device_map: Any = _MISSING
+    previous_device_map: Any = _UNSET
     timing: bool = False
 
 
@@ -230,14 +231,19 @@ def _teardown(model: nn.Module, state: OffloadState, target: torch.device | None
     for offloaded in state.offloaded:
         offloaded.param.data = offloaded.host
         offloaded.param.requires_grad_(offloaded.requires_grad)
-    state.engine = None  # drops the pool: its memory is reused by the moves below
+    # Drop every reference to the engine and the pool (hooks hold the engine): the pool's memory is reused by the
+    # moves below, and a caller still holding `state` keeps nothing alive.
+    state.engine = None
+    state.hooks = []
     if target is not None:
         _move_tensors(model, target, skip=set())
-    if state.previous_device_map is not _MISSING:
-        model.hf_device_map = state.previous_device_map
-    elif hasattr(model, "hf_device_map") and state.hooks:
-        del model.hf_device_map
+    if state.previous_device_map is not _UNSET:  # attach() set hf_device_map: restore what was there
+        if state.previous_device_map is _MISSING:
+            model.__dict__.pop("hf_device_map", None)
+        else:
+            model.hf_device_map = state.previous_device_map
     state.arena.release()
+    state.offloaded = []
     if getattr(model, _STATE_ATTR, None) is state:
         delattr(model, _STATE_ATTR)
 

@@ -329,8 +329,9 @@ def _map_keys(model: nn.Module, checkpoint: Checkpoint) -> _KeyMap:
         _map_conversion(model, keymap, canonical, meta_state, converter, target_key, sources)
     keymap.used_conversions = [m for m in mapping if m.was_used()]
 
-    ignored = [*(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()), r"rotary_emb\.inv_freq"]
-    ignored.append(r"(^|\.)position_ids$")
+    # Unexpected keys transformers ignores: the model's own patterns, and buffers that became non-persistent.
+    ignored = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
+    ignored += [r"rotary_emb\.inv_freq", r"(^|\.)position_ids$"]
     unexpected = [(e, r) for e, r in unexpected if not any(re.search(p, r) for p in ignored)]
     if unexpected:
         entry, renamed = unexpected[0]
@@ -428,7 +429,7 @@ def _read_all(checkpoint, keymap, dests, model, progress) -> tuple[float, int]:
         if keymap.converted:
             logger.info("Not streamed (converted through transformers): %s", [t for _, t, _, _ in keymap.converted])
         for converter, target_key, sources, names in keymap.converted:
-            dtype = dests[names[target_key]].dtype  # transformers casts the sources before converting
+            dtype = dests[next(iter(names.values()))].dtype  # transformers casts the sources before converting
             outputs = _convert(model, converter, target_key, sources, lambda e, d=dtype: reader.read_tensor(e).to(d))
             for out_key, value in outputs.items():
                 dests[names[out_key]].copy_(value)

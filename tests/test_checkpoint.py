@@ -26,22 +26,31 @@ def entry(dtype="F32", shape=(2, 2), begin=0, end=16) -> dict:
     return {"dtype": dtype, "shape": list(shape), "data_offsets": [begin, end]}
 
 
+ZEROS = b"\0" * 16
 # (name, header, data, header length override, expected message)
 BAD_FILES = [
     ("too_short", None, b"", None, r"is truncated: 3 bytes"),
-    ("header_beyond_file", {"w": entry()}, b"\0" * 16, 4096, r"declares a 4096-byte header but holds only"),
-    ("header_over_cap", {"w": entry()}, b"\0" * 16, 200_000_000, r"above safetensors' 100000000-byte limit"),
+    ("header_beyond_file", {"w": entry()}, ZEROS, 4096, r"declares a 4096-byte header but holds only"),
+    ("header_over_cap", {"w": entry()}, ZEROS, 200_000_000, r"above safetensors' 100000000-byte limit"),
     ("invalid_json", b"{not json", b"", None, r"invalid JSON header"),
     ("not_an_object", [1, 2], b"", None, r"not a JSON object"),
-    ("unknown_dtype", {"w": entry(dtype="F4")}, b"\0" * 16, None, r"'w' has dtype 'F4'.*known dtypes"),
-    ("missing_field", {"w": {"dtype": "F32", "shape": [4]}}, b"\0" * 16, None, r"'w' needs 'dtype', 'shape'"),
-    ("negative_shape", {"w": entry(shape=(-2, 2))}, b"\0" * 16, None, r"'w' has shape \[-2, 2\]"),
-    ("bool_offsets", {"w": entry(begin=False)}, b"\0" * 16, None, r"'w' has data_offsets \[False, 16\]"),
-    ("offsets_out_of_range", {"w": entry(begin=0, end=32)}, b"\0" * 16, None, r"'w' has data_offsets \[0, 32\] outside"),
-    ("reversed_offsets", {"w": entry(begin=16, end=0)}, b"\0" * 16, None, r"'w' has data_offsets \[16, 0\] outside"),
-    ("size_mismatch", {"w": entry(end=12)}, b"\0" * 16, None, r"'w' holds 12 bytes but dtype F32 x shape \[2, 2\]"),
-    ("overlap", {"a": entry(), "b": entry(begin=8, end=24)}, b"\0" * 24, None, r"bytes of 'b' overlap those of 'a'"),
-    ("bad_metadata", {"__metadata__": [1], "w": entry()}, b"\0" * 16, None, r"__metadata__ must be a JSON object"),
+    ("unknown_dtype", {"w": entry(dtype="F4")}, ZEROS, None, r"'w' has dtype 'F4'.*known dtypes"),
+    ("missing_field", {"w": {"dtype": "F32", "shape": [4]}}, ZEROS, None, r"'w' needs 'dtype', 'shape'"),
+    ("negative_shape", {"w": entry(shape=(-2, 2))}, ZEROS, None, r"'w' has shape \[-2, 2\]"),
+    ("huge_dim", {"w": entry(shape=(2**64, 0), end=0)}, ZEROS, None, r"'w' has shape \[18446744073709551616, 0\]"),
+    ("deep_json", b"[" * 100_000 + b"]" * 100_000, b"", None, r"invalid JSON header"),
+    ("bool_offsets", {"w": entry(begin=False)}, ZEROS, None, r"'w' has data_offsets \[False, 16\]"),
+    ("offsets_out_of_range", {"w": entry(begin=0, end=32)}, ZEROS, None, r"'w' has data_offsets \[0, 32\] outside"),
+    ("reversed_offsets", {"w": entry(begin=16, end=0)}, ZEROS, None, r"'w' has data_offsets \[16, 0\] outside"),
+    ("size_mismatch", {"w": entry(end=12)}, ZEROS, None, r"'w' holds 12 bytes but dtype F32 x shape \[2, 2\]"),
+    (
+        "overlap",
+        {"a": entry(), "b": entry(begin=8, end=24)},
+        ZEROS + ZEROS,
+        None,
+        r"bytes of 'b' overlap those of 'a'",
+    ),
+    ("bad_metadata", {"__metadata__": [1], "w": entry()}, ZEROS, None, r"__metadata__ must be a JSON object"),
 ]
 
 
@@ -66,7 +75,8 @@ def write_sharded(folder, weight_map: dict[str, str], shards: dict[str, dict[str
 
 def test_sharded_checkpoint_round_trip(tmp_path):
     a, b = torch.randn(3, 4), torch.arange(5, dtype=torch.int64)
-    write_sharded(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors"}, {"s1.safetensors": {"a": a}, "s2.safetensors": {"b": b}})
+    shards = {"s1.safetensors": {"a": a}, "s2.safetensors": {"b": b}}
+    write_sharded(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors"}, shards)
     with Checkpoint.open(tmp_path) as checkpoint:
         assert sorted(checkpoint.keys()) == ["a", "b"]
         assert checkpoint["a"].shape == (3, 4) and checkpoint["b"].dtype == torch.int64

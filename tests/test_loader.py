@@ -23,13 +23,16 @@ from transformers import (
 )
 
 import hf_prefetch
+from hf_prefetch import checkpoint as checkpoint_module
 from hf_prefetch import dispatch, loader
 from hf_prefetch.checkpoint import Checkpoint
 
 ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 CONFIGS = {
     "llama": lambda: LlamaConfig(intermediate_size=128, num_hidden_layers=4, **ATTENTION),
-    "llama-tied": lambda: LlamaConfig(intermediate_size=128, num_hidden_layers=4, tie_word_embeddings=True, **ATTENTION),
+    "llama-tied": lambda: LlamaConfig(
+        intermediate_size=128, num_hidden_layers=4, tie_word_embeddings=True, **ATTENTION
+    ),
     "qwen2": lambda: Qwen2Config(intermediate_size=128, num_hidden_layers=4, **ATTENTION),
     "gpt2": lambda: GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=128, bos_token_id=1, eos_token_id=2),
     "qwen2_moe": lambda: Qwen2MoeConfig(
@@ -177,6 +180,19 @@ def test_conversion_that_cannot_stream_goes_through_transformers(tmp_path, caplo
     assert "Not streamed (converted through transformers)" in caplog.text
     assert "model.layers.1.self_attn.q_proj.weight" in caplog.text
     assert torch.equal(logits(model), logits(source))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("name", ["llama-sharded", "qwen2_moe-sharded", "gpt2-tied-sharded"])
+def test_cuda_load_matches_transformers(saved, monkeypatch, name, dtype):
+    monkeypatch.setattr(checkpoint_module, "_STAGING_BYTES", 4096)  # many pieces through the staging ring
+    model = hf_prefetch.from_pretrained(saved(name), device="cuda", dtype=dtype, **PATTERNS["every-second"])
+    assert hf_prefetch.get_state(model).arena.pinned
+    expected = AutoModelForCausalLM.from_pretrained(saved(name), dtype=dtype, device_map="cuda").eval()
+    ids = prompt().cuda()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, expected(ids).logits)
 
 
 def test_progress_bar_and_final_log_line(saved, caplog, capsys):

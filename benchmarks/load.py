@@ -1,0 +1,216 @@
+"""Checkpoint to first token: hf_prefetch.from_pretrained against transformers' from_pretrained(device_map="auto").
+
+Writes (once, reused afterwards) a bf16 Llama-3.1-8B-shaped checkpoint of random weights in ~5 GB shards, reads it
+once to warm the page cache, then runs each system in a fresh subprocess so that its peak host RSS (VmHWM) is its
+own. transformers gets the same GPU budget as hf_prefetch's resident + pool bytes; the rest it offloads to the CPU.
+Run on a GPU machine:  PYTHONUNBUFFERED=1 python benchmarks/load.py [--dir /tmp/ckpt8b] [--rounds 1] [--layers 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import LLAMA_8B  # noqa: E402
+
+PREFETCH = dict(group_size=2, num_in_group=1, prefetch_step=2)
+SHARD_BYTES = 5 * 10**9
+PROMPT_TOKENS = 16
+RESULT_MARK = "RESULT "
+
+
+def build_checkpoint(folder: Path, num_layers: int) -> None:
+    """Random bf16 weights (std 0.02, norms 1), written shard by shard with safetensors' save_file, plus an index."""
+    import torch
+    from accelerate import init_empty_weights
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+
+    if (folder / "COMPLETE").is_file():
+        found = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
+        if found != num_layers:
+            sys.exit(f"{folder} holds a {found}-layer checkpoint, not {num_layers}: pass another --dir.")
+        print(f"reusing the checkpoint in {folder}")
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(**{**LLAMA_8B, "num_hidden_layers": num_layers}, dtype=torch.bfloat16)
+    with init_empty_weights():
+        shapes = {name: tuple(t.shape) for name, t in LlamaForCausalLM(config).state_dict().items()}
+    groups, current, size = [], [], 0
+    for name, shape in shapes.items():
+        nbytes = math.prod(shape) * 2
+        if current and size + nbytes > SHARD_BYTES:
+            groups.append(current)
+            current, size = [], 0
+        current.append(name)
+        size += nbytes
+    groups.append(current)
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # random numbers are much faster on the GPU
+    weight_map, started = {}, time.perf_counter()
+    for index, names in enumerate(groups, start=1):
+        file = f"model-{index:05d}-of-{len(groups):05d}.safetensors"
+        shard = {}
+        for name in names:
+            tensor = torch.empty(shapes[name], dtype=torch.bfloat16, device=device)
+            shard[name] = (tensor.fill_(1.0) if "norm" in name else tensor.normal_(0.0, 0.02)).cpu()
+            weight_map[name] = file
+        save_file(shard, str(folder / file), metadata={"format": "pt"})
+        print(f"wrote {file} ({sum(t.nbytes for t in shard.values()) / 1e9:.1f} GB)")
+        del shard
+    total = sum(math.prod(s) * 2 for s in shapes.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    config.save_pretrained(folder)
+    GenerationConfig.from_model_config(config).save_pretrained(folder)
+    (folder / "COMPLETE").write_text("")
+    print(f"checkpoint: {total / 1e9:.1f} GB in {time.perf_counter() - started:.0f} s")
+
+
+def warm_page_cache(folder: Path) -> int:
+    buffer, total, started = bytearray(64 * 2**20), 0, time.perf_counter()
+    for file in sorted(folder.glob("*.safetensors")):
+        with open(file, "rb", buffering=0) as f:
+            while n := f.readinto(buffer):
+                total += n
+    print(f"page cache warmed: {total / 1e9:.1f} GB read in {time.perf_counter() - started:.1f} s")
+    return total
+
+
+def gpu_budget_bytes(folder: Path) -> int:
+    """hf_prefetch's device bytes (resident + buffer pool) for PREFETCH, planned on a meta model."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    import hf_prefetch
+
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
+    return hf_prefetch.make_plan(model, hf_prefetch.PrefetchConfig(**PREFETCH)).device_bytes
+
+
+def run_system(system: str, folder: Path, budget_gib: int) -> dict:
+    """In this (fresh) process: load, generate one token from a 16-token prompt, report."""
+    import logging
+
+    import torch
+
+    logging.basicConfig(level=logging.WARNING)
+    logging.getLogger("hf_prefetch").setLevel(logging.INFO)  # the loader's GB/s line, on stderr
+    result = {"system": system}
+    started = time.perf_counter()
+    if system == "hf_prefetch":
+        import hf_prefetch
+
+        model = hf_prefetch.from_pretrained(folder, device="cuda", progress=False, **PREFETCH)
+        state = hf_prefetch.get_state(model)
+        result["pinned_bytes"] = state.arena.nbytes if state.arena.pinned else 0
+        result["offloaded_bytes"] = state.plan.offloaded_bytes
+    else:
+        from transformers import AutoModelForCausalLM
+
+        max_memory = {0: f"{budget_gib}GiB", "cpu": "200GiB"}
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, device_map="auto", max_memory=max_memory, dtype=torch.bfloat16
+        )
+        on_cpu = [name for name, device in model.hf_device_map.items() if device in ("cpu", "disk")]
+        result["offloaded_bytes"] = sum(
+            p.numel() * p.element_size()
+            for name, p in model.named_parameters()
+            if any(name == m or name.startswith(f"{m}.") for m in on_cpu)
+        )
+        result["pinned_bytes"] = 0
+    torch.cuda.synchronize()
+    result["load_s"] = time.perf_counter() - started
+    ids = torch.randint(3, 1000, (1, PROMPT_TOKENS), device="cuda")
+    with torch.no_grad():
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, min_new_tokens=1, do_sample=False)
+    torch.cuda.synchronize()
+    result["first_token_s"] = time.perf_counter() - started
+    result["gpu_peak_bytes"] = torch.cuda.max_memory_allocated()
+    with open("/proc/self/status") as status:
+        kib = next(int(line.split()[1]) for line in status if line.startswith("VmHWM:"))
+    result["peak_rss_bytes"] = kib * 1024
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--dir", default="/tmp/ckpt8b")
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--layers", type=int, default=LLAMA_8B["num_hidden_layers"])
+    parser.add_argument("--systems", nargs="*", default=["hf_prefetch", "transformers"])
+    parser.add_argument("--run", help=argparse.SUPPRESS)  # internal: the child process for one system
+    parser.add_argument("--budget-gib", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    folder = Path(args.dir)
+    if args.run:
+        print(RESULT_MARK + json.dumps(run_system(args.run, folder, args.budget_gib)), flush=True)
+        return
+
+    import torch
+
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    build_checkpoint(folder, args.layers)
+    checkpoint_bytes = warm_page_cache(folder)
+    budget = gpu_budget_bytes(folder)
+    budget_gib = math.ceil(budget / 2**30)
+    print(f"GPU budget: hf_prefetch resident + pool = {budget / 2**30:.2f} GiB -> max_memory {{0: '{budget_gib}GiB'}}")
+
+    rows = []
+    for _ in range(args.rounds):
+        for system in args.systems:
+            command = [
+                sys.executable,
+                __file__,
+                "--dir",
+                str(folder),
+                "--run",
+                system,
+                "--budget-gib",
+                str(budget_gib),
+            ]
+            child = subprocess.run(command, capture_output=True, text=True)
+            sys.stderr.write("".join(line + "\n" for line in child.stderr.splitlines() if "hf_prefetch" in line))
+            results = [line for line in child.stdout.splitlines() if line.startswith(RESULT_MARK)]
+            if child.returncode != 0 or not results:
+                print(f"{system} failed (exit {child.returncode}):\n{child.stderr[-3000:]}")
+                continue
+            rows.append(json.loads(results[-1].removeprefix(RESULT_MARK)))
+
+    gib = 2**30
+    header = (
+        f"{'system':<14} {'load s':>7} {'1st token s':>11} {'load GB/s':>9} {'peak RSS GiB':>12} "
+        f"{'pinned GiB':>10} {'offloaded GiB':>13} {'GPU peak GiB':>12}"
+    )
+    lines = [
+        f"checkpoint {checkpoint_bytes / 1e9:.1f} GB, {PROMPT_TOKENS}-token prompt, 1 new token, "
+        f"GPU budget {budget_gib} GiB, {torch.cuda.get_device_name()}",
+        header,
+    ]
+    for r in rows:
+        lines.append(
+            f"{r['system']:<14} {r['load_s']:>7.2f} {r['first_token_s']:>11.2f} "
+            f"{checkpoint_bytes / r['load_s'] / 1e9:>9.2f} {r['peak_rss_bytes'] / gib:>12.2f} "
+            f"{r['pinned_bytes'] / gib:>10.2f} {r['offloaded_bytes'] / gib:>13.2f} {r['gpu_peak_bytes'] / gib:>12.2f}"
+        )
+    table = "\n".join(lines)
+    print(table)
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, "load.log"), "a") as log:
+            log.write(table + "\n\n")
+        with open(os.path.join(out, "load.json"), "w") as f:
+            json.dump({"checkpoint_bytes": checkpoint_bytes, "budget_bytes": budget, "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
