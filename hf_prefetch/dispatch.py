@@ -123,6 +123,7 @@ def dispatch_model(
     plan = make_plan(model, config, layers)
     arena = HostArena([spec.nbytes for _, _, spec in host_layout(plan)], pin=exec_device.type == "cuda")
     state = OffloadState(plan, exec_device, arena, offloaded=[], timing=timing)
+    origin = {name: t.device for name, t in [*model.named_parameters(), *model.named_buffers()]}
     try:
         for index, (layer_path, _, spec) in enumerate(host_layout(plan)):
             param = model.get_parameter(f"{layer_path}.{spec.name}")
@@ -134,8 +135,20 @@ def dispatch_model(
         attach(model, state)
     except BaseException:
         _teardown(model, state, target=None)
+        _restore_devices(model, origin)
         raise
     return model
+
+
+def _restore_devices(model: nn.Module, origin: dict[str, torch.device]) -> None:
+    # Roll a failed dispatch back to where every tensor was before it (rollback must not leave a model half-moved).
+    for name, param in model.named_parameters():
+        if name in origin and param.device != origin[name]:
+            param.data = param.data.to(origin[name])
+    for name, buffer in model.named_buffers():
+        if name in origin and buffer.device != origin[name]:
+            module_path, _, leaf = name.rpartition(".")
+            model.get_submodule(module_path)._buffers[leaf] = buffer.to(origin[name])
 
 
 def host_layout(plan: OffloadPlan) -> list[tuple[str, int, ParamSpec]]:
