@@ -21,9 +21,16 @@ LLAMA_8B = dict(
 )
 
 
-def build_model(num_layers: int | None = None, device: str = "cuda", **overrides) -> LlamaForCausalLM:
-    """Random bf16 Llama-3.1-8B-shaped model built directly on `device`."""
-    fields = {**LLAMA_8B, **overrides}
+# A Qwen2.5-14B-like shape in Llama form (48 layers, hidden 5120): 14.8B parameters, 29.5 GB of bf16.
+LLAMA_14B = dict(LLAMA_8B, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
+                 vocab_size=152064)
+
+SHAPES = {"8b": LLAMA_8B, "14b": LLAMA_14B}
+
+
+def build_model(num_layers: int | None = None, device: str = "cuda", shape: str = "8b", **overrides) -> LlamaForCausalLM:
+    """Random bf16 model of the given shape built directly on `device`."""
+    fields = {**SHAPES[shape], **overrides}
     if num_layers is not None:
         fields["num_hidden_layers"] = num_layers
     config = LlamaConfig(**fields)
@@ -82,3 +89,14 @@ def prefill_seconds(model, length: int, repeats: int = 3) -> float:
 
 def gib(num_bytes: int) -> str:
     return f"{num_bytes / 2**30:.2f}"
+
+
+def clone_to_cpu(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """An independent copy of `model` in ordinary CPU memory (for the baselines that start from the CPU)."""
+    with torch.device("meta"):
+        clone = type(model)(model.config)
+    clone.load_state_dict({k: v.to("cpu") for k, v in model.state_dict().items()}, assign=True)
+    for name, buffer in model.named_buffers():
+        path, _, leaf = name.rpartition(".")
+        clone.get_submodule(path)._buffers[leaf] = buffer.to("cpu")
+    return clone.eval()

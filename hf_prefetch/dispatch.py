@@ -112,16 +112,16 @@ def dispatch_model(
     config = _resolve_config(offload, config, config_fields)
     exec_device = resolve_device(device)
     state = get_state(model)
-    if state is not None:
-        if not replace:
-            raise ValueError(
-                f"{type(model).__name__} is already dispatched with {state.plan.config}. Call "
-                "hf_prefetch.remove_offload(model) first, or pass replace=True to re-dispatch with the new config."
-            )
-        _teardown(model, state, target=None)
+    if state is not None and not replace:
+        raise ValueError(
+            f"{type(model).__name__} is already dispatched with {state.plan.config}. Call "
+            "hf_prefetch.remove_offload(model) first, or pass replace=True to re-dispatch with the new config."
+        )
     _check_materialized(model)
-    plan = make_plan(model, config, layers)
-    arena = HostArena([spec.nbytes for _, _, spec in host_layout(plan)], pin=exec_device.type == "cuda")
+    plan = make_plan(model, config, layers)  # validates the new config before the old dispatch is undone
+    if state is not None:
+        _teardown(model, state, target=None)
+    arena = HostArena([spec.nbytes for _, _, spec in host_layout(plan)])
     state = OffloadState(plan, exec_device, arena, offloaded=[], timing=timing)
     origin = {name: t.device for name, t in [*model.named_parameters(), *model.named_buffers()]}
     try:
@@ -132,6 +132,8 @@ def dispatch_model(
             # Drop the original storage now, so a model that starts on the GPU frees it before the pool exists.
             param.data = host
             state.offloaded.append(OffloadedParam(f"{layer_path}.{spec.name}", param, host, param.requires_grad))
+        if exec_device.type == "cuda":
+            arena.pin()
         attach(model, state)
     except BaseException:
         _teardown(model, state, target=None)
@@ -226,7 +228,7 @@ def remove_offload(model: nn.Module, device: str | int | torch.device | None = N
     state = get_state(model)
     if state is None:
         raise ValueError(f"{type(model).__name__} is not dispatched by hf_prefetch: nothing to remove.")
-    target = state.device if device is None else torch.device(device)
+    target = state.device if device is None else resolve_device(device)
     _teardown(model, state, target)
     return model
 

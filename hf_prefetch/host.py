@@ -30,12 +30,14 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 class HostArena:
-    """`sizes[i]` bytes at `offsets[i]` of one host buffer, page-locked with `cudaHostRegister` when `pin` is set.
+    """`sizes[i]` bytes at `offsets[i]` of one host buffer, page-locked with `cudaHostRegister` by `pin()`.
 
-    Views stay valid after `release()` (the memory is then ordinary pageable memory, freed with the last view).
+    Fill the arena first, then pin it: registering memory that is already touched is about ten times faster than
+    registering fresh memory (the kernel then only locks pages instead of also allocating them). Views stay valid
+    after `release()` (the memory is then ordinary pageable memory, freed with the last view).
     """
 
-    def __init__(self, sizes: Sequence[int], pin: bool) -> None:
+    def __init__(self, sizes: Sequence[int]) -> None:
         self.offsets: list[int] = []
         total = 0
         for size in sizes:
@@ -47,7 +49,13 @@ class HostArena:
         raw = torch.empty(self.nbytes + _PAGE_BYTES, dtype=torch.uint8)
         start = (-raw.data_ptr()) % _PAGE_BYTES
         self._buffer = raw[start : start + self.nbytes]
-        self.pinned = pin and self.nbytes > 0 and _register(self._buffer)
+        self.pinned = False
+
+    def pin(self) -> bool:
+        """Page-lock the arena (once); False, with one warning, where the platform refuses."""
+        if not self.pinned and self.nbytes > 0:
+            self.pinned = _register(self._buffer)
+        return self.pinned
 
     def view(self, index: int, shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """The tensor stored at slot `index` of the arena, with the given layout."""

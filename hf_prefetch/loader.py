@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from . import dispatch
 from .checkpoint import Checkpoint, TensorEntry, TensorReader
@@ -46,6 +45,7 @@ def from_pretrained(
     layers: str | Sequence[str] | None = None,
     model_class: type | None = None,
     progress: bool | None = None,
+    timing: bool = False,
     **config_fields: Any,
 ) -> nn.Module:
     """Load a local transformers checkpoint straight into a dispatched model, without a full copy in host memory.
@@ -103,7 +103,7 @@ def from_pretrained(
         torch_dtype = _auto_dtype(dtype, model_config, checkpoint)
         model = _build_empty(model_class or AutoModelForCausalLM, model_config, torch_dtype)
         model.config.name_or_path = str(folder)
-        _load(model, checkpoint, config, exec_device, torch_dtype, cast=False, layers=layers, progress=progress)
+        _load(model, checkpoint, config, exec_device, torch_dtype, cast=False, layers=layers, progress=progress, timing=timing)
     if (folder / "generation_config.json").is_file() and model.can_generate():
         from transformers import GenerationConfig
 
@@ -120,6 +120,7 @@ def load_checkpoint_and_dispatch(
     dtype: torch.dtype | None = None,
     layers: str | Sequence[str] | None = None,
     progress: bool | None = None,
+    timing: bool = False,
     **config_fields: Any,
 ) -> nn.Module:
     """Load a checkpoint into a model built on the meta device and dispatch it, like `from_pretrained`.
@@ -165,7 +166,7 @@ def load_checkpoint_and_dispatch(
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype={dtype!r} must be a floating-point torch.dtype such as torch.bfloat16, or None.")
     with Checkpoint.open(checkpoint) as opened:
-        _load(model, opened, config, exec_device, dtype, cast=True, layers=layers, progress=progress)
+        _load(model, opened, config, exec_device, dtype, cast=True, layers=layers, progress=progress, timing=timing)
     return model
 
 
@@ -191,6 +192,7 @@ def _load(
     cast: bool,
     layers: str | Sequence[str] | None,
     progress: bool | None,
+    timing: bool,
 ) -> None:
     from transformers import PreTrainedModel
 
@@ -206,7 +208,7 @@ def _load(
         plan = make_plan(model, config, layers)
         # Everything is validated: allocate the host arena exactly as dispatch_model does, then the resident tensors.
         layout = dispatch.host_layout(plan)
-        arena = HostArena([spec.nbytes for _, _, spec in layout], pin=device.type == "cuda")
+        arena = HostArena([spec.nbytes for _, _, spec in layout])
         dests = {}
         for i, (path, _, spec) in enumerate(layout):
             dests[f"{path}.{spec.name}"] = arena.view(i, spec.shape, spec.stride, spec.dtype)
@@ -217,11 +219,13 @@ def _load(
                 dests[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
         seconds, bytes_read = _read_all(checkpoint, keymap, dests, model, progress)
         _install(model, keymap, dests, undo)
+        if device.type == "cuda":
+            arena.pin()  # after the reads: page-locking memory the readers already touched is ~10x faster
         tensors = keymap.model_tensors
         offloaded = [
             dispatch.OffloadedParam(n, tensors[n], dests[n], tensors[n].requires_grad) for n in offloaded_names
         ]
-        dispatch.attach(model, dispatch.OffloadState(plan, device, arena, offloaded))
+        dispatch.attach(model, dispatch.OffloadState(plan, device, arena, offloaded, timing=timing))
     except BaseException:
         if (state := dispatch.get_state(model)) is not None:
             dispatch._teardown(model, state, target=None)
@@ -419,6 +423,8 @@ def _read_all(checkpoint, keymap, dests, model, progress) -> tuple[float, int]:
     reads = [(e, _region(dests[name], region)) for name, pieces in keymap.streamed.items() for e, region in pieces]
     total = sum(e.nbytes for e, _ in reads) + sum(e.nbytes for e, _ in keymap.duplicates)
     total += sum(e.nbytes for _, _, sources, _ in keymap.converted for _, e in sources)
+    from tqdm.auto import tqdm  # imported here: importing it in Jupyter without ipywidgets warns
+
     disable = None if progress is None else not progress  # None: tqdm shows it only on a terminal
     started = time.perf_counter()
     with (

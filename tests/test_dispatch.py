@@ -248,3 +248,31 @@ def test_import_does_not_initialise_cuda_or_dynamo():
         "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_replace_with_a_bad_config_keeps_the_current_dispatch(reference):
+    model, ids, logits, *_ = reference
+    hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=1)
+    try:
+        with pytest.raises(ValueError, match="matched no parameter"):
+            hf_prefetch.dispatch_model(model, device="cpu", replace=True, offload_params={"nonexistent"})
+        assert hf_prefetch.get_state(model).plan.config.prefetch_step == 1
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, logits)
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_remove_offload_to_an_unavailable_device_changes_nothing(reference):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    model, ids, logits, *_ = reference
+    hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
+    try:
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            hf_prefetch.remove_offload(model, device="cuda")
+        assert hf_prefetch.get_state(model) is not None
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, logits)
+    finally:
+        hf_prefetch.remove_offload(model)

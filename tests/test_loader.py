@@ -148,10 +148,12 @@ def test_generation_config_and_generate(tmp_path):
     source = LlamaForCausalLM(CONFIGS["llama"]())
     source.generation_config.max_new_tokens = 3
     source.save_pretrained(tmp_path)
-    model = hf_prefetch.from_pretrained(tmp_path, device="cpu", **PATTERNS["every-second"])
+    model = hf_prefetch.from_pretrained(tmp_path, device="cpu", timing=True, **PATTERNS["every-second"])
     assert model.generation_config.max_new_tokens == 3
     ids = prompt(batch=1)
     assert torch.equal(model.generate(ids, do_sample=False), reference(tmp_path).generate(ids, do_sample=False))
+    s = hf_prefetch.stats(model)
+    assert s.timing and s.copy_seconds > 0 and s.misses == 0
 
 
 class FusedQKVLlamaForCausalLM(LlamaForCausalLM):
