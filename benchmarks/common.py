@@ -22,13 +22,21 @@ LLAMA_8B = dict(
 
 
 # A Qwen2.5-14B-like shape in Llama form (48 layers, hidden 5120): 14.8B parameters, 29.5 GB of bf16.
-LLAMA_14B = dict(LLAMA_8B, hidden_size=5120, intermediate_size=13824, num_hidden_layers=48, num_attention_heads=40,
-                 vocab_size=152064)
+LLAMA_14B = dict(
+    LLAMA_8B,
+    hidden_size=5120,
+    intermediate_size=13824,
+    num_hidden_layers=48,
+    num_attention_heads=40,
+    vocab_size=152064,
+)
 
 SHAPES = {"8b": LLAMA_8B, "14b": LLAMA_14B}
 
 
-def build_model(num_layers: int | None = None, device: str = "cuda", shape: str = "8b", **overrides) -> LlamaForCausalLM:
+def build_model(
+    num_layers: int | None = None, device: str = "cuda", shape: str = "8b", **overrides
+) -> LlamaForCausalLM:
     """Random bf16 model of the given shape built directly on `device`."""
     fields = {**SHAPES[shape], **overrides}
     if num_layers is not None:

@@ -25,7 +25,6 @@ from common import (  # noqa: E402
     decode_seconds_per_token,
     h2d_peak_gbps,
     prefill_seconds,
-    timed,
 )
 
 import hf_prefetch  # noqa: E402
@@ -138,7 +137,10 @@ def main() -> None:
     if args.baselines:
         for pair in range(2):
             runs[RESIDENT].append(measure_system(model, ids, None, []))
-            for name in (f"accelerate dispatch_model, max_memory {BUDGET_GIB} GiB", "diffusers leaf_level, use_stream"):
+            for name in (
+                f"accelerate dispatch_model, max_memory {BUDGET_GIB} GiB",
+                "diffusers leaf_level, use_stream",
+            ):
                 try:
                     baselines.setdefault(name, []).append(measure_baseline(model, ids, name))
                     print(f"pair {pair} {name}: {baselines[name][-1]['decode']:.4f} s/token", flush=True)
@@ -150,19 +152,32 @@ def main() -> None:
     reference_tokens = runs[RESIDENT][0]["tokens"]
     table = []
     print(f"\ndecode, batch 1 ({args.shape}); medians of {args.rounds} rounds")
-    print(f"{'system':<48} {'streamed GB':>11} {'GPU GiB':>8} {'peak GiB':>8} {'s/token':>8} {'bound':>7} "
-          f"{'x bound':>8} {'tokens':>9}")
+    print(
+        f"{'system':<48} {'streamed GB':>11} {'GPU GiB':>8} {'peak GiB':>8} {'s/token':>8} {'bound':>7} "
+        f"{'x bound':>8} {'tokens':>9}"
+    )
     for name, rows in [*runs.items(), *baselines.items()]:
         s_per_token = med(rows, "decode")
         bound = max(resident, rows[0]["streamed"] / (peak * 1e9))
         same = all(torch.equal(r["tokens"], reference_tokens) for r in rows)
         peak_gib = f"{rows[0]['peak'] / 2**30:.2f}" if "peak" in rows[0] else "-"
-        table.append(dict(system=name, streamed=rows[0]["streamed"], gpu=rows[0]["gpu"], s_per_token=s_per_token,
-                          bound=bound, samples=[r["decode"] for r in rows], identical=same))
-        print(f"{name:<48} {rows[0]['streamed'] / 1e9:>11.2f} {rows[0]['gpu'] / 2**30:>8.2f} {peak_gib:>8} "
-              f"{s_per_token:>8.4f} {bound:>7.4f} {s_per_token / bound:>8.3f} {'identical' if same else 'DIFFER':>9}")
+        table.append(
+            dict(
+                system=name,
+                streamed=rows[0]["streamed"],
+                gpu=rows[0]["gpu"],
+                s_per_token=s_per_token,
+                bound=bound,
+                samples=[r["decode"] for r in rows],
+                identical=same,
+            )
+        )
+        print(
+            f"{name:<48} {rows[0]['streamed'] / 1e9:>11.2f} {rows[0]['gpu'] / 2**30:>8.2f} {peak_gib:>8} "
+            f"{s_per_token:>8.4f} {bound:>7.4f} {s_per_token / bound:>8.3f} {'identical' if same else 'DIFFER':>9}"
+        )
     timed_ratio = statistics.median(
-        a["decode"] / b["decode"] for a, b in zip(runs[HALF_TIMED], runs[HALF])
+        a["decode"] / b["decode"] for a, b in zip(runs[HALF_TIMED], runs[HALF], strict=True)
     )
     print(f"statistics with timing on / off (median of paired ratios): {timed_ratio:.4f}")
     for length in args.prefill:
@@ -173,14 +188,18 @@ def main() -> None:
             bound = max(base, rows[0]["streamed"] / (peak * 1e9))
             print(f"{name:<48} {t:>8.4f} s  bound {bound:.4f}  x bound {t / bound:.3f}  x all-on-GPU {t / base:.2f}")
     if baselines:
-        ours = med(runs["hf_prefetch half streamed (2/1/1)"], "decode")
-        print(f"\nat a {BUDGET_GIB} GiB budget: hf_prefetch (2/1/1, {runs['hf_prefetch half streamed (2/1/1)'][0]['peak'] / 2**30:.2f} GiB peak) "
-              f"{ours:.4f} s/token")
+        budget_rows = runs["hf_prefetch half streamed (2/1/1)"]
+        ours = med(budget_rows, "decode")
+        peak_gib = budget_rows[0]["peak"] / 2**30
+        print(f"\nat a {BUDGET_GIB} GiB budget: hf_prefetch (2/1/1, {peak_gib:.2f} GiB peak) {ours:.4f} s/token")
         for name, rows in baselines.items():
-            print(f"  {name}: {med(rows, 'decode'):.4f} s/token -> hf_prefetch is {med(rows, 'decode') / ours:.2f}x faster")
+            theirs = med(rows, "decode")
+            print(f"  {name}: {theirs:.4f} s/token -> hf_prefetch is {theirs / ours:.2f}x faster")
     low, high = memory_flat_over_decode(model)
-    print(f"\nmemory_allocated over 100 static-cache decode steps (half streamed): min {low} max {high} "
-          f"(spread {high - low} bytes)")
+    print(
+        f"\nmemory_allocated over 100 static-cache decode steps (half streamed): min {low} max {high} "
+        f"(spread {high - low} bytes)"
+    )
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, f"decode_{args.shape}.json"), "w") as f:

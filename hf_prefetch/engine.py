@@ -202,5 +202,5 @@ def _timing_event() -> torch.cuda.Event:
 
 
 def _copy_all(layer: LayerTransfer, non_blocking: bool) -> None:
-    for dst, src in zip(layer.device, layer.host):
+    for dst, src in zip(layer.device, layer.host, strict=True):
         dst.copy_(src, non_blocking=non_blocking)

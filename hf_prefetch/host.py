@@ -10,6 +10,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import warnings
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -50,18 +51,24 @@ class HostArena:
         start = (-raw.data_ptr()) % _PAGE_BYTES
         self._buffer = raw[start : start + self.nbytes]
         self.pinned = False
+        self._unpin: weakref.finalize | None = None
 
     def pin(self) -> bool:
         """Page-lock the arena (once); False, with one warning, where the platform refuses."""
         if not self.pinned and self.nbytes > 0:
             self.pinned = _register(self._buffer)
+            if self.pinned:
+                # Unregister when the arena dies even without release() (a dispatched model that is simply
+                # dropped): freed memory that stays registered makes the next registration of it fail.
+                self._unpin = weakref.finalize(self, _unregister, self._buffer.data_ptr())
+                self._unpin.atexit = False
         return self.pinned
 
     def view(self, index: int, shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         """The tensor stored at slot `index` of the arena, with the given layout."""
         offset = self.offsets[index]
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        span = 1 + sum((s - 1) * st for s, st in zip(shape, stride)) if all(shape) else 0
+        span = 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=True)) if all(shape) else 0
         flat = self._buffer[offset : offset + span * itemsize].view(dtype)
         return flat.as_strided(tuple(shape), tuple(stride))
 
@@ -72,12 +79,17 @@ class HostArena:
 
     def release(self) -> None:
         """Unpin the arena. Call only when no copy from it is in flight."""
-        if self.pinned:
-            err = torch.cuda.cudart().cudaHostUnregister(self._buffer.data_ptr())
-            if int(err) != 0:
-                logger.warning("cudaHostUnregister failed with CUDA error %s", int(err))
-            self.pinned = False
+        if self._unpin is not None:
+            self._unpin()
+        self.pinned = False
         self._buffer = torch.empty(0, dtype=torch.uint8)
+
+
+def _unregister(pointer: int) -> None:
+    err = torch.cuda.cudart().cudaHostUnregister(pointer)
+    if int(err) != 0:
+        _clear_last_cuda_error()
+        logger.warning("cudaHostUnregister failed with CUDA error %s", int(err))
 
 
 def _register(buffer: torch.Tensor) -> bool:
@@ -91,7 +103,8 @@ def _register(buffer: torch.Tensor) -> bool:
         warnings.warn(
             f"Could not page-lock {buffer.numel() / 2**30:.2f} GiB of host memory for offloaded weights "
             f"(cudaHostRegister returned error {int(err)}). Falling back to pageable memory: copies will be several "
-            "times slower and synchronous. In containers raise the locked-memory limit (ulimit -l / --ulimit memlock).",
+            "times slower and synchronous. In containers raise the locked-memory limit "
+            "(ulimit -l / --ulimit memlock).",
             stacklevel=4,
         )
     return False

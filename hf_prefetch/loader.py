@@ -103,7 +103,17 @@ def from_pretrained(
         torch_dtype = _auto_dtype(dtype, model_config, checkpoint)
         model = _build_empty(model_class or AutoModelForCausalLM, model_config, torch_dtype)
         model.config.name_or_path = str(folder)
-        _load(model, checkpoint, config, exec_device, torch_dtype, cast=False, layers=layers, progress=progress, timing=timing)
+        _load(
+            model,
+            checkpoint,
+            config,
+            exec_device,
+            torch_dtype,
+            cast=False,
+            layers=layers,
+            progress=progress,
+            timing=timing,
+        )
     if (folder / "generation_config.json").is_file() and model.can_generate():
         from transformers import GenerationConfig
 

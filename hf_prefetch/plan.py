@@ -136,7 +136,7 @@ class OffloadPlan:
             "",
             f"streamed layers        {num_streamed} of {num_layers} ({self.config})",
             f"resident bytes         {_mib(self.resident_bytes)}",
-            f"pool bytes             {_mib(self.pool_bytes)} ({', '.join(str(r.num_slots) for r in self.rings)} slots)",
+            f"pool bytes             {_mib(self.pool_bytes)} ({'/'.join(str(r.num_slots) for r in self.rings)} slots)",
             f"pinned host bytes      {_mib(self.offloaded_bytes)}",
             f"streamed per forward   {_mib(self.streamed_bytes_per_forward)}",
             f"device bytes           {_mib(self.device_bytes)}",
@@ -226,7 +226,7 @@ def _dense_stride(tensor: torch.Tensor) -> tuple[int, ...]:
     # Keep the parameter's own layout when it is dense (a permuted layout changes which kernels run, and so the
     # bits); anything with gaps or overlaps is stored contiguously.
     expected = 1
-    for size, stride in sorted(zip(tensor.shape, tensor.stride()), key=lambda dim: dim[1]):
+    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True), key=lambda dim: dim[1]):
         if size != 1 and stride != expected:
             return tuple(torch.empty(tensor.shape, device="meta").stride())
         expected *= size
@@ -237,9 +237,7 @@ def _param_bytes(tensor: torch.Tensor) -> int:
     return math.prod(tensor.shape) * tensor.element_size()
 
 
-def make_plan(
-    model: nn.Module, config: PrefetchConfig, layers: str | Sequence[str] | None = None
-) -> OffloadPlan:
+def make_plan(model: nn.Module, config: PrefetchConfig, layers: str | Sequence[str] | None = None) -> OffloadPlan:
     """Decide which layers and parameters stream and which buffer slot each uses. Pure: nothing is moved.
 
     Example:

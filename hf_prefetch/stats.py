@@ -69,8 +69,13 @@ class TransferStats:
             name = layer.path if layer else "total"
             timed = (f"{item.copy_seconds * 1e3:.2f}", f"{item.gbps:.1f}", f"{item.stall_seconds * 1e3:.2f}")
             rows.append(
-                (name, str(item.copies), f"{item.copied_bytes / 2**20:.1f}", *(timed if self.timing else ("-",) * 3),
-                 str(item.misses))
+                (
+                    name,
+                    str(item.copies),
+                    f"{item.copied_bytes / 2**20:.1f}",
+                    *(timed if self.timing else ("-",) * 3),
+                    str(item.misses),
+                )
             )
         return rows
 
@@ -79,8 +84,12 @@ class TransferStats:
     def __str__(self) -> str:
         rows = [self._HEADER, *self._rows()]
         widths = [max(len(row[i]) for row in rows) for i in range(len(self._HEADER))]
-        lines = ["  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths)))
-                 for row in rows]
+        lines = [
+            "  ".join(
+                cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
+            )
+            for row in rows
+        ]
         if not self.timing:
             lines.append("(seconds need dispatch_model(..., timing=True))")
         return "\n".join(lines)
@@ -116,8 +125,8 @@ def stats(model: nn.Module) -> TransferStats:
     engine = _engine(model)
     engine.collect()
     layers = []
-    for ring, transfers in zip(get_state(model).plan.rings, engine.rings):
-        for planned, layer in zip(ring.streamed, transfers.layers):
+    for ring, transfers in zip(get_state(model).plan.rings, engine.rings, strict=True):
+        for planned, layer in zip(ring.streamed, transfers.layers, strict=True):
             c = layer.counters
             layers.append(
                 LayerStats(planned.path, c.copies, c.copied_bytes, c.misses, c.copy_seconds, c.stall_seconds)

@@ -6,7 +6,9 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 
-def tiny_llama(num_layers: int = 8, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides) -> LlamaForCausalLM:
+def tiny_llama(
+    num_layers: int = 8, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides
+) -> LlamaForCausalLM:
     torch.manual_seed(seed)
     config = LlamaConfig(
         hidden_size=64,

@@ -121,7 +121,7 @@ def test_unusual_call_order_is_a_counted_miss_not_wrong_weights(reference):
     try:
         with torch.no_grad():
             got = [layers[i](hidden, position_embeddings=position_embeddings) for i in (5, 1, 1, 7, 3)]
-        for a, b in zip(got, expected):
+        for a, b in zip(got, expected, strict=True):
             assert torch.equal(a, b)
         assert _counters(model).misses >= 3
     finally:
@@ -132,7 +132,9 @@ def test_dispatch_twice_needs_remove_or_replace(reference):
     model, ids, logits, *_ = reference
     hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=1)
     try:
-        with pytest.raises(ValueError, match=r"already dispatched.*remove_offload\(model\) first, or pass replace=True"):
+        with pytest.raises(
+            ValueError, match=r"already dispatched.*remove_offload\(model\) first, or pass replace=True"
+        ):
             hf_prefetch.dispatch_model(model, device="cpu", group_size=4, num_in_group=2, prefetch_step=2)
         hf_prefetch.dispatch_model(model, device="cpu", replace=True, group_size=4, num_in_group=2, prefetch_step=2)
         plan = hf_prefetch.get_state(model).plan

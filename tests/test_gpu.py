@@ -64,7 +64,7 @@ def test_200_decode_steps_bitwise_equal_on_cuda(gpu_reference, prefetch_step):
                 return_dict_in_generate=True,
             )
             assert torch.equal(out.sequences, expected.sequences)
-            for step, (got, want) in enumerate(zip(out.logits, expected.logits)):
+            for step, (got, want) in enumerate(zip(out.logits, expected.logits, strict=True)):
                 assert torch.equal(got, want), f"logits differ at decode step {step}"
             for _ in range(2):
                 assert torch.equal(model(long_ids).logits, prefill)
@@ -79,7 +79,10 @@ def test_all_layers_streamed_bitwise_equal_on_cuda(gpu_reference):
     try:
         with torch.no_grad():
             out = model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=200, do_sample=False,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=200,
+                do_sample=False,
                 return_dict_in_generate=True,
             )
             assert torch.equal(out.sequences, expected.sequences)
@@ -98,7 +101,9 @@ def test_memory_accounting_on_cuda(gpu_reference):
         state = hf_prefetch.get_state(model)
         plan = state.plan
         allocated = torch.cuda.memory_allocated() - before
-        assert abs(allocated - (plan.resident_bytes + plan.pool_bytes)) <= 0.02 * (plan.resident_bytes + plan.pool_bytes)
+        assert abs(allocated - (plan.resident_bytes + plan.pool_bytes)) <= 0.02 * (
+            plan.resident_bytes + plan.pool_bytes
+        )
         assert state.arena.pinned
         assert abs(state.arena.nbytes - plan.offloaded_bytes) <= 0.01 * plan.offloaded_bytes
         # The arena is page-locked with cudaHostRegister (PyTorch's is_pinned() only knows its own allocator):
@@ -129,3 +134,16 @@ def test_interrupted_forward_on_cuda(gpu_reference):
     finally:
         mlp.__dict__.pop("forward", None)
         hf_prefetch.remove_offload(model, device="cpu")
+
+
+def test_arena_of_a_dropped_model_is_unregistered():
+    from hf_prefetch.host import HostArena
+
+    for _ in range(3):  # small arenas: freed memory is reused by the next one at once
+        arena = HostArena([70_000, 4_000])
+        assert arena.pin()
+        del arena
+    arena = HostArena([70_000])
+    assert arena.pin()
+    arena.release()
+    assert not arena.pinned

@@ -187,7 +187,6 @@ def test_zoo(case: Case):
     model = hf_prefetch.dispatch_model(
         model, **{**DISPATCH, "device": case.device}, offload_params=arch.offload_params
     )
-    state = hf_prefetch.get_state(model)
     _assert_plan(model, arch)
     assert _tied(model) == tied  # GPT-2's lm_head stays tied to its (resident) input embedding
     for _ in range(2):
