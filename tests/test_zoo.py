@@ -9,6 +9,7 @@ removes the offload and compares again. A row is skipped only when the installed
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +26,8 @@ NEW_TOKENS = 8
 # 8 layers -> layers 1, 3, 5, 7 stream through 2 slots, so every forward copies into reused slots.
 DISPATCH = dict(device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
 PAD_TOKEN_ID = 0
+# The whole table runs on the GPU with HF_PREFETCH_ZOO_DEVICE=cuda (rows that need CUDA always run there).
+ZOO_DEVICE = os.environ.get("HF_PREFETCH_ZOO_DEVICE", "cpu")
 LEFT_PADDED_LENGTHS = [7, 3, 5, 1]
 
 
@@ -42,7 +45,7 @@ def _case(case_id: str, arch: str, *, cuda_only: str | None = None, **kwargs: An
     marks = []
     if cuda_only is not None:
         marks = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason=cuda_only)]
-    return pytest.param(Case(arch, device="cuda" if cuda_only else "cpu", **kwargs), id=case_id, marks=marks)
+    return pytest.param(Case(arch, device="cuda" if cuda_only else ZOO_DEVICE, **kwargs), id=case_id, marks=marks)
 
 
 _OFFLOADED_CACHE_NEEDS_CUDA = (
