@@ -96,21 +96,24 @@ class PrefetchEngine:
         layer = transfers.layers[position]
         if transfers.pool.owners[layer.slot] == position:
             return  # already there or on its way
-        transfers.pool.owners[layer.slot] = position
+        # No owner while the copy is being issued: an interrupt (Ctrl-C in a notebook) between here and the end
+        # leaves a slot that nobody owns, so whichever layer runs next loads itself instead of trusting it.
+        transfers.pool.owners[layer.slot] = None
         layer.counters.copies += 1
         layer.counters.copied_bytes += layer.nbytes
         if not self._cuda:
             self._copy_on_host(layer)
-            return
-        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self.copy_stream):
-            if self.timing:
-                self._poll()
-                begin, layer.done = _timing_event(), _timing_event()
-                begin.record()
-                self._pending.append(_Pending(layer.counters, begin, layer.done, copy=True))
-            _copy_all(layer, self._non_blocking)
-            layer.done.record()
+        else:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                if self.timing:
+                    self._poll()
+                    begin, layer.done = _timing_event(), _timing_event()
+                    begin.record()
+                    self._pending.append(_Pending(layer.counters, begin, layer.done, copy=True))
+                _copy_all(layer, self._non_blocking)
+                layer.done.record()
+        transfers.pool.owners[layer.slot] = position
 
     def wait(self, ring: int, position: int) -> None:
         """Order the compute stream after layer `position`'s copy; load it now if its slot holds another layer."""
@@ -168,24 +171,25 @@ class PrefetchEngine:
         # exception or a model that skips or repeats layers. Copy on the compute stream so the layer sees its own
         # weights, after any copy into the slot still in flight.
         layer = transfers.layers[position]
-        transfers.pool.owners[layer.slot] = position
+        transfers.pool.owners[layer.slot] = None  # see prefetch(): owned only once the copy is fully issued
         layer.counters.misses += 1
         layer.counters.copies += 1
         layer.counters.copied_bytes += layer.nbytes
         if not self._cuda:
             self._copy_on_host(layer)
-            return
-        compute = torch.cuda.current_stream(self.device)
-        compute.wait_stream(self.copy_stream)
-        if self.timing:
-            begin, end = _timing_event(), _timing_event()
-            begin.record(compute)
-            _copy_all(layer, self._non_blocking)
-            end.record(compute)
-            self._pending.append(_Pending(layer.counters, begin, end, copy=True))
-            self._pending.append(_Pending(layer.counters, begin, end, copy=False))
         else:
-            _copy_all(layer, self._non_blocking)
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(self.copy_stream)
+            if self.timing:
+                begin, end = _timing_event(), _timing_event()
+                begin.record(compute)
+                _copy_all(layer, self._non_blocking)
+                end.record(compute)
+                self._pending.append(_Pending(layer.counters, begin, end, copy=True))
+                self._pending.append(_Pending(layer.counters, begin, end, copy=False))
+            else:
+                _copy_all(layer, self._non_blocking)
+        transfers.pool.owners[layer.slot] = position
 
     def _copy_on_host(self, layer: LayerTransfer) -> None:
         # CPU execution: the copy is synchronous, so all of it is time the forward waits.

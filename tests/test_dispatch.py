@@ -278,3 +278,30 @@ def test_remove_offload_to_an_unavailable_device_changes_nothing(reference):
             assert torch.equal(model(ids).logits, logits)
     finally:
         hf_prefetch.remove_offload(model)
+
+
+def test_interrupt_while_a_copy_is_issued_is_a_miss_not_stale_weights(reference, monkeypatch):
+    model, ids, logits, *_ = reference
+    hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
+    engine = hf_prefetch.get_state(model).engine
+    try:
+        calls = {"n": 0}
+        real_copy = engine._copy_on_host
+
+        def interrupted_copy(layer):
+            calls["n"] += 1
+            if calls["n"] == 2:  # the second copy of the forward: half the tensors land, then Ctrl-C
+                layer.device[0].copy_(layer.host[0])
+                raise KeyboardInterrupt
+            real_copy(layer)
+
+        monkeypatch.setattr(engine, "_copy_on_host", interrupted_copy)
+        with pytest.raises(KeyboardInterrupt), torch.no_grad():
+            model(ids)
+        monkeypatch.undo()
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(ids).logits, logits)
+        assert hf_prefetch.stats(model).misses >= 1
+    finally:
+        hf_prefetch.remove_offload(model)
