@@ -7,6 +7,8 @@ from .config import PrefetchConfig
 from .dispatch import dispatch_model, get_state, remove_offload
 from .loader import from_pretrained, load_checkpoint_and_dispatch
 from .plan import OffloadPlan, find_layer_lists, make_plan
+from .preview import plan  # after .plan: the name `hf_prefetch.plan` is this function
+from .reload import reload_weights, sync_from_device
 from .stats import TransferStats, reset_stats, stats
 
 __all__ = [
@@ -16,7 +18,10 @@ __all__ = [
     "load_checkpoint_and_dispatch",
     "dispatch_model",
     "remove_offload",
+    "reload_weights",
+    "sync_from_device",
     "get_state",
+    "plan",
     "make_plan",
     "find_layer_lists",
     "stats",

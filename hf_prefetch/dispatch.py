@@ -8,17 +8,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any
+from functools import partial
+from typing import Any, NamedTuple
 
 import torch
 from accelerate.hooks import SequentialHook, add_hook_to_module, remove_hook_from_module
 from torch import nn
 
+from .budget import choose_plan, device_argument, parse_max_memory
 from .config import PrefetchConfig
 from .engine import LayerTransfer, PrefetchEngine, RingTransfers
 from .hooks import PrefetchHook
 from .host import HostArena
-from .plan import OffloadPlan, ParamSpec, make_plan
+from .plan import OffloadPlan, ParamSpec
 from .pool import BufferPool
 
 __all__ = ["dispatch_model", "remove_offload", "get_state", "OffloadState"]
@@ -68,6 +70,8 @@ def dispatch_model(
     layers: str | Sequence[str] | None = None,
     replace: bool = False,
     timing: bool = False,
+    max_memory: dict[int | str, int | str] | str | None = None,
+    reserve_bytes: int | str | None = None,
     **config_fields: Any,
 ) -> nn.Module:
     """Stream the selected layers' weights from pinned host memory into a static device buffer pool.
@@ -85,6 +89,13 @@ def dispatch_model(
             from `_no_split_modules` when omitted.
         replace (`bool`): Re-dispatch a dispatched model with a new configuration, without reloading it.
         timing (`bool`): Measure copy and stall seconds per layer with CUDA events (see `hf_prefetch.stats`).
+        max_memory (`dict` or `"auto"`, *optional*): A memory budget in accelerate's format, e.g.
+            `{0: "10GiB", "cpu": "64GiB"}`: the layers to stream are then chosen so that resident weights, the buffer
+            pool and `reserve_bytes` fit the GPU's entry with the fewest bytes streamed per forward, strided over the
+            layer list, and the pinned bytes fit `"cpu"`. `"auto"` (or a GPU entry `"auto"`) is the device's free
+            memory. Replaces `group_size` and `num_in_group`. `hf_prefetch.plan` shows the plan without dispatching.
+        reserve_bytes (`int` or `str`, *optional*): Device memory kept free for activations and the KV cache with
+            `max_memory`; defaults to 1 GiB (`hf_prefetch.budget.DEFAULT_RESERVE_BYTES`).
 
     A dispatched model refuses `.to()`, `.cuda()`, `.half()` and other conversions: call `remove_offload` first,
     convert, and dispatch again. Streamed parameters are not trainable (`requires_grad=False` while dispatched).
@@ -110,7 +121,8 @@ def dispatch_model(
     ```
     """
     config = _resolve_config(offload, config, config_fields)
-    exec_device = resolve_device(device)
+    max_memory = parse_max_memory(max_memory, reserve_bytes, config, config_fields)
+    exec_device = resolve_device(device_argument(max_memory, device))
     state = get_state(model)
     if state is not None and not replace:
         raise ValueError(
@@ -118,7 +130,7 @@ def dispatch_model(
             "hf_prefetch.remove_offload(model) first, or pass replace=True to re-dispatch with the new config."
         )
     _check_materialized(model)
-    plan = make_plan(model, config, layers)  # validates the new config before the old dispatch is undone
+    plan = choose_plan(model, config, layers, exec_device, max_memory)  # validated before the old dispatch is undone
     if state is not None:
         _teardown(model, state, target=None)
     arena = HostArena([spec.nbytes for _, _, spec in host_layout(plan)])
@@ -198,6 +210,7 @@ def attach(model: nn.Module, state: OffloadState) -> None:
             add_hook_to_module(module, hook, append=True)
             state.hooks.append((module, hook))
     state.handles.append(model._register_state_dict_hook(_host_values_in_state_dict))
+    state.handles += _write_through_load_state_dict(model, state)
     state.guarded = _guard_moves(model, [o.full_name for o in state.offloaded])
     state.previous_device_map = getattr(model, "hf_device_map", _MISSING)
     model.hf_device_map = {"": device.index if device.type == "cuda" else "cpu"}
@@ -303,6 +316,87 @@ def _host_values_in_state_dict(module: nn.Module, state_dict: dict, prefix: str,
         key = prefix + offloaded.full_name
         if key in state_dict:
             state_dict[key] = offloaded.host
+
+
+class _Streamed(NamedTuple):
+    name: str  # in the module that owns it
+    offloaded: OffloadedParam
+    slot_buffer: torch.Tensor
+    ring: int
+    position: int
+
+
+class _WriteThrough:
+    """`load_state_dict` on a module that owns streamed parameters writes their host storage, not their slots.
+
+    Before the module loads, each streamed parameter the state dict names points at its host tensor, so torch's own
+    loading (its checks, casts, strict and missing/unexpected keys) writes the true value; after it loaded, the
+    parameters point at their slots again and a layer that holds its slot gets the new values copied in. See
+    [Note: rewriting weights] in docs/design.md.
+    """
+
+    def __init__(self, engine: PrefetchEngine, streamed: list[_Streamed]) -> None:
+        self.engine = engine
+        self.streamed = streamed
+        self.loading: list[_Streamed] = []  # pointed at host storage by `before`, until `after`
+
+    def before(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        loading = [s for s in self.streamed if prefix + s.name in state_dict]
+        if loading:
+            self.engine.drain()  # no copy may still read the host storage about to be written
+        for streamed in loading:
+            streamed.offloaded.param.data = streamed.offloaded.host
+        self.loading = loading
+
+    def after(self, module: nn.Module, incompatible_keys: Any) -> None:
+        loading, self.loading = self.loading, []
+        for streamed in loading:
+            streamed.offloaded.param.data = streamed.slot_buffer
+        for ring, position in dict.fromkeys((s.ring, s.position) for s in loading):
+            self.engine.refresh(ring, position)
+
+
+def _refuse_assign(
+    streamed_names: list[str], module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: Any
+) -> None:
+    # Registered on every module that contains a streamed parameter, so that a load_state_dict(assign=True) that
+    # would reach one fails on entry, before torch has assigned anything.
+    if not local_metadata.get("assign_to_params_buffers", False):
+        return
+    for name in streamed_names:
+        if prefix + name in state_dict:
+            raise RuntimeError(
+                f"load_state_dict(..., assign=True) would replace the streamed parameter {prefix}{name} by the state "
+                "dict's tensor and detach it from its buffer slot. Load in place (assign=False) or use "
+                "hf_prefetch.reload_weights(model, state_dict); to assign, call hf_prefetch.remove_offload(model) "
+                "first and dispatch again."
+            )
+
+
+def _write_through_load_state_dict(model: nn.Module, state: OffloadState) -> list[Any]:
+    handles = []
+    under: dict[str, list[str]] = {}  # module path -> the streamed parameters under it, by their names in it
+    for offloaded in state.offloaded:
+        parts = offloaded.full_name.split(".")
+        for depth in range(len(parts)):
+            under.setdefault(".".join(parts[:depth]), []).append(".".join(parts[depth:]))
+    for path, names in under.items():
+        refuse = partial(_refuse_assign, names)
+        handles.append(model.get_submodule(path)._register_load_state_dict_pre_hook(refuse, with_module=True))
+
+    by_name = {o.full_name: o for o in state.offloaded}
+    owned: dict[nn.Module, list[_Streamed]] = {}
+    for ring_index, (ring, transfers) in enumerate(zip(state.plan.rings, state.engine.rings, strict=True)):
+        for position, (layer, transfer) in enumerate(zip(ring.streamed, transfers.layers, strict=True)):
+            for spec, slot_buffer in zip(layer.params, transfer.device, strict=True):
+                module_path, _, name = f"{layer.path}.{spec.name}".rpartition(".")
+                streamed = _Streamed(name, by_name[f"{layer.path}.{spec.name}"], slot_buffer, ring_index, position)
+                owned.setdefault(model.get_submodule(module_path), []).append(streamed)
+    for module, streamed in owned.items():
+        write_through = _WriteThrough(state.engine, streamed)
+        handles.append(module._register_load_state_dict_pre_hook(write_through.before, with_module=True))
+        handles.append(module.register_load_state_dict_post_hook(write_through.after))
+    return handles
 
 
 def _move_tensors(model: nn.Module, device: torch.device, skip: set[int]) -> None:

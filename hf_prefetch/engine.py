@@ -144,6 +144,52 @@ class PrefetchEngine:
         if self._cuda:
             self.copy_stream.synchronize()
 
+    def drain(self) -> None:
+        """Block the host until every copy and every kernel queued so far have finished (before host storage or a
+        slot is rewritten outside the forward: no copy may still read the one, no kernel the other)."""
+        if self._cuda:
+            torch.cuda.synchronize(self.device)
+
+    def load(self, ring: int, position: int) -> None:
+        """Copy layer `position` into its slot now, on the compute stream, and make it the slot's owner.
+
+        For work outside the forward (reloading weights): neither a transfer nor a miss is counted.
+        """
+        transfers = self.rings[ring]
+        layer = transfers.layers[position]
+        transfers.pool.owners[layer.slot] = position
+        if self._cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        _copy_all(layer, self._non_blocking)
+
+    def store(self, ring: int, position: int) -> None:
+        """Copy the contents of layer `position`'s slot back into its host storage; the layer must own the slot."""
+        transfers = self.rings[ring]
+        layer = transfers.layers[position]
+        if transfers.pool.owners[layer.slot] != position:
+            raise RuntimeError(f"Layer {position} of ring {ring} does not own slot {layer.slot}: nothing to store.")
+        if self._cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        for host, device in zip(layer.host, layer.device, strict=True):
+            host.copy_(device)  # blocking: the host may read or rewrite its storage as soon as this returns
+
+    def refresh(self, ring: int, position: int) -> None:
+        """Layer `position`'s host storage was rewritten: copy it again if it owns its slot. See [Note: rewriting
+        weights] in docs/design.md."""
+        transfers = self.rings[ring]
+        if transfers.pool.owners[transfers.layers[position].slot] == position:
+            self.load(ring, position)
+
+    def refill(self) -> None:
+        """Host storage was rewritten: forget what every slot holds and copy each ring's first layers again.
+
+        Without it a slot would keep the old bytes of the layer it is tagged with, and that layer would compute with
+        them without a miss. See [Note: rewriting weights] in docs/design.md.
+        """
+        for transfers in self.rings:
+            transfers.pool.owners[:] = [None] * transfers.pool.num_slots
+        self.start()
+
     def collect(self) -> None:
         """Wait for the device and fold every pending timing measurement into the counters."""
         if self._cuda:
@@ -208,3 +254,23 @@ def _timing_event() -> torch.cuda.Event:
 def _copy_all(layer: LayerTransfer, non_blocking: bool) -> None:
     for dst, src in zip(layer.device, layer.host, strict=True):
         dst.copy_(src, non_blocking=non_blocking)
+
+
+def measure_link_gbps(device: torch.device, nbytes: int = 64 * 2**20, repeats: int = 3) -> float:
+    """Pinned host-to-device copy speed in GB/s: the fastest of `repeats` timed copies of `nbytes`, after a warm-up.
+
+    Allocates `nbytes` of pinned host memory and `nbytes` on `device` while it runs; only `hf_prefetch.plan` calls it.
+    """
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dest = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    fastest = float("inf")
+    with torch.cuda.device(device):
+        for attempt in range(repeats + 1):
+            begin, end = _timing_event(), _timing_event()
+            begin.record()
+            dest.copy_(host, non_blocking=True)
+            end.record()
+            end.synchronize()
+            if attempt > 0:  # the first copy warms up the path
+                fastest = min(fastest, begin.elapsed_time(end) / 1e3)
+    return nbytes / fastest / 1e9

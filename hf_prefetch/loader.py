@@ -23,10 +23,10 @@ import torch
 from torch import nn
 
 from . import dispatch
+from .budget import MaxMemory, choose_plan, device_argument, parse_max_memory
 from .checkpoint import Checkpoint, TensorEntry, TensorReader
 from .config import PrefetchConfig
 from .host import HostArena
-from .plan import make_plan
 
 __all__ = ["from_pretrained", "load_checkpoint_and_dispatch"]
 
@@ -46,6 +46,8 @@ def from_pretrained(
     model_class: type | None = None,
     progress: bool | None = None,
     timing: bool = False,
+    max_memory: dict[int | str, int | str] | str | None = None,
+    reserve_bytes: int | str | None = None,
     **config_fields: Any,
 ) -> nn.Module:
     """Load a local transformers checkpoint straight into a dispatched model, without a full copy in host memory.
@@ -63,6 +65,7 @@ def from_pretrained(
         layers (`str` or list of `str`, *optional*): Path(s) of the layer list(s); found when omitted.
         model_class (*optional*): A transformers Auto class or model class. Defaults to `AutoModelForCausalLM`.
         progress (`bool`, *optional*): Show a progress bar over bytes; by default only on a terminal.
+        max_memory, reserve_bytes: Choose the streamed layers to fit a memory budget, as in `dispatch_model`.
         config_fields: `PrefetchConfig` fields, e.g. `group_size=2, num_in_group=1`.
 
     Returns:
@@ -86,23 +89,12 @@ def from_pretrained(
 
     ```
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     config = dispatch._resolve_config(offload, None, config_fields)
-    exec_device = dispatch.resolve_device(device)
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{folder} has no config.json. from_pretrained reads local folders only (nothing is downloaded): pass "
-            "the folder written by save_pretrained, or a local snapshot (huggingface_hub.snapshot_download)."
-        )
+    max_memory = parse_max_memory(max_memory, reserve_bytes, config, config_fields)
+    exec_device = dispatch.resolve_device(device_argument(max_memory, device))
+    folder = checkpoint_folder(path)
     with Checkpoint.open(folder) as checkpoint:
-        model_config = AutoConfig.from_pretrained(folder, local_files_only=True)
-        if getattr(model_config, "quantization_config", None) is not None:
-            raise ValueError(f"{folder} is a quantized checkpoint; hf_prefetch loads unquantized checkpoints only.")
-        torch_dtype = _auto_dtype(dtype, model_config, checkpoint)
-        model = _build_empty(model_class or AutoModelForCausalLM, model_config, torch_dtype)
-        model.config.name_or_path = str(folder)
+        model, torch_dtype = build_skeleton(folder, checkpoint, dtype, model_class)
         _load(
             model,
             checkpoint,
@@ -113,6 +105,7 @@ def from_pretrained(
             layers=layers,
             progress=progress,
             timing=timing,
+            max_memory=max_memory,
         )
     if (folder / "generation_config.json").is_file() and model.can_generate():
         from transformers import GenerationConfig
@@ -131,6 +124,8 @@ def load_checkpoint_and_dispatch(
     layers: str | Sequence[str] | None = None,
     progress: bool | None = None,
     timing: bool = False,
+    max_memory: dict[int | str, int | str] | str | None = None,
+    reserve_bytes: int | str | None = None,
     **config_fields: Any,
 ) -> nn.Module:
     """Load a checkpoint into a model built on the meta device and dispatch it, like `from_pretrained`.
@@ -141,7 +136,7 @@ def load_checkpoint_and_dispatch(
     Args:
         model (`nn.Module`): The model skeleton, parameters on the meta device.
         checkpoint (`str` or `os.PathLike`): A folder, a `.safetensors` file or a `model.safetensors.index.json`.
-        offload, device, layers, progress, config_fields: As in `from_pretrained`.
+        offload, device, layers, progress, max_memory, reserve_bytes, config_fields: As in `from_pretrained`.
         dtype (`torch.dtype`, *optional*): Cast floating-point parameters to this dtype; by default each parameter
             keeps the model's dtype (the checkpoint's values are cast to it).
 
@@ -168,7 +163,8 @@ def load_checkpoint_and_dispatch(
     ```
     """
     config = dispatch._resolve_config(offload, None, config_fields)
-    exec_device = dispatch.resolve_device(device)
+    max_memory = parse_max_memory(max_memory, reserve_bytes, config, config_fields)
+    exec_device = dispatch.resolve_device(device_argument(max_memory, device))
     if dispatch.get_state(model) is not None:
         raise ValueError(
             f"{type(model).__name__} is already dispatched; call hf_prefetch.remove_offload(model) before loading."
@@ -176,7 +172,18 @@ def load_checkpoint_and_dispatch(
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype={dtype!r} must be a floating-point torch.dtype such as torch.bfloat16, or None.")
     with Checkpoint.open(checkpoint) as opened:
-        _load(model, opened, config, exec_device, dtype, cast=True, layers=layers, progress=progress, timing=timing)
+        _load(
+            model,
+            opened,
+            config,
+            exec_device,
+            dtype,
+            cast=True,
+            layers=layers,
+            progress=progress,
+            timing=timing,
+            max_memory=max_memory,
+        )
     return model
 
 
@@ -203,6 +210,7 @@ def _load(
     layers: str | Sequence[str] | None,
     progress: bool | None,
     timing: bool,
+    max_memory: MaxMemory | None = None,
 ) -> None:
     from transformers import PreTrainedModel
 
@@ -215,7 +223,7 @@ def _load(
     try:
         _set_dtypes(model, dtype, cast, undo)
         keymap = _map_keys(model, checkpoint)
-        plan = make_plan(model, config, layers)
+        plan = choose_plan(model, config, layers, device, max_memory)
         # Everything is validated: allocate the host arena exactly as dispatch_model does, then the resident tensors.
         layout = dispatch.host_layout(plan)
         arena = HostArena([spec.nbytes for _, _, spec in layout])
@@ -251,6 +259,35 @@ def _load(
     gpu_gib = (plan.device_bytes if device.type == "cuda" else 0) / 2**30
     message = "Loaded %s: read %.2f GB in %.2f s (%.2f GB/s); pinned host %.2f GiB, GPU %.2f GiB"
     logger.info(message, checkpoint.folder, gb, seconds, gb / max(seconds, 1e-9), pinned_gib, gpu_gib)
+
+
+def checkpoint_folder(path: str | os.PathLike) -> Path:
+    """`path` as a folder that holds a config.json (nothing is downloaded)."""
+    folder = Path(path)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"{folder} has no config.json. hf_prefetch reads local folders only (nothing is downloaded): pass "
+            "the folder written by save_pretrained, or a local snapshot (huggingface_hub.snapshot_download)."
+        )
+    return folder
+
+
+def build_skeleton(
+    folder: Path, checkpoint: Checkpoint, dtype: Any, model_class: type | None
+) -> tuple[nn.Module, torch.dtype]:
+    """The model of a checkpoint folder on the meta device (buffers real), with the dtypes it will be loaded in."""
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+    model_config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    if getattr(model_config, "quantization_config", None) is not None:
+        raise ValueError(f"{folder} is a quantized checkpoint; hf_prefetch loads unquantized checkpoints only.")
+    torch_dtype = _auto_dtype(dtype, model_config, checkpoint)
+    model = _build_empty(model_class or AutoModelForCausalLM, model_config, torch_dtype)
+    model.config.name_or_path = str(folder)
+    if isinstance(model, PreTrainedModel):
+        model.tie_weights()  # as _load does: the plan must see tied tensors as one parameter
+    _set_dtypes(model, torch_dtype, cast=False, undo=[])
+    return model, torch_dtype
 
 
 def _build_empty(model_class: type, config: Any, dtype: torch.dtype) -> nn.Module:

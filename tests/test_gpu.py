@@ -147,3 +147,26 @@ def test_arena_of_a_dropped_model_is_unregistered():
     assert arena.pin()
     arena.release()
     assert not arena.pinned
+
+
+def test_peak_memory_stays_inside_a_max_memory_budget_on_cuda(gpu_reference):
+    model, ids, _, expected, _ = gpu_reference
+    budget, reserve = 512 * 2**20, 64 * 2**20  # 8 layers of 86 MiB: 5 of them have to stream
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    hf_prefetch.dispatch_model(model, device="cuda", max_memory={0: budget}, reserve_bytes=reserve)
+    try:
+        plan = hf_prefetch.get_state(model).plan
+        assert len(plan.rings[0].streamed) == 5 and plan.longest_run <= 2
+        assert torch.cuda.memory_allocated() - before <= budget - reserve
+        torch.cuda.reset_peak_memory_stats()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=200, do_sample=False)
+        assert torch.cuda.max_memory_allocated() - before <= budget
+        assert torch.equal(out, expected.sequences) and hf_prefetch.stats(model).misses == 0
+        auto = hf_prefetch.plan(model, max_memory="auto", device="cuda", reserve_bytes=reserve)
+        assert auto.budget.source == "free memory of cuda:0" and auto.link_gbps > 1
+        assert not auto.rings[0].streamed  # the whole GPU is free for this small model
+    finally:
+        hf_prefetch.remove_offload(model, device="cpu")

@@ -1,10 +1,12 @@
+import dataclasses
+
 import pytest
 import torch
 from models import tiny_llama
 from torch import nn
 
 from hf_prefetch import PrefetchConfig, find_layer_lists, make_plan
-from hf_prefetch.plan import segment_matches
+from hf_prefetch.plan import format_bytes, segment_matches
 
 
 @pytest.mark.parametrize(
@@ -167,3 +169,72 @@ def test_shared_parameters_stay_resident():
     names = {spec.name for layer in plan.rings[0].streamed for spec in layer.params}
     assert "mlp.down_proj.weight" not in names
     assert "mlp.up_proj.weight" in names
+
+
+def test_explicit_selection_replaces_the_group_pattern():
+    model = tiny_llama(8)
+    plan = make_plan(model, PrefetchConfig(group_size=4, num_in_group=2, prefetch_step=2), streamed=[5, 0, 5])
+    assert [layer.index for layer in plan.rings[0].streamed] == [0, 5] and plan.explicit
+    assert "(chosen layers, prefetch_step=2)" in str(plan)
+    assert (
+        make_plan(model, PrefetchConfig(), streamed={"model.layers": [1, 3, 5, 7]}).rings
+        == make_plan(model, PrefetchConfig(group_size=2, num_in_group=1)).rings
+    )
+    assert make_plan(model, PrefetchConfig(), streamed=[]).offloaded_bytes == 0
+
+
+@pytest.mark.parametrize(
+    "streamed, match",
+    [
+        ([8], r"streamed\['model.layers'\] holds 8; layer indices of model.layers are ints from 0 to 7"),
+        ([-1], r"streamed\['model.layers'\] holds -1"),
+        (["1"], r"streamed\['model.layers'\] holds '1'"),
+        ([True], r"streamed\['model.layers'\] holds True"),
+        (
+            {"model.blocks": [1]},
+            r"streamed names the layer list 'model.blocks', which is not one of \['model.layers'\]",
+        ),
+    ],
+)
+def test_explicit_selection_errors(streamed, match):
+    with pytest.raises(ValueError, match=match):
+        make_plan(tiny_llama(8), PrefetchConfig(), streamed=streamed)
+
+
+def test_explicit_selection_of_a_model_with_two_layer_lists_names_them():
+    from zoo import ARCHS_BY_NAME
+
+    model = ARCHS_BY_NAME["t5"].build()
+    with pytest.raises(ValueError, match=r"has 2 layer lists \['encoder.block', 'decoder.block'\]; pass \{path"):
+        make_plan(model, PrefetchConfig(), streamed=[1])
+    plan = make_plan(model, PrefetchConfig(), streamed={"decoder.block": [2, 5]})
+    assert [len(ring.streamed) for ring in plan.rings] == [0, 2]
+
+
+@pytest.mark.parametrize(
+    "group_size, num_in_group, longest",
+    [(2, 1, 1), (4, 3, 3), (8, 2, 2), (1, 1, 8), (16, 1, 0)],
+)
+def test_longest_run(group_size, num_in_group, longest):
+    config = PrefetchConfig(group_size=group_size, num_in_group=num_in_group, prefetch_step=num_in_group)
+    plan = make_plan(tiny_llama(8), config)
+    assert plan.longest_run == plan.rings[0].longest_run == longest
+    assert f"longest run {longest}" in str(plan)
+
+
+def test_plan_renders_as_html():
+    plan = make_plan(tiny_llama(4), PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1))
+    html = plan._repr_html_()
+    assert html.startswith("<table><thead><tr><th>layer</th><th>placement</th>")
+    assert "<td>model.layers.3</td><td>streamed</td>" in html
+    assert "<th>pool bytes</th><td>144.5 KiB (1 slots)</td>" in html
+    assert "transfer per forward" not in html
+    assert "transfer per forward" in dataclasses.replace(plan, link_gbps=50.0)._repr_html_()
+
+
+@pytest.mark.parametrize(
+    "num_bytes, text",
+    [(0, "0 B"), (512, "512 B"), (1536, "1.5 KiB"), (3 * 2**20, "3.0 MiB"), (10 * 2**30 + 2**29, "10.50 GiB")],
+)
+def test_format_bytes(num_bytes, text):
+    assert format_bytes(num_bytes) == text

@@ -1,0 +1,356 @@
+"""The memory budget: `max_memory` parsed, and the streamed layers chosen so that the plan fits it.
+
+`plan_for_budget` is pure, like `make_plan`: the budget comes in as numbers (`MemoryBudget`). Only `resolve_budget`
+asks the device, and only for `"auto"` (its free memory). This module knows bytes and layer positions; it knows
+nothing about streams, hooks or checkpoints.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import PrefetchConfig
+from .plan import (
+    OffloadPlan,
+    RingPlan,
+    candidate_layers,
+    format_bytes,
+    make_plan,
+    model_bytes,
+    offload_params_error,
+    ring_plan,
+)
+
+__all__ = ["DEFAULT_RESERVE_BYTES", "MemoryBudget", "MaxMemory", "parse_max_memory", "plan_for_budget", "spread"]
+
+# Device memory left free for activations and the KV cache when `reserve_bytes` is not given. 1 GiB covers batch-1
+# decoding of an 8B model with a few thousand tokens of context (its KV cache takes 128 KiB per token in bf16); raise
+# it for long prompts, large batches or a forward that returns logits for every position.
+DEFAULT_RESERVE_BYTES = 2**30
+
+
+@dataclass(frozen=True)
+class MemoryBudget:
+    """What a plan must fit, in bytes: `device_bytes` on the execution device, of which `reserve_bytes` stay free for
+    activations and the KV cache, and at most `host_bytes` of pinned host memory (None: not checked)."""
+
+    device_bytes: int
+    reserve_bytes: int = DEFAULT_RESERVE_BYTES
+    host_bytes: int | None = None
+    source: str = "the device budget"  # where `device_bytes` came from, for messages: "max_memory[0]", ...
+
+    def __post_init__(self) -> None:
+        for name in ("device_bytes", "reserve_bytes", "host_bytes"):
+            value = getattr(self, name)
+            if value is None and name == "host_bytes":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"MemoryBudget.{name}={value!r} must be a number of bytes (an int >= 0).")
+
+    @property
+    def weights_bytes(self) -> int:
+        """What resident weights and the buffer pool may take: the device budget less the reserve."""
+        return self.device_bytes - self.reserve_bytes
+
+
+@dataclass(frozen=True)
+class MaxMemory:
+    """A parsed `max_memory` argument and `reserve_bytes`, before the execution device is known."""
+
+    gpus: tuple[tuple[int | None, int | None], ...]  # (GPU index, None for "cuda"; bytes, None for "auto")
+    host_bytes: int | None
+    reserve_bytes: int
+
+
+def parse_max_memory(
+    max_memory: Mapping[int | str, int | str] | str | None,
+    reserve_bytes: int | str | None = None,
+    config: PrefetchConfig | None = None,
+    config_fields: Iterable[str] = (),
+) -> MaxMemory | None:
+    """Validate `max_memory` (accelerate's format, or `"auto"`) and `reserve_bytes`; None when no budget is asked for.
+
+    Keys are GPU indices (`0`, `"cuda:0"`, `"cuda"` for the execution device) and `"cpu"`; values are bytes (`int`) or
+    sizes (`"10GiB"`, `"9.5GB"`, `"500MB"`), or `"auto"` for a GPU: its free memory. A budget chooses the streamed
+    layers itself, so `group_size` and `num_in_group` must not be given as well.
+
+    Example:
+
+    ```python
+    >>> from hf_prefetch.budget import parse_max_memory
+    >>> parse_max_memory({0: "10GiB", "cpu": "64GiB"}, reserve_bytes="512MiB")
+    MaxMemory(gpus=((0, 10737418240),), host_bytes=68719476736, reserve_bytes=536870912)
+
+    ```
+    """
+    if max_memory is None:
+        if reserve_bytes is not None:
+            raise ValueError(
+                f"reserve_bytes={reserve_bytes!r} is only used with a memory budget; pass max_memory too, e.g. "
+                "max_memory={0: '10GiB'} or max_memory='auto'."
+            )
+        return None
+    chosen = set(config_fields) & {"group_size", "num_in_group"}
+    default = PrefetchConfig()
+    if config is not None and (config.group_size, config.num_in_group) != (default.group_size, default.num_in_group):
+        chosen.add(f"group_size={config.group_size}, num_in_group={config.num_in_group}")
+    if chosen:
+        raise ValueError(
+            f"max_memory chooses the streamed layers itself, so it cannot be combined with {sorted(chosen)}. Pass "
+            "max_memory with prefetch_step and offload_params only, or drop max_memory to stream the group pattern."
+        )
+    reserve = DEFAULT_RESERVE_BYTES if reserve_bytes is None else _to_bytes(reserve_bytes, "reserve_bytes")
+    if isinstance(max_memory, str) and max_memory == "auto":
+        return MaxMemory(((None, None),), None, reserve)
+    if not isinstance(max_memory, Mapping):
+        raise ValueError(
+            f"max_memory={max_memory!r} must be a dict like {{0: '10GiB', 'cpu': '64GiB'}} (accelerate's format) or "
+            "'auto' (the GPU's free memory)."
+        )
+    gpus: dict[int | None, int | None] = {}
+    keys: dict[int | None, Any] = {}  # as the caller wrote them, for messages
+    host = None
+    for key, value in max_memory.items():
+        if key == "cpu":
+            host = _to_bytes(value, "max_memory['cpu']")
+            continue
+        index = _gpu_index(key)
+        if index in gpus:
+            raise ValueError(f"max_memory names one GPU twice, as {keys[index]!r} and {key!r}; keep one entry.")
+        keys[index] = key
+        gpus[index] = None if value == "auto" else _to_bytes(value, f"max_memory[{key!r}]")
+    return MaxMemory(tuple(gpus.items()), host, reserve)
+
+
+def _gpu_index(key: Any) -> int | None:
+    if isinstance(key, torch.device) and key.type == "cuda":
+        return key.index
+    if isinstance(key, int) and not isinstance(key, bool) and key >= 0:
+        return key
+    if isinstance(key, str):
+        if key == "cuda":
+            return None
+        name = key.removeprefix("cuda:")
+        if name.isdigit():
+            return int(name)
+    raise ValueError(
+        f"max_memory has the key {key!r}; keys are GPU indices (0, 'cuda:0', or 'cuda' for the execution device) and "
+        "'cpu'. hf_prefetch runs a model on one GPU and streams from host memory: there is no 'disk' or 'mps'."
+    )
+
+
+def _to_bytes(value: Any, name: str) -> int:
+    from accelerate.utils import convert_file_size_to_int
+
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        try:
+            return convert_file_size_to_int(value.strip())
+        except ValueError:
+            pass
+    raise ValueError(
+        f"{name}={value!r} is not a size; use bytes (an int >= 0) or a string with a unit such as '10GiB', '9.5GB' "
+        "or '500MB' (GiB/MiB are powers of 2, GB/MB powers of 10)."
+    )
+
+
+def device_argument(max_memory: MaxMemory | None, device: Any) -> Any:
+    """The `device` argument to resolve: the given one, else the one GPU index `max_memory` names (with CUDA)."""
+    if device is not None or max_memory is None:
+        return device
+    indices = [index for index, _ in max_memory.gpus if index is not None]
+    return indices[0] if len(indices) == 1 and torch.cuda.is_available() else None
+
+
+def resolve_budget(max_memory: MaxMemory, device: torch.device, model: nn.Module) -> MemoryBudget:
+    """The budget in bytes on `device`. Asks CUDA for the free memory only when the entry is `"auto"`.
+
+    On the CPU (no GPU, or `device="cpu"`) the one GPU entry is planned for as if the CPU were that GPU, so that a plan
+    can be tried and tested without one.
+    """
+    entries = dict(max_memory.gpus) or {None: None}  # only 'cpu' given: the device's free memory
+    if device.type == "cuda" and device.index in entries:
+        key = device.index
+    elif device.type == "cuda" and None in entries:
+        key = None
+    elif device.type == "cpu" and len(entries) == 1:
+        key = next(iter(entries))
+    else:
+        named = [("cuda" if index is None else index) for index in entries]
+        raise ValueError(
+            f"max_memory names the GPUs {named} but the model executes on {device}: hf_prefetch runs a model on one "
+            "device. Pass device= for one of them, or keep only the entry of the execution device."
+        )
+    host, reserve = max_memory.host_bytes, max_memory.reserve_bytes
+    if entries[key] is not None:
+        source = f"max_memory[{'cuda' if key is None else key!r}]"
+        return MemoryBudget(entries[key], reserve, host, source)
+    if device.type != "cuda":
+        raise ValueError(
+            f"max_memory='auto' measures a CUDA device's free memory, but the model executes on {device}. Give a "
+            "size instead, e.g. max_memory={0: '10GiB'}."
+        )
+    return MemoryBudget(available_device_bytes(model, device), reserve, host, f"free memory of {device}")
+
+
+def available_device_bytes(model: nn.Module, device: torch.device) -> int:
+    """Memory a dispatch of `model` can use on `device`: free memory (`torch.cuda.mem_get_info`), plus what PyTorch
+    has cached but not allocated, plus what the model's own tensors already take there."""
+    free, _ = torch.cuda.mem_get_info(device)
+    cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    own = {}
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if tensor.device == device:
+            storage = tensor.untyped_storage()
+            own[storage.data_ptr()] = storage.nbytes()
+    return free + cached + sum(own.values())
+
+
+def choose_plan(
+    model: nn.Module,
+    config: PrefetchConfig,
+    layers: str | Sequence[str] | None,
+    device: torch.device,
+    max_memory: MaxMemory | None,
+) -> OffloadPlan:
+    """The plan `dispatch_model` and the loaders execute: the config's group pattern, or the plan for a budget."""
+    if max_memory is None:
+        return make_plan(model, config, layers)
+    return plan_for_budget(model, resolve_budget(max_memory, device, model), config, layers)
+
+
+def spread(num_layers: int, num_streamed: int) -> list[int]:
+    """Indices of `num_streamed` of `num_layers` layers, evenly strided, later layers first.
+
+    The resident layers cut the streamed ones into `num_layers - num_streamed + 1` runs; the runs' lengths differ by
+    at most one (the longer ones last), so the longest run is as short as it can be: `ceil(streamed / (resident + 1))`.
+
+    Example:
+
+    ```python
+    >>> from hf_prefetch.budget import spread
+    >>> spread(8, 4), spread(8, 2), spread(8, 6), spread(16, 4)
+    ([1, 3, 5, 7], [3, 7], [0, 1, 3, 4, 6, 7], [3, 7, 11, 15])
+
+    ```
+    """
+    runs = num_layers - num_streamed + 1
+    indices: list[int] = []
+    position = 0
+    for run in range(runs):
+        length = (run + 1) * num_streamed // runs - run * num_streamed // runs
+        indices += range(position, position + length)
+        position += length + 1  # the resident layer after the run
+    return indices
+
+
+@dataclass(frozen=True)
+class _Option:
+    rings: tuple[RingPlan, ...]
+    device_bytes: int
+    streamed_bytes: int
+    pinned_bytes: int
+
+
+def plan_for_budget(
+    model: nn.Module,
+    budget: MemoryBudget,
+    config: PrefetchConfig | None = None,
+    layers: str | Sequence[str] | None = None,
+) -> OffloadPlan:
+    """The plan that streams the fewest bytes per forward while resident weights, the buffer pool and the reserve fit
+    the device budget and the pinned bytes fit the host budget. Pure: the budget comes in as numbers.
+
+    For each layer list, `s` streamed layers are laid out by `spread` (strided, later layers first, runs of consecutive
+    streamed layers no longer than `config.prefetch_step` whenever `s <= prefetch_step * (resident + 1)`); over the
+    counts `s` of every list the plan with the fewest bytes streamed per forward that fits is taken (for equal-sized
+    layers: the fewest streamed layers). `config.group_size` and `config.num_in_group` are not used.
+
+    Raises:
+        `ValueError` when even streaming every layer does not fit the device budget, or when the plans that fit it
+        pin more than the host budget; the message gives the numbers and what to change.
+
+    Example:
+
+    ```python
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> from hf_prefetch import PrefetchConfig
+    >>> from hf_prefetch.budget import MemoryBudget, plan_for_budget
+    >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+    ...     num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
+    >>> plan = plan_for_budget(model, MemoryBudget(1_300_000, reserve_bytes=100_000), PrefetchConfig(prefetch_step=2))
+    >>> [layer.index for layer in plan.rings[0].streamed], plan.device_bytes <= 1_200_000
+    ([1, 4, 7], True)
+
+    ```
+    """
+    config = config or PrefetchConfig()
+    if budget.weights_bytes <= 0:
+        raise ValueError(
+            f"{budget.source} = {format_bytes(budget.device_bytes)} leaves nothing for weights after "
+            f"reserve_bytes = {format_bytes(budget.reserve_bytes)}, kept free for activations and the KV cache. Give "
+            "the device more memory, or lower reserve_bytes."
+        )
+    candidates = candidate_layers(model, config, layers)
+    if config.offload_params and not any(c.matched for ring in candidates.values() for c in ring):
+        raise offload_params_error(model, config, list(candidates))
+    total = model_bytes(model)
+    per_ring = [
+        [ring_plan(path, ring, set(spread(len(ring), s)), config.prefetch_step) for s in range(len(ring) + 1)]
+        for path, ring in candidates.items()
+    ]
+    options = []
+    for rings in itertools.product(*per_ring):
+        offloaded = sum(ring.offloaded_bytes for ring in rings)
+        device = total - offloaded + sum(ring.pool_bytes for ring in rings)
+        options.append(_Option(rings, device, sum(r.streamed_bytes_per_forward for r in rings), offloaded))
+
+    fits_device = [o for o in options if o.device_bytes <= budget.weights_bytes]
+    if not fits_device:
+        raise _device_error(model, budget, config, candidates, total, min(options, key=lambda o: o.device_bytes))
+    fits = [o for o in fits_device if budget.host_bytes is None or o.pinned_bytes <= budget.host_bytes]
+    if not fits:
+        raise _host_error(budget, candidates, min(fits_device, key=lambda o: o.pinned_bytes))
+    best = min(fits, key=lambda o: (o.streamed_bytes, o.pinned_bytes, o.device_bytes))
+    return OffloadPlan(config, best.rings, total - best.pinned_bytes, explicit=True, budget=budget)
+
+
+def _device_error(model, budget, config, candidates, total, least: _Option) -> ValueError:
+    size = format_bytes
+    pool = sum(ring.pool_bytes for ring in least.rings)
+    hint = ""
+    if config.prefetch_step > 1:
+        one_slot = [ring_plan(path, ring, set(range(len(ring))), 1) for path, ring in candidates.items()]
+        needs = total - sum(r.offloaded_bytes for r in one_slot) + sum(r.pool_bytes for r in one_slot)
+        hint = f" (prefetch_step=1 needs {size(needs + budget.reserve_bytes)} in all)"
+    return ValueError(
+        f"{type(model).__name__} does not fit {budget.source} = {size(budget.device_bytes)}: after "
+        f"reserve_bytes = {size(budget.reserve_bytes)} for activations and the KV cache, {size(budget.weights_bytes)} "
+        f"is left for weights, but even streaming every layer needs {size(least.device_bytes)} on the device: "
+        f"{size(least.device_bytes - pool)} that stays resident (embeddings, head, norms, buffers, shared or "
+        f"unselected parameters) and a buffer pool of {size(pool)} (prefetch_step={config.prefetch_step} slots of "
+        "one layer). "
+        f"Give the device at least {size(least.device_bytes + budget.reserve_bytes)}, lower prefetch_step{hint}, "
+        "lower reserve_bytes, or load the model in a smaller dtype."
+    )
+
+
+def _host_error(budget, candidates, least: _Option) -> ValueError:
+    size = format_bytes
+    layer = max(c.streamed.offloaded_bytes for ring in candidates.values() for c in ring)
+    num_streamed = sum(len(ring.streamed) for ring in least.rings)
+    return ValueError(
+        f"The smallest plan that fits {budget.source} = {size(budget.device_bytes)} streams {num_streamed} layers and "
+        f"pins {size(least.pinned_bytes)} of host memory, but max_memory['cpu'] allows {size(budget.host_bytes)}. "
+        f"Raise max_memory['cpu'] to at least {size(least.pinned_bytes)}, or give the device more memory (each layer "
+        f"that stays resident pins up to {size(layer)} less)."
+    )

@@ -1,0 +1,93 @@
+"""`hf_prefetch.plan`: the plan that `dispatch_model` or `from_pretrained` would execute, without executing it.
+
+For a checkpoint folder it builds the model on the meta device as the loader does, reading only `config.json` and
+the safetensors headers. It moves and allocates no weights; it touches CUDA only when the device is a GPU, to read
+its free memory for `max_memory="auto"` and to measure the link speed when `link_gbps` is not given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from . import dispatch, loader
+from .budget import choose_plan, device_argument, parse_max_memory
+from .checkpoint import Checkpoint
+from .config import PrefetchConfig
+from .engine import measure_link_gbps
+from .plan import OffloadPlan
+
+__all__ = ["plan"]
+
+
+def plan(
+    model_or_checkpoint: nn.Module | str | os.PathLike,
+    offload: str | PrefetchConfig = "prefetch",
+    *,
+    max_memory: dict[int | str, int | str] | str | None = None,
+    reserve_bytes: int | str | None = None,
+    device: str | int | torch.device | None = None,
+    layers: str | Sequence[str] | None = None,
+    dtype: torch.dtype | str | None = None,
+    model_class: type | None = None,
+    link_gbps: float | None = None,
+    **config_fields: Any,
+) -> OffloadPlan:
+    """The plan `dispatch_model` (for a model) or `from_pretrained` (for a checkpoint folder) would execute.
+
+    Nothing is dispatched or loaded. `print(plan)` shows which layers stream, through which slot, and the totals:
+    resident, pool and pinned bytes, bytes streamed per forward and, with a link speed, the time those bytes take.
+
+    Args:
+        model_or_checkpoint: A built model (its parameters may be on the meta device), or a checkpoint folder as
+            `from_pretrained` takes it.
+        offload, max_memory, reserve_bytes, device, layers, config_fields: As in `dispatch_model`.
+        dtype, model_class: For a checkpoint folder, as in `from_pretrained`.
+        link_gbps (`float`, *optional*): Host-to-device link speed in GB/s, for the transfer time per forward. On a
+            GPU it is measured when not given (a few 64 MiB pinned copies); on the CPU the line is left out.
+
+    Returns:
+        An `OffloadPlan`.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> import hf_prefetch
+    >>> with torch.device("meta"):
+    ...     model = LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=8,
+    ...         num_attention_heads=4, num_key_value_heads=2, vocab_size=128))
+    >>> plan = hf_prefetch.plan(model, max_memory={0: 1_300_000}, reserve_bytes=100_000, device="cpu", link_gbps=50)
+    >>> [layer.index for layer in plan.rings[0].streamed], plan.transfer_seconds_per_forward < 1e-4
+    ([1, 4, 7], True)
+
+    ```
+    """
+    config = dispatch._resolve_config(offload, None, config_fields)
+    max_memory = parse_max_memory(max_memory, reserve_bytes, config, config_fields)
+    exec_device = dispatch.resolve_device(device_argument(max_memory, device))
+    if link_gbps is not None and (isinstance(link_gbps, bool) or not isinstance(link_gbps, int | float)):
+        raise ValueError(f"link_gbps={link_gbps!r} must be a number of GB/s, e.g. link_gbps=55.0, or None.")
+    if link_gbps is not None and not link_gbps > 0:
+        raise ValueError(f"link_gbps={link_gbps!r} must be > 0 (GB/s), or None.")
+    if isinstance(model_or_checkpoint, nn.Module):
+        if dtype is not None or model_class is not None:
+            raise ValueError(
+                "dtype= and model_class= describe how a checkpoint folder is built; a built model already has them. "
+                "Convert the model, or pass the checkpoint folder instead."
+            )
+        model = model_or_checkpoint
+    else:
+        folder = loader.checkpoint_folder(model_or_checkpoint)
+        with Checkpoint.open(folder) as checkpoint:
+            model, _ = loader.build_skeleton(folder, checkpoint, dtype, model_class)
+    result = choose_plan(model, config, layers, exec_device, max_memory)
+    if link_gbps is None and exec_device.type == "cuda":
+        link_gbps = measure_link_gbps(exec_device)
+    return dataclasses.replace(result, link_gbps=link_gbps)

@@ -1,0 +1,468 @@
+"""Reloading weights in place: new values into the storage a dispatched model already has, layer by layer.
+
+`reload_weights` writes a checkpoint's or a state dict's values where a dispatched model keeps them: the host storage
+of streamed parameters, the device tensors of resident ones. Nothing is allocated, moved or re-pointed, so tensor
+identities, the buffer pool and captured CUDA graphs stay valid. `sync_from_device` goes the other way, from a slot to
+the host storage of the layer that holds it. This module knows names, destinations and the order in which layers are
+written; reading and mapping checkpoints is the loader's job, slots and copies are the engine's. See
+[Note: rewriting weights] in docs/design.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from . import dispatch
+from .checkpoint import Checkpoint, TensorReader
+from .loader import _convert, _map_keys, _region
+from .plan import OffloadPlan
+
+__all__ = ["reload_weights", "sync_from_device"]
+
+logger = logging.getLogger(__name__)
+
+_REDISPATCH = (
+    "reload_weights writes values into the storage the dispatch gave each tensor and cannot change shapes, dtypes "
+    "or modules: call hf_prefetch.remove_offload(model), change the model, then dispatch it again (or load the new "
+    "checkpoint with hf_prefetch.from_pretrained)."
+)
+
+
+def reload_weights(
+    model: nn.Module,
+    source: str | os.PathLike | Mapping[str, torch.Tensor],
+    *,
+    process: Callable[[nn.Module], None] | None = None,
+    strict: bool = True,
+) -> nn.Module:
+    """Write new weights into a dispatched model in place: same tensors, same buffer pool, no stale copies.
+
+    Streamed parameters get their new values in their host storage, resident parameters and buffers in their device
+    tensors; then every slot of the pool is refilled from host storage, so the next forward never computes with the
+    old weights. Everything is validated (names, shapes, dtypes) before the first byte is written. A checkpoint is
+    read straight into place, tensor by tensor, like `from_pretrained` reads it (no copy of the whole checkpoint in
+    memory).
+
+    Write weights this way, or with `model.load_state_dict(...)` (which writes through to host storage), and not
+    through the parameters (`param.data.copy_(...)`, an optimizer step, merging an adapter): a streamed parameter's
+    storage is a slot shared with other layers, and the next copy into it overwrites such writes.
+
+    Args:
+        model (`nn.Module`): A dispatched model (`dispatch_model`, `from_pretrained`, `load_checkpoint_and_dispatch`).
+        source: A checkpoint (a folder, a `.safetensors` file or a `model.safetensors.index.json`, keys mapped as in
+            `from_pretrained`), or a state dict keyed by the model's own `state_dict()` names. Values are cast between
+            floating-point dtypes; any other change of dtype, and any change of shape, is an error.
+        process (`Callable[[nn.Module], None]`, *optional*): Called once for each layer of the layer lists, under
+            `torch.no_grad()`, once all of the layer's new weights arrived and with them on the execution device (a
+            streamed layer is copied into its slot first), e.g. to quantize or repack values. It may change values
+            only: in place, or by assigning tensors of the same shape and dtype (their values are copied into the
+            original storage, and the original tensors put back). Adding, removing or replacing parameters, buffers or
+            submodules otherwise raises `ValueError`. What it leaves is stored (a streamed layer's slot goes back to
+            host storage). Tensors outside the layer lists (embeddings, final norm, head) are written, not processed.
+            `reload_weights(model, model.state_dict(), process=fn)` applies `fn` to the current weights.
+        strict (`bool`, defaults to `True`): For a state dict: every parameter and persistent buffer must have a value
+            and every key must name one, as in `load_state_dict`. With `False` only the tensors it names are written.
+            A checkpoint must always cover the model, as for `from_pretrained`.
+
+    Returns:
+        The same model.
+
+    Raises:
+        `ValueError` for a model that is not dispatched, a missing or unexpected key, or a shape or dtype that does
+        not fit (nothing is written then), and when `process` changes more than values (the layer's tensors are put
+        back). An error while writing (a file that cannot be read, `process` failing) leaves some layers with their
+        new weights and the others with their old ones, the pool consistent with them: reload again.
+
+    Example:
+
+    ```python
+    >>> import tempfile, torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> import hf_prefetch
+    >>> config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+    ...     num_key_value_heads=2, vocab_size=64)
+    >>> model = hf_prefetch.dispatch_model(LlamaForCausalLM(config).eval(), device="cpu", group_size=2, num_in_group=1,
+    ...     prefetch_step=1)
+    >>> new, ids = LlamaForCausalLM(config).eval(), torch.tensor([[1, 2, 3]])
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     new.save_pretrained(folder)
+    ...     model = hf_prefetch.reload_weights(model, folder)
+    >>> torch.equal(model(ids).logits, new(ids).logits)
+    True
+    >>> def double_down_proj(layer):
+    ...     layer.mlp.down_proj.weight.mul_(2)
+    >>> model = hf_prefetch.reload_weights(model, new.state_dict(), process=double_down_proj)
+    >>> stored = model.state_dict()["model.layers.1.mlp.down_proj.weight"]  # a streamed layer: its host storage
+    >>> torch.equal(stored, 2 * new.model.layers[1].mlp.down_proj.weight)
+    True
+    >>> model = hf_prefetch.remove_offload(model)
+
+    ```
+    """
+    state = _dispatched(model, "reload_weights")
+    started = time.perf_counter()
+    if isinstance(source, Mapping):
+        values = _StateDictValues(model, source, strict)
+    elif isinstance(source, (str, os.PathLike)):
+        values = _CheckpointValues(model, source)
+    else:
+        raise ValueError(
+            f"source={type(source).__name__} is neither a checkpoint path nor a state dict; pass a folder, a "
+            ".safetensors file, or a mapping of the model's state_dict() names to tensors."
+        )
+    with values:  # validated: from here on values are written
+        layers = _layers(state.plan)
+        names_of = _names_by_layer(values.names, layers)
+        state.engine.drain()  # no copy may still read host storage, and no kernel a tensor, that is rewritten now
+        try:
+            if process is None:
+                values.write(values.names)
+            else:
+                values.write(names_of.get(None, []))
+                for layer in layers:
+                    values.write(names_of.get(layer.path, []))
+                    _process(model, state, layer, process)
+        finally:
+            state.engine.refill()  # [Note: rewriting weights]: no slot keeps a layer's old values
+    seconds = time.perf_counter() - started
+    gb = values.nbytes / 1e9
+    logger.info("Reloaded %d tensors: %.2f GB in %.2f s (%.2f GB/s)", len(values.names), gb, seconds, gb / seconds)
+    return model
+
+
+def sync_from_device(model: nn.Module, layers: str | Sequence[str] | None = None) -> list[str]:
+    """Copy the contents of the buffer slots back into the host storage of the streamed layers that hold them.
+
+    For code that changed a slot's contents on purpose, through the parameters of the layer that holds the slot: those
+    writes are otherwise lost at the slot's next copy. A slot holds one streamed layer at a time, so this only
+    makes sense for that layer: with no more streamed layers than slots every layer holds its own; otherwise the
+    forward moves them on, and writes through another layer's parameters land in the holder's weights. To change a
+    streamed layer's weights in general, use `reload_weights` (with `process`) or `load_state_dict`. Resident
+    parameters need no sync: their device tensors are their storage.
+
+    Args:
+        model (`nn.Module`): A dispatched model.
+        layers (`str` or list of `str`, *optional*): Paths of streamed layers to sync (each must hold its slot);
+            by default every streamed layer that holds its slot.
+
+    Returns:
+        The paths of the layers whose host storage was written.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> import hf_prefetch
+    >>> config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+    ...     num_key_value_heads=2, vocab_size=64)
+    >>> model = hf_prefetch.dispatch_model(LlamaForCausalLM(config).eval(), device="cpu", group_size=2, num_in_group=1,
+    ...     prefetch_step=2)
+    >>> with torch.no_grad():
+    ...     _ = model.model.layers[3].mlp.up_proj.weight.mul_(0.5)
+    >>> hf_prefetch.sync_from_device(model)
+    ['model.layers.1', 'model.layers.3']
+    >>> model = hf_prefetch.remove_offload(model)
+
+    ```
+    """
+    state = _dispatched(model, "sync_from_device")
+    streamed: dict[str, tuple[int, int]] = {}  # path -> (ring, position)
+    holders: dict[int, dict[int, str]] = {}  # ring -> slot -> path of the layer that holds it
+    for ring_index, (ring, transfers) in enumerate(zip(state.plan.rings, state.engine.rings, strict=True)):
+        for position, layer in enumerate(ring.streamed):
+            streamed[layer.path] = (ring_index, position)
+            if transfers.pool.owners[layer.slot] == position:
+                holders.setdefault(ring_index, {})[layer.slot] = layer.path
+    holding = [path for slots in holders.values() for path in slots.values()]
+    if layers is None:
+        chosen = [path for path in streamed if path in holding]
+    else:
+        chosen = [layers] if isinstance(layers, str) else list(layers)
+    for path in chosen:
+        if path not in streamed:
+            raise ValueError(
+                f"{path!r} is not a streamed layer of {type(model).__name__}; streamed layers: {list(streamed)[:8]}. "
+                "Resident layers need no sync: their parameters are their storage."
+            )
+        if path not in holding:
+            ring_index, position = streamed[path]
+            slot = state.plan.rings[ring_index].streamed[position].slot
+            holder = holders.get(ring_index, {}).get(slot, "no layer")
+            raise ValueError(
+                f"{path} does not hold its buffer slot {slot} now ({holder} does): its parameters show another "
+                "layer's weights, so nothing of its is on the device to sync. Change a streamed layer's weights with "
+                "hf_prefetch.reload_weights(model, source, process=fn) or model.load_state_dict(...) instead."
+            )
+    state.engine.drain()
+    for path in chosen:
+        state.engine.store(*streamed[path])
+    return chosen
+
+
+def _dispatched(model: nn.Module, verb: str) -> dispatch.OffloadState:
+    state = dispatch.get_state(model)
+    if state is None or state.engine is None:
+        raise ValueError(
+            f"{type(model).__name__} is not dispatched by hf_prefetch: {verb} works on dispatched models. On an "
+            "ordinary model use model.load_state_dict(...)."
+        )
+    return state
+
+
+class _Layer(NamedTuple):
+    path: str
+    ring: int
+    position: int | None  # among the ring's streamed layers; None for a resident layer
+
+
+def _layers(plan: OffloadPlan) -> list[_Layer]:
+    layers = []
+    for ring_index, ring in enumerate(plan.rings):
+        positions = {layer.path: position for position, layer in enumerate(ring.streamed)}
+        layers += [_Layer(layer.path, ring_index, positions.get(layer.path)) for layer in ring.layers]
+    return layers
+
+
+def _names_by_layer(names: list[str], layers: list[_Layer]) -> dict[str | None, list[str]]:
+    # Tensor names by the layer they belong to; None for tensors outside the layer lists.
+    paths = {layer.path for layer in layers}
+    grouped: dict[str | None, list[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        prefixes = (".".join(parts[:depth]) for depth in range(1, len(parts)))
+        grouped.setdefault(next((p for p in prefixes if p in paths), None), []).append(name)
+    return grouped
+
+
+def _destinations(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    # Canonical name (the first of a tied tensor's names) -> where its value lives: the host tensor of a streamed
+    # parameter (the dispatch's state-dict hook returns it), else the parameter or buffer itself. Every state-dict
+    # name -> its canonical name. The same naming as the loader's key map.
+    destinations, canonical, first = {}, {}, {}
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        canonical[name] = first.setdefault(id(tensor), name)
+        if canonical[name] == name:
+            destinations[name] = tensor
+    return destinations, canonical
+
+
+def _check_shape(key: str, shape: Sequence[int], name: str, destination: torch.Tensor) -> None:
+    if tuple(shape) != tuple(destination.shape):
+        raise ValueError(
+            f"{key!r} has shape {list(shape)} but {name} has shape {list(destination.shape)}. {_REDISPATCH}"
+        )
+
+
+def _check_dtype(key: str, dtype: torch.dtype, name: str, destination: torch.Tensor) -> None:
+    if dtype != destination.dtype and not (dtype.is_floating_point and destination.dtype.is_floating_point):
+        raise ValueError(
+            f"{key!r} holds {dtype} values but {name} is {destination.dtype}; values are cast only between "
+            f"floating-point dtypes. {_REDISPATCH}"
+        )
+
+
+class _StateDictValues:
+    """New values from a state dict keyed like the model's `state_dict()`."""
+
+    def __init__(self, model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool) -> None:
+        self.destinations, canonical = _destinations(model)
+        self.values: dict[str, torch.Tensor] = {}
+        unexpected = [key for key in state_dict if key not in canonical]
+        for key, value in state_dict.items():
+            if key not in canonical:
+                continue
+            if not isinstance(value, torch.Tensor):
+                raise ValueError(f"state_dict[{key!r}] is a {type(value).__name__}, not a tensor.")
+            name = canonical[key]
+            _check_shape(key, value.shape, name, self.destinations[name])
+            _check_dtype(key, value.dtype, name, self.destinations[name])
+            if name not in self.values or key == name:
+                self.values[name] = value
+        missing = [name for name in self.destinations if name not in self.values]
+        if strict and (missing or unexpected):
+            problems = []
+            if missing:
+                problems.append(f"has no value for {missing[0]} ({len(missing)} missing: {missing[:5]})")
+            if unexpected:
+                problems.append(
+                    f"holds {unexpected[0]!r}, which names no parameter or persistent buffer of "
+                    f"{type(model).__name__} ({len(unexpected)} unexpected: {unexpected[:5]})"
+                )
+            raise ValueError(
+                f"reload_weights(strict=True): the state dict {' and '.join(problems)}. Keys are the model's own "
+                "state_dict() names; pass strict=False to write only the tensors it names."
+            )
+        self.names = list(self.values)
+        self.nbytes = 0
+
+    def write(self, names: list[str]) -> None:
+        with torch.no_grad():
+            for name in names:
+                self.destinations[name].copy_(self.values[name])
+                self.nbytes += self.values[name].nbytes
+
+    def __enter__(self) -> _StateDictValues:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+class _CheckpointValues:
+    """New values from a safetensors checkpoint, mapped and validated by the loader's key map, read into place."""
+
+    def __init__(self, model: nn.Module, path: str | os.PathLike) -> None:
+        self.model = model
+        self.checkpoint = Checkpoint.open(path)
+        try:
+            self.keymap = _map_keys(model, self.checkpoint)  # checks names, shapes, missing and unexpected keys
+            self.destinations = self.keymap.model_tensors
+            for name, pieces in self.keymap.streamed.items():
+                for entry, _ in pieces:
+                    _check_dtype(entry.key, entry.dtype, name, self.destinations[name])
+            for _, _, sources, outputs in self.keymap.converted:
+                name = next(iter(outputs.values()))
+                for _, entry in sources:
+                    _check_dtype(entry.key, entry.dtype, name, self.destinations[name])
+            self.reader = TensorReader(self.checkpoint)
+        except BaseException:
+            self.checkpoint.close()
+            raise
+        converted = [name for *_, outputs in self.keymap.converted for name in outputs.values()]
+        self.names = [*self.keymap.streamed, *converted]
+
+    @property
+    def nbytes(self) -> int:
+        return self.reader.bytes_read
+
+    def write(self, names: list[str]) -> None:
+        wanted = set(names)
+        reads = [
+            (entry, _region(self.destinations[name].detach(), region))
+            for name in names
+            if name in self.keymap.streamed
+            for entry, region in self.keymap.streamed[name]
+        ]
+        self.reader.load(reads)
+        for converter, target_key, sources, outputs in self.keymap.converted:
+            if wanted.isdisjoint(outputs.values()):
+                continue
+            dtype = self.destinations[next(iter(outputs.values()))].dtype  # cast before converting, as transformers
+            converted = _convert(
+                self.model, converter, target_key, sources, lambda e, d=dtype: self.reader.read_tensor(e).to(d)
+            )
+            with torch.no_grad():
+                for out_key, value in converted.items():
+                    self.destinations[outputs[out_key]].copy_(value)
+
+    def __enter__(self) -> _CheckpointValues:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.reader.close()
+        self.checkpoint.close()
+
+
+def _process(model: nn.Module, state: dispatch.OffloadState, layer: _Layer, process: Callable) -> None:
+    module = model.get_submodule(layer.path)
+    if layer.position is not None:
+        state.engine.load(layer.ring, layer.position)  # its new values into its slot, where its parameters point
+    before = _Snapshot(module)
+    try:
+        with torch.no_grad():
+            process(module)
+        problems = before.changes()
+        if problems:
+            raise ValueError(
+                f"process({layer.path}) may change values only (in place, or through tensors of the same shape and "
+                f"dtype), but it {'; '.join(problems[:3])}. The layer's tensors were put back. {_REDISPATCH}"
+            )
+        before.keep_values()
+    finally:
+        before.restore()
+    if layer.position is not None:
+        state.engine.store(layer.ring, layer.position)  # the processed slot back into host storage
+
+
+class _Snapshot:
+    """A layer's submodules, parameters and buffers before `process` ran, with the storage each tensor used."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.layer = layer
+        self.modules = dict(layer.named_modules())
+        self.tensors = {name: (tensor, tensor.detach()) for name, tensor in _named_tensors(layer)}
+
+    def changes(self) -> list[str]:
+        """What `process` changed beyond values."""
+        now = dict(self.layer.named_modules())
+        problems = [
+            f"replaced or removed the submodule {name}" for name, m in self.modules.items() if now.get(name) is not m
+        ]
+        if problems:
+            return problems
+        tensors = dict(_named_tensors(self.layer))
+        problems = [f"added {name}" for name in tensors.keys() - self.tensors.keys()]
+        for name, (_, storage) in self.tensors.items():
+            value = tensors.get(name)
+            if value is None:
+                problems.append(f"removed {name}")
+            elif value.shape != storage.shape or value.dtype != storage.dtype:
+                problems.append(
+                    f"changed {name} from {list(storage.shape)} {storage.dtype} to {list(value.shape)} {value.dtype}"
+                )
+        return problems
+
+    def keep_values(self) -> None:
+        """Copy values that `process` put into new tensors into the original storage."""
+        tensors = dict(_named_tensors(self.layer))
+        for name, (_, storage) in self.tensors.items():
+            value = tensors[name].detach()
+            if not _same_memory(value, storage):
+                storage.copy_(value)
+
+    def restore(self) -> None:
+        """Put the original submodules and tensors back, each on its original storage."""
+        for name, module in self.modules.items():
+            parent, _, leaf = name.rpartition(".")
+            if name and self.layer.get_submodule(parent)._modules.get(leaf) is not module:
+                setattr(self.layer.get_submodule(parent), leaf, module)
+        for name, _ in _named_tensors(self.layer):
+            if name not in self.tensors:
+                owner, _, leaf = name.rpartition(".")
+                self.layer.get_submodule(owner)._parameters.pop(leaf, None)
+                self.layer.get_submodule(owner)._buffers.pop(leaf, None)
+        for name, (tensor, storage) in self.tensors.items():
+            owner, _, leaf = name.rpartition(".")
+            module = self.layer.get_submodule(owner)
+            mine, other = (
+                (module._parameters, module._buffers)
+                if isinstance(tensor, nn.Parameter)
+                else (module._buffers, module._parameters)
+            )
+            module.__dict__.pop(leaf, None)
+            other.pop(leaf, None)
+            mine[leaf] = tensor
+            if not _same_memory(tensor, storage):
+                tensor.data = storage
+
+
+def _named_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(), *module.named_buffers()]
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.device == b.device
+        and a.dtype == b.dtype
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+    )
