@@ -29,6 +29,7 @@ class LayerCounters:
     misses: int = 0
     copy_seconds: float = 0.0
     stall_seconds: float = 0.0
+    compute_seconds: float = 0.0  # from the end of the layer's wait to the end of its forward
 
 
 @dataclass
@@ -44,6 +45,8 @@ class LayerTransfer:
     # runs. With timing on, every copy gets a fresh event so that late reads see the right copy.
     done: torch.cuda.Event | None = None
     counters: LayerCounters = field(default_factory=LayerCounters)
+    # With timing on: when the layer's forward began (a CUDA event on the compute stream, or perf_counter on CPU).
+    compute_begin: torch.cuda.Event | float | None = None
 
 
 @dataclass
@@ -60,7 +63,9 @@ class _Pending:
     counters: LayerCounters
     begin: torch.cuda.Event
     end: torch.cuda.Event
-    copy: bool  # copy time (begin/end on the copy stream) or stall (compute stream ready -> copy done)
+    # "copy_seconds": begin/end on the copy stream; "stall_seconds": compute stream ready -> copy done;
+    # "compute_seconds": the layer's forward on the compute stream.
+    counter: str
 
 
 class PrefetchEngine:
@@ -110,7 +115,7 @@ class PrefetchEngine:
                     self._poll()
                     begin, layer.done = _timing_event(), _timing_event()
                     begin.record()
-                    self._pending.append(_Pending(layer.counters, begin, layer.done, copy=True))
+                    self._pending.append(_Pending(layer.counters, begin, layer.done, "copy_seconds"))
                 _copy_all(layer, self._non_blocking)
                 layer.done.record()
         transfers.pool.owners[layer.slot] = position
@@ -126,12 +131,17 @@ class PrefetchEngine:
             if self.timing:
                 ready = _timing_event()
                 ready.record(compute)
-                self._pending.append(_Pending(layer.counters, ready, layer.done, copy=False))
+                self._pending.append(_Pending(layer.counters, ready, layer.done, "stall_seconds"))
             compute.wait_event(layer.done)
+        if self.timing:
+            self._begin_compute(layer)
 
     def release(self, ring: int, position: int) -> None:
         """Layer `position` has been queued: hand its slot to the next layer that uses it."""
-        self.prefetch(ring, self.rings[ring].layers[position].next_in_slot)
+        layer = self.rings[ring].layers[position]
+        if self.timing:
+            self._end_compute(layer)
+        self.prefetch(ring, layer.next_in_slot)
 
     def start(self) -> None:
         """Fill every slot with its first layer (called once the parameters point at the pool)."""
@@ -206,11 +216,8 @@ class PrefetchEngine:
         # Completed measurements leave the queue in issue order; the first incomplete one stops the scan.
         while self._pending and self._pending[0].begin.query() and self._pending[0].end.query():
             item = self._pending.popleft()
-            seconds = item.begin.elapsed_time(item.end) / 1e3
-            if item.copy:
-                item.counters.copy_seconds += seconds
-            else:
-                item.counters.stall_seconds += max(seconds, 0.0)
+            seconds = max(item.begin.elapsed_time(item.end) / 1e3, 0.0)  # a stall is negative when the copy won
+            setattr(item.counters, item.counter, getattr(item.counters, item.counter) + seconds)
 
     def _load_now(self, transfers: RingTransfers, position: int) -> None:
         # A miss: the slot holds (or is receiving) another layer's weights, e.g. after a forward interrupted by an
@@ -231,11 +238,29 @@ class PrefetchEngine:
                 begin.record(compute)
                 _copy_all(layer, self._non_blocking)
                 end.record(compute)
-                self._pending.append(_Pending(layer.counters, begin, end, copy=True))
-                self._pending.append(_Pending(layer.counters, begin, end, copy=False))
+                self._pending.append(_Pending(layer.counters, begin, end, "copy_seconds"))
+                self._pending.append(_Pending(layer.counters, begin, end, "stall_seconds"))
             else:
                 _copy_all(layer, self._non_blocking)
         transfers.pool.owners[layer.slot] = position
+
+    def _begin_compute(self, layer: LayerTransfer) -> None:
+        if self._cuda:
+            layer.compute_begin = _timing_event()
+            layer.compute_begin.record(torch.cuda.current_stream(self.device))
+        else:
+            layer.compute_begin = time.perf_counter()
+
+    def _end_compute(self, layer: LayerTransfer) -> None:
+        begin, layer.compute_begin = layer.compute_begin, None
+        if begin is None:  # released without a wait (a forward that skipped the hook's pre-forward)
+            return
+        if self._cuda:
+            end = _timing_event()
+            end.record(torch.cuda.current_stream(self.device))
+            self._pending.append(_Pending(layer.counters, begin, end, "compute_seconds"))
+        else:
+            layer.counters.compute_seconds += time.perf_counter() - begin
 
     def _copy_on_host(self, layer: LayerTransfer) -> None:
         # CPU execution: the copy is synchronous, so all of it is time the forward waits.

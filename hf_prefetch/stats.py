@@ -24,6 +24,7 @@ class LayerStats:
     misses: int
     copy_seconds: float
     stall_seconds: float
+    compute_seconds: float
 
     @property
     def gbps(self) -> float:
@@ -58,6 +59,10 @@ class TransferStats:
         return sum(layer.stall_seconds for layer in self.layers)
 
     @property
+    def compute_seconds(self) -> float:
+        return sum(layer.compute_seconds for layer in self.layers)
+
+    @property
     def gbps(self) -> float:
         """Achieved host-to-device bandwidth while copying (GB/s), 0 without timing."""
         return self.copied_bytes / self.copy_seconds / 1e9 if self.copy_seconds else 0.0
@@ -67,19 +72,24 @@ class TransferStats:
         for layer in [*self.layers, None]:
             item = layer or self
             name = layer.path if layer else "total"
-            timed = (f"{item.copy_seconds * 1e3:.2f}", f"{item.gbps:.1f}", f"{item.stall_seconds * 1e3:.2f}")
+            timed = (
+                f"{item.copy_seconds * 1e3:.2f}",
+                f"{item.gbps:.1f}",
+                f"{item.stall_seconds * 1e3:.2f}",
+                f"{item.compute_seconds * 1e3:.2f}",
+            )
             rows.append(
                 (
                     name,
                     str(item.copies),
                     f"{item.copied_bytes / 2**20:.1f}",
-                    *(timed if self.timing else ("-",) * 3),
+                    *(timed if self.timing else ("-",) * len(timed)),
                     str(item.misses),
                 )
             )
         return rows
 
-    _HEADER = ("layer", "copies", "copied MiB", "copy ms", "GB/s", "stall ms", "misses")
+    _HEADER = ("layer", "copies", "copied MiB", "copy ms", "GB/s", "stall ms", "compute ms", "misses")
 
     def __str__(self) -> str:
         rows = [self._HEADER, *self._rows()]
@@ -129,7 +139,9 @@ def stats(model: nn.Module) -> TransferStats:
         for planned, layer in zip(ring.streamed, transfers.layers, strict=True):
             c = layer.counters
             layers.append(
-                LayerStats(planned.path, c.copies, c.copied_bytes, c.misses, c.copy_seconds, c.stall_seconds)
+                LayerStats(
+                    planned.path, c.copies, c.copied_bytes, c.misses, c.copy_seconds, c.stall_seconds, c.compute_seconds
+                )
             )
     return TransferStats(tuple(layers), engine.timing)
 

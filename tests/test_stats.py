@@ -37,6 +37,7 @@ def test_timing_on_cpu_counts_copy_and_stall_seconds():
         s = hf_prefetch.stats(model)
         assert s.timing and s.copies == 5
         assert s.copy_seconds > 0 and s.stall_seconds == pytest.approx(s.copy_seconds)
+        assert s.compute_seconds > 0 and all(layer.compute_seconds > 0 for layer in s.layers)
         assert s.gbps > 0
         html = s._repr_html_()
         assert html.startswith("<table>") and "model.layers.3" in html
