@@ -18,8 +18,9 @@ from torch import nn
 from .budget import choose_plan, device_argument, parse_max_memory
 from .config import PrefetchConfig
 from .engine import LayerTransfer, PrefetchEngine, RingTransfers
-from .hooks import PrefetchHook
+from .hooks import PrefetchHook, prepare_hook
 from .host import HostArena
+from .ops import register_engine
 from .plan import OffloadPlan, ParamSpec
 from .pool import BufferPool
 
@@ -202,13 +203,15 @@ def attach(model: nn.Module, state: OffloadState) -> None:
             transfers.append(LayerTransfer(host, slots, layer.slot, layer.next_in_slot, layer.offloaded_bytes))
         rings.append(RingTransfers(transfers, pool))
     state.engine = PrefetchEngine(device, rings, pinned=state.arena.pinned, timing=state.timing)
+    engine_id = register_engine(state.engine)
 
     for ring_index, ring in enumerate(plan.rings):
         for position, layer in enumerate(ring.streamed):
             module = model.get_submodule(layer.path)
-            hook = PrefetchHook(state.engine, ring_index, position)
+            hook = PrefetchHook(state.engine, engine_id, ring_index, position)
             add_hook_to_module(module, hook, append=True)
             state.hooks.append((module, hook))
+    state.handles.append(model.register_forward_pre_hook(prepare_hook(state.engine)))
     state.handles.append(model._register_state_dict_hook(_host_values_in_state_dict))
     state.handles += _write_through_load_state_dict(model, state)
     state.guarded = _guard_moves(model, [o.full_name for o in state.offloaded])

@@ -8,6 +8,7 @@ in docs/design.md.
 
 from __future__ import annotations
 
+import ctypes
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -44,6 +45,7 @@ class LayerTransfer:
     # Recorded on the copy stream after this layer's latest copy; the compute stream waits on it before the layer
     # runs. With timing on, every copy gets a fresh event so that late reads see the right copy.
     done: torch.cuda.Event | None = None
+    done_in_capture: bool = False  # `done` was last recorded in a CUDA-graph capture: record a fresh event next time
     counters: LayerCounters = field(default_factory=LayerCounters)
     # With timing on: when the layer's forward began (a CUDA event on the compute stream, or perf_counter on CPU).
     compute_begin: torch.cuda.Event | float | None = None
@@ -90,6 +92,12 @@ class PrefetchEngine:
         # it by each layer's `done` event.
         self.copy_stream = torch.cuda.Stream(device) if self._cuda else None
         self._pending: deque[_Pending] = deque()
+        # The copies issued in the CUDA-graph capture under way, as (ring, position): their `done` events belong to
+        # it. Emptied when each ring's last layer joins the copy stream back into the capture.
+        self._captured: set[tuple[int, int]] = set()
+        # A graph has recorded this engine's copies: replays skip the waits for each ring's first layers, so every
+        # forward must `prepare` for one. See [Note: compile and CUDA graphs] in docs/design.md.
+        self.graphs = False
         if self._cuda:
             for ring in self.rings:
                 for layer in ring.layers:
@@ -109,14 +117,23 @@ class PrefetchEngine:
         if not self._cuda:
             self._copy_on_host(layer)
         else:
+            capturing = torch.cuda.is_current_stream_capturing()
+            # In a capture this fork makes the copy stream join it: its copies become nodes of the graph.
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
-                if self.timing:
+                if capturing:
+                    self._check_capturable()
+                    layer.done, layer.done_in_capture = torch.cuda.Event(), True
+                    self._captured.add((ring, position))
+                    self.graphs = True
+                elif self.timing:
                     self._poll()
                     begin, layer.done = _timing_event(), _timing_event()
                     begin.record()
                     self._pending.append(_Pending(layer.counters, begin, layer.done, "copy_seconds"))
-                _copy_all(layer, self._non_blocking)
+                elif layer.done_in_capture:
+                    layer.done, layer.done_in_capture = torch.cuda.Event(), False
+                _copy_all(layer, self._non_blocking, self.copy_stream if capturing else None)
                 layer.done.record()
         transfers.pool.owners[layer.slot] = position
 
@@ -124,8 +141,15 @@ class PrefetchEngine:
         """Order the compute stream after layer `position`'s copy; load it now if its slot holds another layer."""
         transfers = self.rings[ring]
         layer = transfers.layers[position]
-        if transfers.pool.owners[layer.slot] != position:
+        capturing = self._cuda and torch.cuda.is_current_stream_capturing()
+        if not self._holds(transfers, position, capturing):
             self._load_now(transfers, position)
+        elif capturing:
+            # A copy issued before the capture began is not waited for (its event lies outside the capture): the
+            # capture began after a device synchronisation (torch.cuda.graph and inductor's CUDA graphs synchronise
+            # first), and each replay comes after the previous one, whose last layers copied these weights again.
+            if (ring, position) in self._captured:
+                torch.cuda.current_stream(self.device).wait_event(layer.done)
         elif self._cuda:
             compute = torch.cuda.current_stream(self.device)
             if self.timing:
@@ -133,15 +157,56 @@ class PrefetchEngine:
                 ready.record(compute)
                 self._pending.append(_Pending(layer.counters, ready, layer.done, "stall_seconds"))
             compute.wait_event(layer.done)
-        if self.timing:
+        if self.timing and not capturing:
             self._begin_compute(layer)
 
     def release(self, ring: int, position: int) -> None:
         """Layer `position` has been queued: hand its slot to the next layer that uses it."""
-        layer = self.rings[ring].layers[position]
-        if self.timing:
+        transfers = self.rings[ring]
+        layer = transfers.layers[position]
+        capturing = self._cuda and torch.cuda.is_current_stream_capturing()
+        if self.timing and not capturing:
             self._end_compute(layer)
         self.prefetch(ring, layer.next_in_slot)
+        if capturing and position == len(transfers.layers) - 1:
+            self._join_capture(ring)
+
+    def prepare(self) -> None:
+        """Before each forward, once a CUDA graph has recorded this engine's copies (a replay runs no Python): load
+        each ring's first layers that are not in their slots, and order the compute stream after every copy issued
+        so far. See [Note: compile and CUDA graphs] in docs/design.md."""
+        if not self.graphs or torch.cuda.is_current_stream_capturing():
+            return
+        for transfers in self.rings:
+            for position in range(min(transfers.pool.num_slots, len(transfers.layers))):
+                if not self._holds(transfers, position, capturing=False):
+                    self._load_now(transfers, position)
+        torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+
+    @staticmethod
+    def _holds(transfers: RingTransfers, position: int, capturing: bool) -> bool:
+        # Whether layer `position`'s weights are in (or on their way to) its slot. A copy only recorded in a capture
+        # (its event belongs to the graph) put nothing there outside it: after an aborted capture that is a miss.
+        layer = transfers.layers[position]
+        return transfers.pool.owners[layer.slot] == position and (capturing or not layer.done_in_capture)
+
+    def _join_capture(self, ring: int) -> None:
+        # The ring's forward ends: join the copy stream back into the capture (the graph ends only after the copies
+        # of the next forward's first layers), and forget what its slots hold: until the graph is replayed they hold
+        # what they held before the capture, not what the captured copies will put there.
+        if any(r == ring for r, _ in self._captured):
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+        self._captured = {(r, p) for r, p in self._captured if r != ring}
+        pool = self.rings[ring].pool
+        pool.owners[:] = [None] * pool.num_slots
+
+    def _check_capturable(self) -> None:
+        if not self._non_blocking:
+            raise RuntimeError(
+                "hf_prefetch: a CUDA graph cannot capture copies from pageable host memory, and the offloaded weights "
+                "could not be pinned. Make pinning possible (see 'Troubleshooting' in docs/getting_started.md) or "
+                "run without CUDA graphs (torch.compile mode='default')."
+            )
 
     def start(self) -> None:
         """Fill every slot with its first layer (called once the parameters point at the pool)."""
@@ -169,8 +234,12 @@ class PrefetchEngine:
         layer = transfers.layers[position]
         transfers.pool.owners[layer.slot] = position
         if self._cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-        _copy_all(layer, self._non_blocking)
+            compute = torch.cuda.current_stream(self.device)
+            compute.wait_stream(self.copy_stream)
+            _copy_all(layer, self._non_blocking)
+            _loaded_on(layer, compute, capturing=False)
+        else:
+            _copy_all(layer, self._non_blocking)
 
     def store(self, ring: int, position: int) -> None:
         """Copy the contents of layer `position`'s slot back into its host storage; the layer must own the slot."""
@@ -232,8 +301,13 @@ class PrefetchEngine:
             self._copy_on_host(layer)
         else:
             compute = torch.cuda.current_stream(self.device)
-            compute.wait_stream(self.copy_stream)
-            if self.timing:
+            capturing = torch.cuda.is_current_stream_capturing()
+            if not capturing or self._captured:  # in a capture the copy stream may be waited on once it joined it
+                compute.wait_stream(self.copy_stream)
+            if capturing:
+                self._check_capturable()
+                _copy_all(layer, self._non_blocking, compute)
+            elif self.timing:
                 begin, end = _timing_event(), _timing_event()
                 begin.record(compute)
                 _copy_all(layer, self._non_blocking)
@@ -242,6 +316,7 @@ class PrefetchEngine:
                 self._pending.append(_Pending(layer.counters, begin, end, "stall_seconds"))
             else:
                 _copy_all(layer, self._non_blocking)
+            _loaded_on(layer, compute, capturing)
         transfers.pool.owners[layer.slot] = position
 
     def _begin_compute(self, layer: LayerTransfer) -> None:
@@ -272,13 +347,64 @@ class PrefetchEngine:
             layer.counters.stall_seconds += seconds
 
 
+def _loaded_on(layer: LayerTransfer, stream: torch.cuda.Stream, capturing: bool) -> None:
+    # The layer's latest copy ran on `stream`: `done` now marks its end. A fresh event, since a pending timing
+    # measurement may still hold the old one.
+    layer.done, layer.done_in_capture = torch.cuda.Event(), capturing
+    layer.done.record(stream)
+
+
 def _timing_event() -> torch.cuda.Event:
     return torch.cuda.Event(enable_timing=True)
 
 
-def _copy_all(layer: LayerTransfer, non_blocking: bool) -> None:
+def _copy_all(layer: LayerTransfer, non_blocking: bool, captured_on: torch.cuda.Stream | None = None) -> None:
+    if captured_on is not None:
+        for dst, src in zip(layer.device, layer.host, strict=True):
+            _captured_copy(dst, src, captured_on)
+        return
     for dst, src in zip(layer.device, layer.host, strict=True):
         dst.copy_(src, non_blocking=non_blocking)
+
+
+def _captured_copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
+    # In a capture torch copies from host memory only if its own allocator pinned it; ours is page-locked with
+    # cudaHostRegister (exact size), so the copy goes to the driver: one cuMemcpyHtoDAsync of the tensor's bytes,
+    # recorded as a memcpy node of the graph. Host and slot tensors have the same shape and strides.
+    if src.stride() != dst.stride() or not _dense(dst):
+        raise RuntimeError(
+            f"hf_prefetch: cannot capture the copy of a tensor of shape {tuple(dst.shape)}, strides {dst.stride()} "
+            f"from host strides {src.stride()}: a captured copy needs the same dense layout on both sides."
+        )
+    nbytes = dst.numel() * dst.element_size()
+    result = _driver().cuMemcpyHtoDAsync_v2(dst.data_ptr(), src.data_ptr(), nbytes, stream.cuda_stream)
+    if result != 0:
+        raise RuntimeError(
+            f"hf_prefetch: cuMemcpyHtoDAsync of {nbytes} bytes in a CUDA-graph capture failed (CUresult {result})."
+        )
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    # Its elements fill numel() consecutive elements of memory, in some order of the dimensions.
+    expected = 1
+    for stride, size in sorted((st, sz) for sz, st in zip(tensor.shape, tensor.stride(), strict=True) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+_cuda_driver = None
+
+
+def _driver() -> ctypes.CDLL:
+    global _cuda_driver
+    if _cuda_driver is None:
+        driver = ctypes.CDLL("libcuda.so.1")  # the CUDA driver, loaded by torch already
+        driver.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        driver.cuMemcpyHtoDAsync_v2.restype = ctypes.c_int
+        _cuda_driver = driver
+    return _cuda_driver
 
 
 def measure_link_gbps(device: torch.device, nbytes: int = 64 * 2**20, repeats: int = 3) -> float:

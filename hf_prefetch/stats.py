@@ -140,7 +140,13 @@ def stats(model: nn.Module) -> TransferStats:
             c = layer.counters
             layers.append(
                 LayerStats(
-                    planned.path, c.copies, c.copied_bytes, c.misses, c.copy_seconds, c.stall_seconds, c.compute_seconds
+                    planned.path,
+                    c.copies,
+                    c.copied_bytes,
+                    c.misses,
+                    c.copy_seconds,
+                    c.stall_seconds,
+                    c.compute_seconds,
                 )
             )
     return TransferStats(tuple(layers), engine.timing)

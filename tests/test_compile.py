@@ -1,0 +1,243 @@
+"""torch.compile and CUDA graphs: the hooks' custom ops stay in the graph and in order, and compiled decoding gives
+the unmodified model's tokens. CPU tests compile without graphs; the `gpu` tests compile with and without CUDA
+graphs (inductor's "reduce-overhead" through generate's own compile of static-cache decoding)."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+
+import pytest
+import torch
+from models import prompt, tiny_llama
+from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
+
+import hf_prefetch
+
+HAS_CXX = shutil.which("g++") is not None or shutil.which("c++") is not None
+CPU_BACKENDS = [
+    "aot_eager",
+    pytest.param("inductor", marks=pytest.mark.skipif(not HAS_CXX, reason="inductor on CPU needs a C++ compiler")),
+]
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    yield
+    torch._dynamo.reset()
+
+
+def _compile_config(backend: str = "inductor", mode: str = "default") -> CompileConfig:
+    config = CompileConfig(backend=backend, mode=mode, fullgraph=False)
+    config._compile_all_devices = True  # generate compiles on the CPU too
+    return config
+
+
+def _generate(model, ids, compile_config=None, new_tokens: int = 24):
+    with torch.no_grad():
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            cache_implementation="static",
+            compile_config=compile_config,
+            disable_compile=compile_config is None,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+
+
+class GraphRecorder:
+    """A dynamo backend that keeps the FX graphs it is given and runs them eagerly."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __call__(self, gm, example_inputs):
+        self.graphs.append(gm)
+        return gm.forward
+
+    def steps(self) -> list[tuple[str, int]]:
+        """(op name, ring position) of every hf_prefetch op call, in graph order."""
+        return [
+            (str(node.target).split(".")[1], node.args[3])
+            for gm in self.graphs
+            for node in gm.graph.nodes
+            if str(node.target).startswith("hf_prefetch.")
+        ]
+
+
+@pytest.mark.parametrize("pattern", [dict(group_size=2, num_in_group=1), dict(group_size=1, num_in_group=1)])
+def test_the_decoder_stack_compiles_into_one_graph_with_the_ops_in_it(pattern):
+    model = hf_prefetch.dispatch_model(tiny_llama(), device="cpu", prefetch_step=2, **pattern)
+    streamed = len(hf_prefetch.get_state(model).plan.rings[0].streamed)
+    recorder = GraphRecorder()
+    with torch.no_grad():
+        torch.compile(model.forward, backend=recorder)(prompt(1, 7))
+    assert len(recorder.graphs) == 1  # no graph break anywhere in the forward
+    # In forward order, each layer's release after its wait and before the next layer's wait.
+    expected = [(step, position) for position in range(streamed) for step in ("wait", "release")]
+    assert recorder.steps() == expected
+    assert hf_prefetch.stats(model).misses == 0
+
+
+def test_the_model_entry_runs_outside_the_graph_on_every_call():
+    # `prepare` (what must happen before a CUDA-graph replay) runs as a graph break at the model's entry, so it runs
+    # again on every call of a compiled __call__, not once while tracing.
+    model = hf_prefetch.dispatch_model(tiny_llama(), device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
+    engine = hf_prefetch.get_state(model).engine
+    calls = []
+    engine.prepare = lambda: calls.append(1)
+    compiled = torch.compile(model.__call__, backend="eager")
+    with torch.no_grad():
+        for _ in range(3):
+            compiled(prompt(1, 7))
+    assert len(calls) == 3
+
+
+def _dispatched(model, prefetch_step: int, device: str = "cpu"):
+    return hf_prefetch.dispatch_model(model, device=device, group_size=2, num_in_group=1, prefetch_step=prefetch_step)
+
+
+# With as many slots as streamed layers, every layer keeps its own slot and nothing is copied after dispatch: the
+# compiled graph is the same (same ops, same fusion boundaries), so its logits are the bitwise reference for the
+# streamed runs. (Compiled code differs from eager by rounding, with or without hf_prefetch: inductor fuses.)
+NO_MOVEMENT = 4  # tiny_llama / _gpu_model have 8 layers, 4 of them streamed
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("prefetch_step", [1, 2])
+def test_compiled_static_cache_decoding_matches_on_cpu(backend, prefetch_step):
+    reference = tiny_llama()
+    ids = prompt(2, 7)
+    eager = _generate(reference, ids)
+    still = _generate(_dispatched(copy.deepcopy(reference), NO_MOVEMENT), ids, _compile_config(backend))
+    torch._dynamo.reset()
+
+    model = _dispatched(copy.deepcopy(reference), prefetch_step)
+    for _ in range(2):  # the second call reuses the compiled graph
+        out = _generate(model, ids, _compile_config(backend))
+        assert torch.equal(out.sequences, eager.sequences)
+        for got, want in zip(out.logits, still.logits, strict=True):
+            assert torch.equal(got, want)
+    stats = hf_prefetch.stats(model)
+    assert stats.misses == 0 and stats.copies > 4 * 24
+
+
+def test_a_layer_called_without_tensor_inputs_still_waits_when_compiled():
+    # No anchor to order an op by: the step runs outside the graph instead, and the weights are still right.
+    model = hf_prefetch.dispatch_model(tiny_llama(), device="cpu", group_size=2, num_in_group=1, prefetch_step=1)
+    layer = model.model.layers[1]
+    engine = hf_prefetch.get_state(model).engine
+    hook = layer._hf_hook
+    seen = []
+    engine_wait = engine.wait
+    engine.wait = lambda ring, position: seen.append(position) or engine_wait(ring, position)
+
+    @torch.compile(backend="eager")
+    def call_hook():
+        hook.pre_forward(layer)
+        return torch.ones(1) * 2
+
+    call_hook()
+    assert seen == [0]
+
+
+# --- CUDA -------------------------------------------------------------------------------------------------------
+
+
+def _gpu_model(num_layers: int = 8, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    # ~180 MB of fp32 weights per layer: each copy takes far longer than a decode step, so a wait missing from the
+    # graph, or a copy recorded in the wrong order, shows up as wrong tokens. fp32 keeps compiled and eager tokens
+    # apart only by rounding, not by bf16's coarse steps.
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=num_layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=1024,
+        max_position_embeddings=4096,
+    )
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+MODES = ["default", "reduce-overhead"]  # inductor without and with CUDA graphs
+
+
+@pytest.fixture(scope="module")
+def cuda_reference():
+    model = _gpu_model()
+    ids = torch.randint(3, 1024, (1, 16), generator=torch.Generator().manual_seed(1)).cuda()
+    eager = _generate(copy.deepcopy(model).cuda(), ids, new_tokens=64)
+    still = {}
+    for mode in MODES:
+        _dispatched(model, NO_MOVEMENT, "cuda")
+        still[mode] = _generate(model, ids, _compile_config("inductor", mode), new_tokens=64)
+        hf_prefetch.remove_offload(model, device="cpu")
+        torch._dynamo.reset()
+    torch.cuda.empty_cache()
+    return model, ids, eager, still
+
+
+def _check(out, eager, still) -> None:
+    assert torch.equal(out.sequences, eager.sequences)
+    for step, (got, want) in enumerate(zip(out.logits, still.logits, strict=True)):
+        assert torch.equal(got, want), f"logits differ from the compiled model without copies at step {step}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("prefetch_step", [1, 2])
+def test_compiled_decoding_on_cuda_matches_eager(cuda_reference, mode, prefetch_step):
+    model, ids, eager, still = cuda_reference
+    _dispatched(model, prefetch_step, "cuda")
+    try:
+        for _ in range(3):  # warm-up, recording, then replays of the recorded graphs
+            _check(_generate(model, ids, _compile_config("inductor", mode), new_tokens=64), eager, still[mode])
+        assert hf_prefetch.get_state(model).engine.graphs == (mode == "reduce-overhead")
+    finally:
+        hf_prefetch.remove_offload(model, device="cpu")
+
+
+@pytest.mark.gpu
+def test_eager_and_replayed_forwards_interleave_on_cuda(cuda_reference):
+    # An eager forward between replays (a prefill of another length, an interrupted one) leaves the slots in another
+    # state: `prepare` puts each ring's first layers back before the next replay.
+    model, ids, eager, still = cuda_reference
+    _dispatched(model, 2, "cuda")
+    mlp = model.model.layers[3].mlp
+    try:
+        config = _compile_config("inductor", "reduce-overhead")
+        _generate(model, ids, config, new_tokens=64)
+        mlp.forward = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt())
+        with pytest.raises(KeyboardInterrupt), torch.no_grad():
+            model(ids)
+        del mlp.forward
+        _check(_generate(model, ids, config, new_tokens=64), eager, still["reduce-overhead"])
+    finally:
+        mlp.__dict__.pop("forward", None)
+        hf_prefetch.remove_offload(model, device="cpu")
+
+
+@pytest.mark.gpu
+def test_reload_between_graph_replays_on_cuda(cuda_reference):
+    model, ids, eager, _ = cuda_reference
+    other = _gpu_model()
+    with torch.no_grad():
+        for param in other.parameters():
+            param.mul_(-1.0)  # another model of the same shapes
+    expected = _generate(copy.deepcopy(other).cuda(), ids, new_tokens=64)
+    _dispatched(model, 2, "cuda")
+    try:
+        config = _compile_config("inductor", "reduce-overhead")
+        for _ in range(2):
+            assert torch.equal(_generate(model, ids, config, new_tokens=64).sequences, eager.sequences)
+        hf_prefetch.reload_weights(model, other.state_dict())
+        assert torch.equal(_generate(model, ids, config, new_tokens=64).sequences, expected.sequences)
+        hf_prefetch.reload_weights(model, _gpu_model().state_dict())
+        assert torch.equal(_generate(model, ids, config, new_tokens=64).sequences, eager.sequences)
+    finally:
+        hf_prefetch.remove_offload(model, device="cpu")
