@@ -56,11 +56,13 @@ def save_checkpoint(folder: Path, num_layers: int, seed: int = 0) -> None:
     LlamaForCausalLM(config).save_pretrained(folder, max_shard_size="2MB")
 
 
-def greedy(model: nn.Module, prompt: torch.Tensor, num_tokens: int) -> torch.Tensor:
+def greedy(model: nn.Module, prompt: torch.Tensor, num_tokens: int, **generate_kwargs) -> torch.Tensor:
     """The `num_tokens` tokens greedy decoding appends to `prompt` (shape `[1, prompt_length]`), as a 1-D tensor."""
     ids = prompt.to(model.device)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens, do_sample=False)
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens, do_sample=False, **generate_kwargs
+        )
     return out[0, prompt.shape[1] :].cpu()
 
 
@@ -105,6 +107,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         model = hf_prefetch.from_pretrained(folder, device=args.device, progress=False, **CONFIG_FIELDS)
         tokens = greedy(model, prompt, args.tokens)
+        compiled = None
+        if args.device.startswith("cuda"):
+            # With a static cache on CUDA, transformers compiles the decode step (inductor, "reduce-overhead": CUDA
+            # graphs); the streamed layers' copies are recorded into the graphs and replayed with them.
+            compiled = greedy(model, prompt, args.tokens, cache_implementation="static")
         reference = load_reference(folder, args.device)
         expected = greedy(reference, prompt, args.tokens)
         del reference
@@ -113,6 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"prompt:       {prompt[0].tolist()}")
     print(f"hf_prefetch:  {tokens.tolist()}")
     print(f"transformers: {expected.tolist()}")
+    if compiled is not None:
+        print(f"hf_prefetch, compiled + CUDA graphs (cache_implementation='static'): {compiled.tolist()}")
+        identical = identical and torch.equal(compiled, expected)
     print(f"identical: {identical}")
 
     print("\nplan (hf_prefetch.get_state(model).plan):")
