@@ -49,7 +49,8 @@ def plan(
         offload, max_memory, reserve_bytes, device, layers, config_fields: As in `dispatch_model`.
         dtype, model_class: For a checkpoint folder, as in `from_pretrained`.
         link_gbps (`float`, *optional*): Host-to-device link speed in GB/s, for the transfer time per forward. On a
-            GPU it is measured when not given (a few 64 MiB pinned copies); on the CPU the line is left out.
+            GPU it is measured when not given (a few 256 MiB pinned copies, once per process and device, then
+            cached); on the CPU the line is left out.
 
     Returns:
         An `OffloadPlan`.
