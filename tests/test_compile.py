@@ -241,3 +241,19 @@ def test_reload_between_graph_replays_on_cuda(cuda_reference):
         assert torch.equal(_generate(model, ids, config, new_tokens=64).sequences, eager.sequences)
     finally:
         hf_prefetch.remove_offload(model, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "make, dense",
+    [
+        (lambda: torch.empty(4, 6), True),
+        (lambda: torch.empty(6, 4).t(), True),  # transposed: dense in another order of the dimensions
+        (lambda: torch.empty(4, 1, 6), True),
+        (lambda: torch.empty(4, 12)[:, :6], False),  # every other half-row: gaps
+        (lambda: torch.empty(4, 6)[::2], False),
+    ],
+)
+def test_a_captured_copy_needs_a_dense_layout(make, dense):
+    from hf_prefetch.engine import _dense
+
+    assert _dense(make()) is dense
