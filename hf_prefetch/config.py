@@ -81,17 +81,16 @@ class PrefetchConfig:
             )
 
 
-def _validate_segments(segments: Iterable[str]) -> frozenset[str]:
+def _validate_segments(segments: Iterable[str], name: str = "PrefetchConfig.offload_params") -> frozenset[str]:
     if isinstance(segments, str):
         raise ValueError(
-            f"PrefetchConfig.offload_params={segments!r} is a string; pass a set of segments, "
-            f"e.g. offload_params={{{segments!r}}}."
+            f"{name}={segments!r} is a string; pass a set of segments, e.g. {name.split('.')[-1]}={{{segments!r}}}."
         )
     result = frozenset(segments)
     for segment in result:
         if not isinstance(segment, str) or not segment or segment.startswith(".") or segment.endswith("."):
             raise ValueError(
-                f"PrefetchConfig.offload_params contains {segment!r}; each segment must be a non-empty string of "
+                f"{name} contains {segment!r}; each segment must be a non-empty string of "
                 "whole dotted name parts such as 'experts' or 'mlp.down_proj'."
             )
     return result

@@ -1,13 +1,14 @@
-"""Wiring: `dispatch_model` executes an `OffloadPlan` on a model and `remove_offload` undoes it.
+"""Wiring: `dispatch_model` executes an `OffloadPlan` (prefetch) or a `UVAPlan` on a model; `remove_offload` undoes it.
 
 This is the only module that mutates the model: it moves weights into host storage and onto the device, points
-streamed parameters at their pool slots, and attaches and detaches the hooks.
+streamed parameters at their pool slots (prefetch) or at device views of their host storage (UVA), and attaches and
+detaches the hooks.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -20,9 +21,11 @@ from .config import PrefetchConfig
 from .engine import LayerTransfer, PrefetchEngine, RingTransfers
 from .hooks import PrefetchHook, prepare_hook
 from .host import HostArena
+from .offload_config import OffloadConfig, UVAConfig, resolve_offload
 from .ops import register_engine
 from .plan import OffloadPlan, ParamSpec
 from .pool import BufferPool
+from .uva import UVAPlan, make_uva_plan, warn_on_cpu
 
 __all__ = ["dispatch_model", "remove_offload", "get_state", "OffloadState"]
 
@@ -43,9 +46,9 @@ class OffloadedParam:
 
 @dataclass
 class OffloadState:
-    """Everything `dispatch_model` set up on a model; `remove_offload` tears it down."""
+    """Everything `dispatch_model` set up on a model; `remove_offload` tears it down. UVA has no engine or hooks."""
 
-    plan: OffloadPlan
+    plan: OffloadPlan | UVAPlan
     device: torch.device
     arena: HostArena
     offloaded: list[OffloadedParam]
@@ -64,10 +67,10 @@ def get_state(model: nn.Module) -> OffloadState | None:
 
 def dispatch_model(
     model: nn.Module,
-    offload: str | PrefetchConfig = "prefetch",
+    offload: str | PrefetchConfig | UVAConfig | OffloadConfig = "prefetch",
     *,
     device: str | int | torch.device | None = None,
-    config: PrefetchConfig | None = None,
+    config: PrefetchConfig | UVAConfig | None = None,
     layers: str | Sequence[str] | None = None,
     replace: bool = False,
     timing: bool = False,
@@ -82,10 +85,11 @@ def dispatch_model(
 
     Args:
         model (`nn.Module`): A built model (on CPU or GPU) with a layer list, e.g. a transformers model.
-        offload (`str` or `PrefetchConfig`): `"prefetch"` (configured by `config` or `config_fields`) or a config.
+        offload (`str` or config): `"prefetch"` or `"uva"` (configured by `config` or its fields as keywords), or a
+            `PrefetchConfig`, `UVAConfig` or `OffloadConfig`. For UVA see `hf_prefetch.UVAConfig`.
         device: Execution device. Defaults to the current CUDA device, or `"cpu"` without CUDA (copies are then
             synchronous, everything else is the same).
-        config (`PrefetchConfig`, *optional*): The configuration; alternatively pass its fields as keywords.
+        config (`PrefetchConfig` or `UVAConfig`, *optional*): The configuration; alternatively pass its fields.
         layers (`str` or list of `str`, *optional*): Path(s) of the layer list(s), e.g. `"model.layers"`. Found
             from `_no_split_modules` when omitted.
         replace (`bool`): Re-dispatch a dispatched model with a new configuration, without reloading it.
@@ -121,7 +125,10 @@ def dispatch_model(
 
     ```
     """
-    config = _resolve_config(offload, config, config_fields)
+    config = resolve_offload(offload, config, config_fields)
+    uva = isinstance(config, UVAConfig)
+    if uva and (timing or max_memory is not None or reserve_bytes is not None):
+        raise ValueError("timing, max_memory and reserve_bytes work with offload='prefetch' only, not with 'uva'.")
     max_memory = parse_max_memory(max_memory, reserve_bytes, config, config_fields)
     exec_device = resolve_device(device_argument(max_memory, device))
     state = get_state(model)
@@ -131,14 +138,17 @@ def dispatch_model(
             "hf_prefetch.remove_offload(model) first, or pass replace=True to re-dispatch with the new config."
         )
     _check_materialized(model)
-    plan = choose_plan(model, config, layers, exec_device, max_memory)  # validated before the old dispatch is undone
+    # Validated before the old dispatch is undone.
+    plan = make_uva_plan(model, config, layers) if uva else choose_plan(model, config, layers, exec_device, max_memory)
     if state is not None:
         _teardown(model, state, target=None)
-    arena = HostArena([spec.nbytes for _, _, spec in host_layout(plan)])
+    # UVA on the CPU leaves every weight where it is: host memory is the device's memory.
+    layout = [] if uva and exec_device.type == "cpu" else host_layout(plan)
+    arena = HostArena([spec.nbytes for _, _, spec in layout])
     state = OffloadState(plan, exec_device, arena, offloaded=[], timing=timing)
     origin = {name: t.device for name, t in [*model.named_parameters(), *model.named_buffers()]}
     try:
-        for index, (layer_path, _, spec) in enumerate(host_layout(plan)):
+        for index, (layer_path, _, spec) in enumerate(layout):
             param = model.get_parameter(f"{layer_path}.{spec.name}")
             host = arena.view(index, spec.shape, spec.stride, spec.dtype)
             host.copy_(param.data)
@@ -146,8 +156,12 @@ def dispatch_model(
             param.data = host
             state.offloaded.append(OffloadedParam(f"{layer_path}.{spec.name}", param, host, param.requires_grad))
         if exec_device.type == "cuda":
-            arena.pin()
-        attach(model, state)
+            with torch.cuda.device(exec_device):  # registered memory belongs to the current device (UVA views)
+                arena.pin()
+        if uva:
+            _attach_uva(model, state)
+        else:
+            attach(model, state)
     except BaseException:
         _teardown(model, state, target=None)
         _restore_devices(model, origin)
@@ -166,8 +180,8 @@ def _restore_devices(model: nn.Module, origin: dict[str, torch.device]) -> None:
             model.get_submodule(module_path)._buffers[leaf] = buffer.to(origin[name])
 
 
-def host_layout(plan: OffloadPlan) -> list[tuple[str, int, ParamSpec]]:
-    """The host arena's entries in order: (layer path, ring index, spec) for every streamed parameter."""
+def host_layout(plan: OffloadPlan | UVAPlan) -> list[tuple[str, int, ParamSpec]]:
+    """The host arena's entries in order: (layer path, ring index, spec) for every offloaded parameter."""
     return [
         (layer.path, ring_index, spec)
         for ring_index, ring in enumerate(plan.rings)
@@ -220,6 +234,22 @@ def attach(model: nn.Module, state: OffloadState) -> None:
     state.engine.start()
 
 
+def _attach_uva(model: nn.Module, state: OffloadState) -> None:
+    """UVA's second half: each offloaded parameter becomes a device view of its pinned host storage (zero-copy)."""
+    setattr(model, _STATE_ATTR, state)
+    if state.device.type == "cpu":
+        warn_on_cpu(state.plan)
+    else:
+        mapped = state.arena.map(state.device)  # [Note: UVA lifetime]: its views keep the arena registered
+        for index, offloaded in enumerate(state.offloaded):
+            host = offloaded.host
+            offloaded.param.data = state.arena.view(index, host.shape, host.stride(), host.dtype, base=mapped)
+        state.guarded = _guard_moves(model, [o.full_name for o in state.offloaded])
+    _move_tensors(model, state.device, skip=set())  # the views are on the device already
+    state.previous_device_map = getattr(model, "hf_device_map", _MISSING)
+    model.hf_device_map = {"": state.device.index if state.device.type == "cuda" else "cpu"}
+
+
 def remove_offload(model: nn.Module, device: str | int | torch.device | None = None) -> nn.Module:
     """Undo `dispatch_model`: every weight back on one device, hooks removed, pool and pinned memory freed.
 
@@ -253,6 +283,8 @@ def _teardown(model: nn.Module, state: OffloadState, target: torch.device | None
     # With target None, streamed parameters are left holding their host tensors (re-dispatch and rollback).
     if state.engine is not None:
         state.engine.synchronize()
+    elif state.device.type == "cuda":
+        torch.cuda.synchronize(state.device)  # UVA: no kernel may still read host memory about to be unpinned
     for module, hook in state.hooks:
         _remove_hook(module, hook)
     for handle in state.handles:
@@ -305,8 +337,9 @@ def _guard_moves(model: nn.Module, streamed_params: list[str]) -> list[nn.Module
 def _refuse_apply(*args: Any, **kwargs: Any) -> None:
     raise RuntimeError(
         "This model is dispatched by hf_prefetch: .to(), .cuda(), .cpu(), .half(), .float() and other conversions "
-        "would detach the streamed weights from their buffer slots. Call hf_prefetch.remove_offload(model) first "
-        "(remove_offload(model, device='cpu') if it does not fit on the GPU), convert, then dispatch again."
+        "would detach the offloaded weights from their buffer slots or host memory. Call "
+        "hf_prefetch.remove_offload(model) first (remove_offload(model, device='cpu') if it does not fit on the GPU), "
+        "convert, then dispatch again."
     )
 
 
@@ -422,23 +455,16 @@ def _check_materialized(model: nn.Module) -> None:
 
 
 def _resolve_config(offload: Any, config: PrefetchConfig | None, config_fields: dict[str, Any]) -> PrefetchConfig:
-    if isinstance(offload, PrefetchConfig):
-        if config is not None or config_fields:
-            raise ValueError("offload= is already a PrefetchConfig: do not also pass config= or config fields.")
-        return offload
-    if offload != "prefetch":
-        raise ValueError(f"offload={offload!r} is not supported; use offload='prefetch' or a PrefetchConfig.")
-    if config is not None:
-        if config_fields:
-            raise ValueError(f"Pass either config= or config fields ({sorted(config_fields)}), not both.")
-        if not isinstance(config, PrefetchConfig):
-            raise ValueError(f"config={config!r} must be a hf_prefetch.PrefetchConfig.")
-        return config
-    known = {f.name for f in fields(PrefetchConfig)}
-    unknown = sorted(set(config_fields) - known)
-    if unknown:
-        raise ValueError(f"Unknown PrefetchConfig field(s) {unknown}; valid fields are {sorted(known)}.")
-    return PrefetchConfig(**config_fields)
+    # The loaders and hf_prefetch.plan run the prefetch backend only.
+    resolved = resolve_offload(offload, config, config_fields)
+    if isinstance(resolved, UVAConfig):
+        raise ValueError(
+            "offload='uva' works with hf_prefetch.dispatch_model only (the loaders and hf_prefetch.plan run "
+            "prefetch): load the model in host memory (e.g. with transformers), then call "
+            "hf_prefetch.dispatch_model(model, offload='uva', cpu_offload_gb=...); hf_prefetch.uva.make_uva_plan "
+            "shows the plan."
+        )
+    return resolved
 
 
 def resolve_device(device: str | int | torch.device | None) -> torch.device:

@@ -2,7 +2,8 @@
 
 PyTorch's pinned allocator rounds every request up to a power of two (a 3 GiB request pins 4 GiB) and caches the
 block. The arena instead allocates ordinary memory of exactly the needed size and page-locks it once with
-`cudaHostRegister`. The arena knows byte offsets and layouts; it knows nothing about models or streams.
+`cudaHostRegister`. For the UVA backend, `map` gives a device tensor over the same pages (zero-copy). The arena knows
+byte offsets and layouts; it knows nothing about models or streams.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["HostArena", "ALIGN_BYTES"]
+__all__ = ["HostArena", "ALIGN_BYTES", "pinned_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +25,35 @@ ALIGN_BYTES = 4096
 _PAGE_BYTES = 4096
 
 _warned_unpinned = False
+
+# Every range this process registered with cudaHostRegister and has not unregistered yet: address -> bytes. Updated
+# only by `_register` and `_unregister`, so it is what the driver was asked to hold page-locked for hf_prefetch.
+_registered_bytes: dict[int, int] = {}
+
+
+def pinned_bytes() -> int:
+    """Host bytes that hf_prefetch holds page-locked now (cudaHostRegister'd by host arenas and not yet unregistered).
+
+    A dispatched model's arena counts from `dispatch_model` or the load until `remove_offload` (or re-dispatch, or the
+    model's death); memory PyTorch's own pinned allocator holds is not included.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from hf_prefetch.host import HostArena, pinned_bytes
+    >>> before = pinned_bytes()
+    >>> arena = HostArena([70_000])
+    >>> pinned = arena.pin() if torch.cuda.is_available() else False  # the CPU needs no page-locking
+    >>> pinned_bytes() - before == (arena.nbytes if pinned else 0)
+    True
+    >>> arena.release()
+    >>> pinned_bytes() == before
+    True
+
+    ```
+    """
+    return sum(_registered_bytes.copy().values())  # a copy: an arena's finalizer may run while this sums
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -52,6 +82,7 @@ class HostArena:
         self._buffer = raw[start : start + self.nbytes]
         self.pinned = False
         self._unpin: weakref.finalize | None = None
+        self._mapping: weakref.ref[_DeviceArray] | None = None  # alive while a device view from `map` is
 
     def pin(self) -> bool:
         """Page-lock the arena (once); False, with one warning, where the platform refuses."""
@@ -64,13 +95,48 @@ class HostArena:
                 self._unpin.atexit = False
         return self.pinned
 
-    def view(self, index: int, shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """The tensor stored at slot `index` of the arena, with the given layout."""
+    def view(
+        self,
+        index: int,
+        shape: Sequence[int],
+        stride: Sequence[int],
+        dtype: torch.dtype,
+        base: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The tensor stored at slot `index` of the arena, with the given layout: in host memory, or on the device
+        when `base` is the arena's `map`."""
         offset = self.offsets[index]
         itemsize = torch.empty(0, dtype=dtype).element_size()
         span = 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=True)) if all(shape) else 0
-        flat = self._buffer[offset : offset + span * itemsize].view(dtype)
+        buffer = self._buffer if base is None else base
+        flat = buffer[offset : offset + span * itemsize].view(dtype)
         return flat.as_strided(tuple(shape), tuple(stride))
+
+    def map(self, device: torch.device) -> torch.Tensor:
+        """The pinned arena as a uint8 tensor on the CUDA `device` whose address is these host pages (UVA zero-copy):
+        kernels read and write host memory over the bus, nothing is allocated on the device. Pin it under
+        `torch.cuda.device(device)`: registered memory belongs to the device current when it was registered.
+
+        The tensor's storage keeps the arena alive, so the pages stay registered while any view of it lives; a
+        `release()` meanwhile leaves them to the arena's finalizer. See [Note: UVA lifetime] in docs/design.md.
+        """
+        if not self.pinned:
+            raise RuntimeError(
+                f"UVA needs the {self.nbytes / 2**30:.2f} GiB of offloaded weights page-locked, and cudaHostRegister "
+                "refused (see the warning before this error). Raise the locked-memory limit (ulimit -l, docker "
+                "--ulimit memlock=-1), or use offload='prefetch', which works from pageable memory (slower)."
+            )
+        pointer = _device_pointer(self._buffer.data_ptr(), device)
+        holder = _DeviceArray(pointer, self.nbytes, owner=self)
+        mapped = torch.as_tensor(holder)
+        if mapped.device != device or mapped.data_ptr() != pointer:
+            raise RuntimeError(
+                f"Mapping host memory for {device} gave a tensor on {mapped.device} at {mapped.data_ptr():#x}, not "
+                f"{device} at {pointer:#x}: the arena was registered under another device. Pin it under "
+                "torch.cuda.device(device)."
+            )
+        self._mapping = weakref.ref(holder)
+        return mapped
 
     def bytes_view(self, index: int, nbytes: int) -> torch.Tensor:
         """The raw bytes at slot `index` (uint8), for readers that fill the arena directly."""
@@ -78,14 +144,57 @@ class HostArena:
         return self._buffer[offset : offset + nbytes]
 
     def release(self) -> None:
-        """Unpin the arena. Call only when no copy from it is in flight."""
+        """Unpin the arena. Call only when no copy from it is in flight. While a device view from `map` is alive the
+        pages stay registered, and the arena's finalizer unpins them after the last view died."""
+        if self._mapping is not None and self._mapping() is not None:
+            return  # unregistering now would make every live device view fault on its next read
         if self._unpin is not None:
             self._unpin()
         self.pinned = False
         self._buffer = torch.empty(0, dtype=torch.uint8)
 
 
+class _DeviceArray:
+    """`nbytes` at a device `pointer`, as `__cuda_array_interface__` (version 3); holds `owner` while a tensor made
+    from it by `torch.as_tensor` lives (the tensor's storage holds this object)."""
+
+    def __init__(self, pointer: int, nbytes: int, owner: object) -> None:
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",  # bytes: numpy has no bfloat16; views give each parameter its dtype
+            "data": (pointer, False),  # (address, read-only)
+            "strides": None,
+            "version": 3,
+        }
+        self.owner = owner
+
+
+def _device_pointer(host_pointer: int, device: torch.device) -> int:
+    # The device address of registered host memory: equal to the host address where the platform allows it, but
+    # only the runtime knows. torch.cuda.cudart() binds no cudaHostGetDevicePointer; call the libcudart torch loaded.
+    libraries = _cudart_libraries()
+    if not libraries:
+        raise RuntimeError(
+            "UVA cannot map host memory here: this process has no libcudart loaded to ask for the device address of "
+            "page-locked memory (a torch build with the CUDA runtime linked statically). Use offload='prefetch'."
+        )
+    cudart = libraries[0]
+    cudart.cudaHostGetDevicePointer.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_uint]
+    cudart.cudaHostGetDevicePointer.restype = ctypes.c_int
+    pointer = ctypes.c_void_p()
+    with torch.cuda.device(device):
+        err = cudart.cudaHostGetDevicePointer(ctypes.byref(pointer), ctypes.c_void_p(host_pointer), 0)
+    if err != 0 or not pointer.value:
+        _clear_last_cuda_error()
+        raise RuntimeError(
+            f"UVA cannot map host memory into {device}: cudaHostGetDevicePointer returned CUDA error {err} (the "
+            "device or platform does not support mapped page-locked memory). Use offload='prefetch'."
+        )
+    return pointer.value
+
+
 def _unregister(pointer: int) -> None:
+    _registered_bytes.pop(pointer, None)  # also when it fails: the arena never tries again
     err = torch.cuda.cudart().cudaHostUnregister(pointer)
     if int(err) != 0:
         _clear_last_cuda_error()
@@ -96,6 +205,7 @@ def _register(buffer: torch.Tensor) -> bool:
     global _warned_unpinned
     err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
     if int(err) == 0:
+        _registered_bytes[buffer.data_ptr()] = buffer.numel()
         return True
     _clear_last_cuda_error()
     if not _warned_unpinned:
@@ -113,10 +223,21 @@ def _register(buffer: torch.Tensor) -> bool:
 def _clear_last_cuda_error() -> None:
     # A failed runtime call leaves its code in the thread's last-error slot, where PyTorch's next kernel-launch check
     # would report it. torch.cuda.cudart() binds no cudaGetLastError, so call the libcudart this process loaded.
-    with open("/proc/self/maps") as maps:
-        paths = {line.split()[-1] for line in maps if "libcudart" in line}
+    for cudart in _cudart_libraries():
+        cudart.cudaGetLastError()
+
+
+def _cudart_libraries() -> list[ctypes.CDLL]:
+    # The CUDA runtime libraries this process loaded (torch's own): the same runtime, so the same contexts.
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "libcudart" in line})
+    except OSError:  # not Linux
+        return []
+    libraries = []
     for path in paths:
         try:
-            ctypes.CDLL(path).cudaGetLastError()
+            libraries.append(ctypes.CDLL(path))
         except OSError:
             continue
+    return libraries

@@ -1,21 +1,18 @@
 """The loader: a safetensors checkpoint -> a dispatched model, every byte read once, straight into its final place.
 
 Offloaded parameters are read into their exact-size host arena slots, resident ones onto the execution device
-(through a small ring of pinned staging buffers on CUDA). Checkpoint keys are renamed and converted with
-transformers' own mapping for the architecture. Every header, key and shape is validated before anything large is
-allocated, and a failed load leaves the model as it was given. The loader knows checkpoints, plans and parameter
-names; building the buffer pool and hooking layers is `dispatch.attach`'s job.
+(through a small ring of pinned staging buffers on CUDA). Which checkpoint key fills which tensor, with
+transformers' own renames and conversions, is `keymap`'s job. Every header, key and shape is validated before anything
+large is allocated, and a failed load leaves the model as it was given. The loader knows checkpoints, plans and
+parameter names; building the buffer pool and hooking layers is `dispatch.attach`'s job.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import re
 import time
 from collections.abc import Callable, Sequence
-from copy import deepcopy
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,16 +21,14 @@ from torch import nn
 
 from . import dispatch
 from .budget import MaxMemory, choose_plan, device_argument, parse_max_memory
-from .checkpoint import Checkpoint, TensorEntry, TensorReader
+from .checkpoint import Checkpoint, TensorReader
 from .config import PrefetchConfig
 from .host import HostArena
+from .keymap import KeyMap, convert, filled_names, map_keys, region_view
 
 __all__ = ["from_pretrained", "load_checkpoint_and_dispatch"]
 
 logger = logging.getLogger(__name__)
-
-# A region of a destination tensor: the whole tensor (None) or `dest[index]`, optionally narrowed on its first dim.
-Region = tuple[int, int | None, int | None] | None
 
 
 def from_pretrained(
@@ -187,18 +182,6 @@ def load_checkpoint_and_dispatch(
     return model
 
 
-@dataclass
-class _KeyMap:
-    """Which checkpoint tensors fill which model tensor (by canonical name: the first of a tied tensor's names)."""
-
-    model_tensors: dict[str, torch.Tensor]  # canonical name -> the model's (meta) parameter or buffer
-    streamed: dict[str, list[tuple[TensorEntry, Region]]] = field(default_factory=dict)
-    # Not streamable: (converter, target key, [(source pattern, entry)], {output key: canonical name}).
-    converted: list[tuple[Any, str, list[tuple[str, TensorEntry]], dict[str, str]]] = field(default_factory=list)
-    duplicates: list[tuple[TensorEntry, str]] = field(default_factory=list)  # tied tensors stored twice
-    used_conversions: list[Any] = field(default_factory=list)
-
-
 def _load(
     model: nn.Module,
     checkpoint: Checkpoint,
@@ -222,7 +205,7 @@ def _load(
     arena = None
     try:
         _set_dtypes(model, dtype, cast, undo)
-        keymap = _map_keys(model, checkpoint)
+        keymap = map_keys(model, checkpoint)
         plan = choose_plan(model, config, layers, device, max_memory)
         # Everything is validated: allocate the host arena exactly as dispatch_model does, then the resident tensors.
         layout = dispatch.host_layout(plan)
@@ -231,7 +214,7 @@ def _load(
         for i, (path, _, spec) in enumerate(layout):
             dests[f"{path}.{spec.name}"] = arena.view(i, spec.shape, spec.stride, spec.dtype)
         offloaded_names = list(dests)
-        for name in _filled_names(keymap):
+        for name in filled_names(keymap):
             if name not in dests:
                 tensor = keymap.model_tensors[name]
                 dests[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
@@ -331,143 +314,8 @@ def _set_dtypes(model: nn.Module, dtype: torch.dtype | None, cast: bool, undo: l
             undo.append(lambda param=param, old=old: setattr(param, "data", old))
 
 
-def _map_keys(model: nn.Module, checkpoint: Checkpoint) -> _KeyMap:
-    from transformers import PreTrainedModel
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
-
-    meta_state = model.state_dict(keep_vars=True)
-    canonical: dict[int, str] = {}
-    for name, tensor in meta_state.items():
-        canonical.setdefault(id(tensor), name)
-    keymap = _KeyMap({name: meta_state[name] for name in canonical.values()})
-    model_name = type(model).__name__
-
-    is_hf = isinstance(model, PreTrainedModel)
-    mapping = get_model_conversion_mapping(model) if is_hf else []
-    prefix = model.base_model_prefix if is_hf else None
-    renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
-    converters = [m for m in mapping if isinstance(m, WeightConverter)]
-    converter_of = {pattern: c for c in converters for pattern in c.source_patterns}
-
-    # As transformers' convert_and_load_state_dict_in_model: rename in natural key order (merged experts stack in it).
-    groups: dict[str, tuple[Any, list[tuple[str, TensorEntry]]]] = {}
-    unexpected: list[tuple[TensorEntry, str]] = []
-    for key in sorted(checkpoint.keys(), key=dot_natural_key):
-        entry = checkpoint[key]
-        renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta_state)
-        if renamed not in meta_state and key in meta_state:
-            renamed, pattern = rename_source_key(key, [], [], prefix, meta_state)
-        if renamed not in meta_state:
-            unexpected.append((entry, renamed))
-        elif pattern is not None:
-            groups.setdefault(renamed, (deepcopy(converter_of[pattern]), []))[1].append((pattern, entry))
-        else:
-            name = canonical[id(meta_state[renamed])]
-            expected = meta_state[renamed].shape
-            if entry.shape != tuple(expected):
-                raise ValueError(
-                    f"{entry.path}: tensor {key!r} has shape {list(entry.shape)} but {model_name}.{renamed} has shape "
-                    f"{list(expected)}. The checkpoint was saved for another configuration: check config.json "
-                    "(hidden_size, vocab_size, num_key_value_heads, ...)."
-                )
-            if name in keymap.streamed:
-                keymap.duplicates.append((entry, name))
-            else:
-                keymap.streamed[name] = [(entry, None)]
-
-    for target_key, (converter, sources) in groups.items():
-        _map_conversion(model, keymap, canonical, meta_state, converter, target_key, sources)
-    keymap.used_conversions = [m for m in mapping if m.was_used()]
-
-    # Unexpected keys transformers ignores: the model's own patterns, and buffers that became non-persistent.
-    ignored = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
-    ignored += [r"rotary_emb\.inv_freq", r"(^|\.)position_ids$"]
-    unexpected = [(e, r) for e, r in unexpected if not any(re.search(p, r) for p in ignored)]
-    if unexpected:
-        entry, renamed = unexpected[0]
-        raise ValueError(
-            f"{entry.path}: tensor {entry.key!r} (as {renamed!r}) matches no parameter or buffer of {model_name} "
-            f"({len(unexpected)} unexpected key(s): {[e.key for e, _ in unexpected[:5]]}). The checkpoint is for "
-            "another architecture or configuration: check config.json, or pass model_class= to from_pretrained."
-        )
-    covered = {id(keymap.model_tensors[name]) for name in _filled_names(keymap)}
-    kept = [name for name, t in keymap.model_tensors.items() if id(t) not in covered and not t.is_meta]
-    missing = [name for name, t in keymap.model_tensors.items() if id(t) not in covered and t.is_meta]
-    missing += [f"{n} (a parameter)" for n in kept if isinstance(keymap.model_tensors[n], nn.Parameter)]
-    if missing:
-        raise ValueError(
-            f"The checkpoint at {checkpoint.folder} has no tensor for {model_name}.{missing[0]} ({len(missing)} "
-            f"missing: {missing[:5]}). It holds keys like {checkpoint.keys()[:3]}: it was saved from another "
-            "architecture or configuration (check config.json), or shards are missing from the index."
-        )
-    if kept:
-        logger.info("Not in the checkpoint, keeping the values the model computed: %s", kept)
-    unbuilt = [name for name, buffer in model.named_buffers() if buffer.is_meta and id(buffer) not in covered]
-    if unbuilt:
-        raise ValueError(
-            f"Buffer {unbuilt[0]} of {model_name} is on the meta device and not in the checkpoint, so it cannot be "
-            "computed. Build the model under accelerate.init_empty_weights(include_buffers=False) (the default)."
-        )
-    return keymap
-
-
-def _map_conversion(model, keymap, canonical, meta_state, converter, target_key, sources) -> None:
-    from transformers.core_model_loading import Concatenate, MergeModulelist
-
-    def meta(entry: TensorEntry) -> torch.Tensor:
-        return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
-
-    try:  # run the conversion on meta tensors: target names and shapes, no data
-        outputs = _convert(model, converter, target_key, sources, meta)
-    except Exception as err:
-        raise ValueError(
-            f"Cannot convert checkpoint tensors {[e.key for _, e in sources[:4]]} of {sources[0][1].path.name} into "
-            f"{target_key} with {converter.operations}: {err}. The checkpoint does not fit this architecture's "
-            "configuration: check config.json (num_experts, intermediate sizes, ...)."
-        ) from err
-    names: dict[str, str] = {}
-    for out_key, value in outputs.items():
-        if out_key not in meta_state or tuple(value.shape) != tuple(meta_state[out_key].shape):
-            expected = list(meta_state[out_key].shape) if out_key in meta_state else "no such tensor"
-            raise ValueError(
-                f"Checkpoint tensors {[e.key for _, e in sources[:4]]} convert to {out_key} of shape "
-                f"{list(value.shape)}, but {type(model).__name__} has {expected}. Check config.json."
-            )
-        name = canonical[id(meta_state[out_key])]
-        if name in keymap.streamed or any(name in outs.values() for *_, outs in keymap.converted):
-            raise ValueError(f"Two checkpoint tensors fill {out_key}: {sources[0][1].key!r} and another. Re-save it.")
-        names[out_key] = name
-
-    ops = [(type(op), getattr(op, "dim", None)) for op in converter.operations]
-    patterns = list(dict.fromkeys(pattern for pattern, _ in sources))
-    if list(names) == [target_key] and ops == [(MergeModulelist, 0)] and len(patterns) == 1:
-        # Experts stacked on a new first dim: expert i's bytes are exactly dest[i].
-        keymap.streamed[target_key] = [(entry, (i, None, None)) for i, (_, entry) in enumerate(sources)]
-    elif list(names) == [target_key] and ops == [(MergeModulelist, 0), (Concatenate, 1)]:
-        # Stacked per pattern, then concatenated on dim 1 in source-pattern order (gate before up): expert i of the
-        # p-th pattern fills rows [offset_p, offset_p + n_p) of dest[i], a contiguous block.
-        pieces, offset = [], 0
-        for pattern in (p for p in converter.source_patterns if p in patterns):
-            of_pattern = [entry for p, entry in sources if p == pattern]
-            pieces += [(entry, (i, offset, entry.shape[0])) for i, entry in enumerate(of_pattern)]
-            offset += of_pattern[0].shape[0]
-        keymap.streamed[target_key] = pieces
-    else:
-        keymap.converted.append((converter, target_key, sources, names))
-
-
-def _convert(model, converter, target_key, sources, load: Callable[[TensorEntry], torch.Tensor]) -> dict:
-    # transformers' WeightConverter.convert, fed with tensors from `load` instead of its own file handles.
-    converter = deepcopy(converter)
-    for pattern, entry in sources:
-        converter.add_tensor(target_key, entry.key, pattern, lambda entry=entry: load(entry))
-    outputs = converter.convert(target_key, model=model, config=getattr(model, "config", None))
-    return {name: value[0] if isinstance(value, list) else value for name, value in outputs.items()}
-
-
 def _read_all(checkpoint, keymap, dests, model, progress) -> tuple[float, int]:
-    reads = [(e, _region(dests[name], region)) for name, pieces in keymap.streamed.items() for e, region in pieces]
+    reads = [(e, region_view(dests[name], region)) for name, pieces in keymap.streamed.items() for e, region in pieces]
     total = sum(e.nbytes for e, _ in reads) + sum(e.nbytes for e, _ in keymap.duplicates)
     total += sum(e.nbytes for _, _, sources, _ in keymap.converted for _, e in sources)
     from tqdm.auto import tqdm  # imported here: importing it in Jupyter without ipywidgets warns
@@ -483,7 +331,7 @@ def _read_all(checkpoint, keymap, dests, model, progress) -> tuple[float, int]:
             logger.info("Not streamed (converted through transformers): %s", [t for _, t, _, _ in keymap.converted])
         for converter, target_key, sources, names in keymap.converted:
             dtype = dests[next(iter(names.values()))].dtype  # transformers casts the sources before converting
-            outputs = _convert(model, converter, target_key, sources, lambda e, d=dtype: reader.read_tensor(e).to(d))
+            outputs = convert(model, converter, target_key, sources, lambda e, d=dtype: reader.read_tensor(e).to(d))
             for out_key, value in outputs.items():
                 dests[names[out_key]].copy_(value)
         for entry, name in keymap.duplicates:
@@ -495,7 +343,7 @@ def _read_all(checkpoint, keymap, dests, model, progress) -> tuple[float, int]:
     return time.perf_counter() - started, reader.bytes_read
 
 
-def _install(model: nn.Module, keymap: _KeyMap, dests: dict[str, torch.Tensor], undo: list) -> None:
+def _install(model: nn.Module, keymap: KeyMap, dests: dict[str, torch.Tensor], undo: list) -> None:
     # Swap each meta tensor's contents for its loaded value in place, so every name of a tied tensor sees it.
     for name, value in dests.items():
         tensor = keymap.model_tensors[name]
@@ -506,14 +354,3 @@ def _install(model: nn.Module, keymap: _KeyMap, dests: dict[str, torch.Tensor], 
     # dispatch.attach() replaces buffers by their copies on the device: restore the dicts on failure.
     saved = [(module, dict(module._buffers)) for module in model.modules()]
     undo.append(lambda: [module._buffers.update(buffers) for module, buffers in saved])
-
-
-def _filled_names(keymap: _KeyMap) -> list[str]:
-    return [*keymap.streamed, *(name for *_, outputs in keymap.converted for name in outputs.values())]
-
-
-def _region(dest: torch.Tensor, region: Region) -> torch.Tensor:
-    if region is None:
-        return dest
-    index, start, length = region
-    return dest[index] if start is None else dest[index].narrow(0, start, length)

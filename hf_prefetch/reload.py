@@ -4,7 +4,7 @@
 of streamed parameters, the device tensors of resident ones. Nothing is allocated, moved or re-pointed, so tensor
 identities, the buffer pool and captured CUDA graphs stay valid. `sync_from_device` goes the other way, from a slot to
 the host storage of the layer that holds it. This module knows names, destinations and the order in which layers are
-written; reading and mapping checkpoints is the loader's job, slots and copies are the engine's. See
+written; reading and mapping checkpoints is the job of `checkpoint` and `keymap`, slots and copies the engine's. See
 [Note: rewriting weights] in docs/design.md.
 """
 
@@ -21,7 +21,7 @@ from torch import nn
 
 from . import dispatch
 from .checkpoint import Checkpoint, TensorReader
-from .loader import _convert, _map_keys, _region
+from .keymap import convert, map_keys, region_view
 from .plan import OffloadPlan
 
 __all__ = ["reload_weights", "sync_from_device"]
@@ -323,7 +323,7 @@ class _CheckpointValues:
         self.model = model
         self.checkpoint = Checkpoint.open(path)
         try:
-            self.keymap = _map_keys(model, self.checkpoint)  # checks names, shapes, missing and unexpected keys
+            self.keymap = map_keys(model, self.checkpoint)  # checks names, shapes, missing and unexpected keys
             self.destinations = self.keymap.model_tensors
             for name, pieces in self.keymap.streamed.items():
                 for entry, _ in pieces:
@@ -346,7 +346,7 @@ class _CheckpointValues:
     def write(self, names: list[str]) -> None:
         wanted = set(names)
         reads = [
-            (entry, _region(self.destinations[name].detach(), region))
+            (entry, region_view(self.destinations[name].detach(), region))
             for name in names
             if name in self.keymap.streamed
             for entry, region in self.keymap.streamed[name]
@@ -356,7 +356,7 @@ class _CheckpointValues:
             if wanted.isdisjoint(outputs.values()):
                 continue
             dtype = self.destinations[next(iter(outputs.values()))].dtype  # cast before converting, as transformers
-            converted = _convert(
+            converted = convert(
                 self.model, converter, target_key, sources, lambda e, d=dtype: self.reader.read_tensor(e).to(d)
             )
             with torch.no_grad():

@@ -1,17 +1,22 @@
-"""Runtime statistics of a dispatched model: per-layer copies, bytes, copy and stall seconds, misses.
+"""Runtime statistics of a dispatched model: per-layer copies, bytes, copy, stall and compute seconds, misses.
 
 Counting is always on and costs a few integer additions per layer. Seconds need `dispatch_model(..., timing=True)`:
 they come from CUDA events read after they completed, so collecting them adds no host synchronisation to the
-forward. This module only reads the engine's counters; it changes nothing.
+forward. This module only reads the engine's counters; it changes nothing. A snapshot prints as a table, renders as
+HTML in Jupyter, and plots with matplotlib, an optional dependency imported only by `TransferStats.plot`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import nn
 
 from .dispatch import get_state
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 __all__ = ["TransferStats", "LayerStats", "stats", "reset_stats"]
 
@@ -108,6 +113,104 @@ class TransferStats:
         head = "".join(f"<th>{cell}</th>" for cell in self._HEADER)
         body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in self._rows())
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+    def plot(self, ax: Axes | None = None) -> Axes:
+        """Per-layer copy, compute and stall time as grouped bars, in milliseconds (totals, as in the table).
+
+        A copy is hidden when it takes no longer than the compute that runs while it is in flight; the stall bars
+        show what was not hidden. Needs matplotlib (`pip install "hf_prefetch[plot]"`) and statistics of a model
+        dispatched with `timing=True`.
+
+        Args:
+            ax (`matplotlib.axes.Axes`, *optional*): Where to draw. By default a new figure (through pyplot, so that
+                Jupyter shows it).
+
+        Returns:
+            The `matplotlib.axes.Axes` drawn on; `ax.figure` is its figure.
+
+        Example:
+
+        ```python
+        >>> import matplotlib
+        >>> matplotlib.use("Agg")  # no window; Jupyter shows the figure inline
+        >>> import torch
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> import hf_prefetch
+        >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+        ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=64)).eval()
+        >>> model = hf_prefetch.dispatch_model(model, device="cpu", timing=True, group_size=2, num_in_group=1)
+        >>> _ = model(torch.tensor([[1, 2, 3]]))
+        >>> ax = hf_prefetch.stats(model).plot()
+        >>> [bars.get_label() for bars in ax.containers], [label.get_text() for label in ax.get_xticklabels()]
+        (['copy', 'compute', 'stall'], ['1', '3'])
+        >>> ax.figure.savefig("stats.png")  # doctest: +SKIP
+        >>> model = hf_prefetch.remove_offload(model)
+
+        ```
+        """
+        if not self.timing:
+            raise ValueError(
+                "These statistics have no seconds to plot: the model was dispatched without timing=True, so only "
+                "copies, bytes and misses were counted. Dispatch with timing, e.g. "
+                "hf_prefetch.dispatch_model(model, replace=True, timing=True, ...) or "
+                "hf_prefetch.from_pretrained(path, timing=True, ...), run the model, then plot "
+                "hf_prefetch.stats(model)."
+            )
+        if ax is None:
+            plt = _pyplot()
+            width_inches = min(max(6.4, 0.3 * len(self.layers) + 1.5), 16.0)
+            _, ax = plt.subplots(figsize=(width_inches, 3.6), layout="constrained")
+        labels, list_path = _tick_labels([layer.path for layer in self.layers])
+        bar_width = 0.8 / len(_SERIES)
+        for i, (name, attribute, color) in enumerate(_SERIES):
+            offset = (i - (len(_SERIES) - 1) / 2) * bar_width  # the series side by side, centred on the tick
+            x = [position + offset for position in range(len(self.layers))]
+            milliseconds = [getattr(layer, attribute) * 1e3 for layer in self.layers]
+            ax.bar(x, milliseconds, bar_width, label=name, color=color)
+        long_labels = any(len(label) > 3 for label in labels)
+        ax.set_xticks(range(len(labels)), labels, rotation=90 if long_labels else 0)
+        ax.set_xlabel(f"streamed layer of {list_path}" if list_path else "streamed layer")
+        ax.set_ylabel("ms (total)")
+        ax.set_title(
+            f"copy {self.copy_seconds * 1e3:.2f} ms ({self.gbps:.1f} GB/s), compute {self.compute_seconds * 1e3:.2f} "
+            f"ms, stall {self.stall_seconds * 1e3:.2f} ms, {self.misses} misses"
+            if self.layers
+            else "no streamed layers: nothing is copied",
+            fontsize="medium",
+        )
+        ax.margins(y=0.2)  # room above the bars for the legend (bars keep their base at 0)
+        ax.legend(ncols=len(_SERIES), loc="upper right")
+        return ax
+
+
+# The bars of `TransferStats.plot`: (legend label, LayerStats attribute in seconds, colour).
+_SERIES = (
+    ("copy", "copy_seconds", "tab:blue"),
+    ("compute", "compute_seconds", "tab:green"),
+    ("stall", "stall_seconds", "tab:red"),
+)
+
+
+def _pyplot():
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ImportError(
+            "TransferStats.plot needs matplotlib, an optional dependency of hf_prefetch: "
+            'pip install "hf_prefetch[plot]" (from a clone of the repository: pip install -e ".[plot]"), or '
+            "pip install matplotlib."
+        ) from err
+    return plt
+
+
+def _tick_labels(paths: list[str]) -> tuple[list[str], str]:
+    # ["model.layers.1", "model.layers.3"] -> (["1", "3"], "model.layers"): the dotted parts all paths share are said
+    # once, in the axis label. Paths of two layer lists (encoder and decoder) keep what tells them apart.
+    parts = [path.split(".") for path in paths]
+    shared = 0
+    while parts and shared < min(len(p) for p in parts) - 1 and len({p[shared] for p in parts}) == 1:
+        shared += 1
+    return [".".join(p[shared:]) for p in parts], ".".join(parts[0][:shared]) if parts else ""
 
 
 def stats(model: nn.Module) -> TransferStats:

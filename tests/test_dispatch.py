@@ -1,5 +1,7 @@
+import gc
 import subprocess
 import sys
+import weakref
 
 import pytest
 import torch
@@ -305,3 +307,41 @@ def test_interrupt_while_a_copy_is_issued_is_a_miss_not_stale_weights(reference,
         assert hf_prefetch.stats(model).misses >= 1
     finally:
         hf_prefetch.remove_offload(model)
+
+
+def _dispatch_objects(model) -> dict[str, weakref.ref]:
+    # Weak references to everything a dispatch builds: the state, the engine, each ring's pool, the arena, the hooks.
+    state = hf_prefetch.get_state(model)
+    objects = {"state": state, "engine": state.engine, "arena": state.arena}
+    objects |= {f"pool {i}": ring.pool for i, ring in enumerate(state.engine.rings)}
+    objects |= {f"hook on {type(module).__name__} {i}": hook for i, (module, hook) in enumerate(state.hooks)}
+    return {name: weakref.ref(obj) for name, obj in objects.items()}
+
+
+@pytest.mark.parametrize("load", ["dispatch_model", "from_pretrained"])
+def test_remove_offload_and_replace_leave_no_engine_pool_or_arena_alive(tmp_path, load):
+    model = tiny_llama(6)
+    ids = prompt(1)
+    if load == "from_pretrained":
+        model.save_pretrained(tmp_path)
+        model = hf_prefetch.from_pretrained(tmp_path, device="cpu", timing=True, group_size=2, num_in_group=1)
+    else:
+        hf_prefetch.dispatch_model(model, device="cpu", timing=True, group_size=2, num_in_group=1)
+    # Freed by reference counting, not by a later garbage collection: on a GPU the pool's memory is reused by the
+    # moves of remove_offload itself.
+    gc.disable()
+    try:
+        with torch.no_grad():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+        first = _dispatch_objects(model)
+        hf_prefetch.stats(model)
+        hf_prefetch.dispatch_model(model, device="cpu", replace=True, group_size=3, num_in_group=2, prefetch_step=2)
+        assert [name for name, ref in first.items() if ref() is not None] == []
+        with torch.no_grad():
+            model(ids)
+        second = _dispatch_objects(model)
+        hf_prefetch.remove_offload(model, device="cpu")
+        assert [name for name, ref in second.items() if ref() is not None] == []
+    finally:
+        gc.enable()
+    assert hf_prefetch.get_state(model) is None and not hasattr(model.model.layers[1], "_hf_hook")

@@ -170,3 +170,194 @@ def test_peak_memory_stays_inside_a_max_memory_budget_on_cuda(gpu_reference):
         assert not auto.rings[0].streamed  # the whole GPU is free for this small model
     finally:
         hf_prefetch.remove_offload(model, device="cpu")
+
+
+def _layers_gb(model, num_layers: int) -> float:
+    layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    return num_layers * layer_bytes / 2**30
+
+
+@pytest.mark.parametrize("cpu_offload_params", [set(), {"mlp"}])
+def test_uva_200_decode_steps_bitwise_equal_on_cuda(gpu_reference, cpu_offload_params):
+    model, ids, long_ids, expected, prefill = gpu_reference
+    gb = _layers_gb(model, 4)  # half the layers' bytes, as the half-streamed prefetch rows keep on the host
+    hf_prefetch.dispatch_model(
+        model, offload="uva", device="cuda", cpu_offload_gb=gb, cpu_offload_params=cpu_offload_params
+    )
+    try:
+        plan = hf_prefetch.get_state(model).plan
+        assert abs(plan.offloaded_bytes - gb * 2**30) < 0.05 * gb * 2**30
+        with torch.no_grad():
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=200,
+                do_sample=False,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            assert torch.equal(out.sequences, expected.sequences)
+            for step, (got, want) in enumerate(zip(out.logits, expected.logits, strict=True)):
+                assert torch.equal(got, want), f"logits differ at decode step {step}"
+            for _ in range(2):
+                assert torch.equal(model(long_ids).logits, prefill)
+    finally:
+        hf_prefetch.remove_offload(model, device="cpu")
+
+
+def test_uva_parameters_alias_pinned_host_memory_on_cuda(gpu_reference):
+    from hf_prefetch.host import _device_pointer
+
+    model = gpu_reference[0]
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    hf_prefetch.dispatch_model(model, offload="uva", device="cuda", cpu_offload_gb=_layers_gb(model, 4))
+    try:
+        state = hf_prefetch.get_state(model)
+        plan, arena = state.plan, state.arena
+        # The offloaded bytes take no device memory: only the resident weights were allocated.
+        assert plan.offloaded_bytes > 0.4 * (plan.offloaded_bytes + plan.resident_bytes)
+        allocated = torch.cuda.memory_allocated() - before
+        assert abs(allocated - plan.resident_bytes) <= 0.02 * plan.resident_bytes
+        # Each parameter is a CUDA tensor at the device address of its pinned host bytes.
+        host_base = arena.bytes_view(0, 1).data_ptr()
+        device_base = _device_pointer(host_base, state.device)
+        assert len(state.offloaded) == sum(len(layer.params) for layer in plan.rings[0].layers)
+        for index, offloaded in enumerate(state.offloaded):
+            assert offloaded.param.device == state.device
+            assert offloaded.host.data_ptr() == host_base + arena.offsets[index]
+            assert offloaded.param.data_ptr() == device_base + arena.offsets[index]
+        # No copy anywhere: a value written to host memory is what a kernel reads.
+        param, host = state.offloaded[0].param, state.offloaded[0].host
+        original = host.view(-1)[0].item()
+        host.view(-1)[0] = 7.0
+        assert param.view(-1)[0].item() == 7.0
+        host.view(-1)[0] = original
+        # The arena is page-locked with cudaHostRegister: registering it again fails with error 712.
+        err = torch.cuda.cudart().cudaHostRegister(host_base, arena.nbytes, 0)
+        _clear_last_cuda_error()
+        assert int(err) == 712
+        with pytest.raises(RuntimeError, match=r"remove_offload\(model\) first"):
+            model.half()
+    finally:
+        hf_prefetch.remove_offload(model, device="cpu")
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+
+
+def test_uva_remove_offload_restores_device_tensors_on_cuda(gpu_reference):
+    import gc
+
+    from hf_prefetch.host import pinned_bytes
+
+    model, _, long_ids, _, prefill = gpu_reference
+    pinned_before = pinned_bytes()
+    hf_prefetch.dispatch_model(model, offload="uva", device="cuda", cpu_offload_gb=_layers_gb(model, 4))
+    state = hf_prefetch.get_state(model)
+    host_range = range(
+        state.arena.bytes_view(0, 1).data_ptr(), state.arena.bytes_view(0, 1).data_ptr() + state.arena.nbytes
+    )
+    finalizer = state.arena._unpin
+    alias = state.offloaded[0].param.data  # a device view that outlives the dispatch: [Note: UVA lifetime]
+    name = state.offloaded[0].full_name
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    try:
+        hf_prefetch.remove_offload(model)  # to the execution device
+        assert hf_prefetch.get_state(model) is None
+        # Ordinary device tensors now: allocated by the caching allocator, outside the arena.
+        assert torch.cuda.memory_allocated() - before >= 0.98 * state.plan.offloaded_bytes
+        for param in model.parameters():
+            assert param.device.type == "cuda" and param.data_ptr() not in host_range
+        with torch.no_grad():
+            assert torch.equal(model(long_ids).logits, prefill)
+        # The view still reads the right values: the arena stays registered while it lives ...
+        assert torch.equal(alias, model.get_parameter(name))
+        assert finalizer.alive and pinned_bytes() - pinned_before == state.arena.nbytes
+        # ... and is unregistered when the last reference goes.
+        del alias, state
+        gc.collect()
+        assert not finalizer.alive and pinned_bytes() == pinned_before
+    finally:
+        if hf_prefetch.get_state(model) is not None:
+            hf_prefetch.remove_offload(model, device="cpu")
+        model.to("cpu")
+
+
+def test_replace_switches_between_backends_on_cuda(gpu_reference):
+    model, _, long_ids, _, prefill = gpu_reference
+    hf_prefetch.dispatch_model(model, device="cuda", group_size=2, num_in_group=1, prefetch_step=2)
+    try:
+        hf_prefetch.dispatch_model(
+            model, offload="uva", device="cuda", replace=True, cpu_offload_gb=_layers_gb(model, 4)
+        )
+        with torch.no_grad():
+            assert torch.equal(model(long_ids).logits, prefill)
+        hf_prefetch.dispatch_model(model, device="cuda", replace=True, group_size=2, num_in_group=1, prefetch_step=2)
+        with torch.no_grad():
+            assert torch.equal(model(long_ids).logits, prefill)
+        assert hf_prefetch.stats(model).misses == 0
+    finally:
+        hf_prefetch.remove_offload(model, device="cpu")
+
+
+def test_remove_offload_and_redispatch_return_device_and_pinned_memory_on_cuda(gpu_reference):
+    import gc
+
+    from hf_prefetch.host import pinned_bytes
+
+    model, ids, _, expected, _ = gpu_reference
+
+    def settle():
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+    def torch_pinned_bytes():  # blocks PyTorch's own pinned allocator has handed out (the loader's staging ring)
+        return torch.cuda.host_memory_stats().get("active_bytes.current", 0)
+
+    def generate():
+        with torch.no_grad():
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=50, do_sample=False)
+
+    settle()
+    device_before = torch.cuda.memory_allocated()
+    pinned_before, torch_pinned_before = pinned_bytes(), torch_pinned_bytes()
+    hf_prefetch.dispatch_model(model, device="cuda", timing=True, group_size=2, num_in_group=1, prefetch_step=2)
+    try:
+        first = hf_prefetch.get_state(model)
+        assert first.arena.pinned and pinned_bytes() - pinned_before == first.arena.nbytes
+        assert torch.equal(generate(), expected.sequences[:, : ids.shape[1] + 50])
+        del first
+
+        hf_prefetch.dispatch_model(model, device="cuda", replace=True, group_size=4, num_in_group=3, prefetch_step=3)
+        settle()
+        state = hf_prefetch.get_state(model)
+        # Only the new arena is registered and only the new pool and resident weights are on the device: the first
+        # dispatch's arena was unregistered and its pool freed, not kept next to the new ones.
+        assert state.arena.pinned and pinned_bytes() - pinned_before == state.arena.nbytes
+        device_bytes = state.plan.resident_bytes + state.plan.pool_bytes
+        assert abs(torch.cuda.memory_allocated() - device_before - device_bytes) <= 0.02 * device_bytes
+        assert torch.equal(generate(), expected.sequences[:, : ids.shape[1] + 50])
+        assert hf_prefetch.stats(model).misses == 0
+        # Measured with the driver, not with our counter: the range is page-locked (registering it again fails
+        # with cudaErrorHostMemoryAlreadyRegistered, 712) ...
+        host_base, host_nbytes = state.arena.bytes_view(0, 1).data_ptr(), state.arena.nbytes
+        streamed = state.offloaded[0].full_name
+        err = torch.cuda.cudart().cudaHostRegister(host_base, host_nbytes, 0)
+        _clear_last_cuda_error()
+        assert int(err) == 712
+        del state
+    finally:
+        hf_prefetch.remove_offload(model, device="cpu")
+    settle()
+    assert torch.cuda.memory_allocated() == device_before
+    assert pinned_bytes() == pinned_before
+    assert torch_pinned_bytes() == torch_pinned_before
+    assert all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
+    # ... and no longer after remove_offload: the streamed weights now live in that memory as ordinary pageable
+    # CPU tensors, which registering afresh succeeds on.
+    assert model.get_parameter(streamed).data_ptr() == host_base
+    assert int(torch.cuda.cudart().cudaHostRegister(host_base, host_nbytes, 0)) == 0
+    assert int(torch.cuda.cudart().cudaHostUnregister(host_base)) == 0

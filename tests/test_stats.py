@@ -1,8 +1,12 @@
+import subprocess
+import sys
+
 import pytest
 import torch
 from models import prompt, tiny_llama
 
 import hf_prefetch
+from hf_prefetch.stats import LayerStats, TransferStats
 
 
 def test_counts_follow_the_slot_plan():
@@ -66,3 +70,108 @@ def test_timing_on_cuda_matches_untimed_tokens():
         assert s.copy_seconds > 0 and s.gbps > 0 and s.stall_seconds >= 0
     finally:
         hf_prefetch.remove_offload(model)
+
+
+@pytest.fixture
+def pyplot():
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")  # no display: figures are drawn in memory
+    import matplotlib.pyplot as plt
+
+    yield plt
+    plt.close("all")
+
+
+@pytest.fixture
+def timed_stats():
+    model = tiny_llama(6)
+    hf_prefetch.dispatch_model(model, device="cpu", timing=True, group_size=2, num_in_group=1, prefetch_step=2)
+    try:
+        with torch.no_grad():
+            model(prompt())
+            model(prompt())
+        yield hf_prefetch.stats(model)
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_plot_draws_each_layers_copy_compute_and_stall_milliseconds(pyplot, timed_stats):
+    s = timed_stats
+    ax = s.plot()
+    assert ax.figure in [pyplot.figure(n) for n in pyplot.get_fignums()]  # through pyplot: Jupyter shows it
+    assert [bars.get_label() for bars in ax.containers] == ["copy", "compute", "stall"]
+    for bars, attribute in zip(ax.containers, ["copy_seconds", "compute_seconds", "stall_seconds"], strict=True):
+        heights = [rect.get_height() for rect in bars]
+        assert heights == pytest.approx([getattr(layer, attribute) * 1e3 for layer in s.layers], rel=1e-12)
+        assert all(height > 0 for height in heights)
+    assert [label.get_text() for label in ax.get_xticklabels()] == ["1", "3", "5"]
+    assert ax.get_xlabel() == "streamed layer of model.layers"
+    assert f"{s.stall_seconds * 1e3:.2f} ms" in ax.get_title() and "0 misses" in ax.get_title()
+    assert [text.get_text() for text in ax.get_legend().get_texts()] == ["copy", "compute", "stall"]
+
+
+def test_plot_into_a_given_axes(pyplot, timed_stats):
+    figure, (left, right) = pyplot.subplots(1, 2)
+    assert timed_stats.plot(ax=right) is right
+    assert len(right.containers) == 3 and not left.containers
+    assert pyplot.get_fignums() == [figure.number]  # no new figure
+
+
+@pytest.mark.parametrize(
+    ("paths", "labels", "xlabel"),
+    [
+        (["model.layers.1"], ["1"], "streamed layer of model.layers"),
+        (
+            ["model.encoder.layers.3", "model.decoder.layers.3"],
+            ["encoder.layers.3", "decoder.layers.3"],
+            "streamed layer of model",
+        ),
+        (["encoder.block.1", "decoder.block.1"], ["encoder.block.1", "decoder.block.1"], "streamed layer"),
+    ],
+)
+def test_plot_labels_say_the_shared_path_once(pyplot, paths, labels, xlabel):
+    s = TransferStats(tuple(LayerStats(path, 1, 4096, 0, 1e-3, 2e-4, 3e-3) for path in paths), timing=True)
+    ax = s.plot()
+    assert [label.get_text() for label in ax.get_xticklabels()] == labels
+    assert ax.get_xlabel() == xlabel
+    assert [rect.get_height() for rect in ax.containers[1]] == pytest.approx([3.0] * len(paths))
+
+
+def test_plot_of_a_plan_that_streams_nothing(pyplot):
+    ax = TransferStats((), timing=True).plot()
+    assert ax.get_title() == "no streamed layers: nothing is copied"
+    assert [len(bars) for bars in ax.containers] == [0, 0, 0]
+
+
+def test_plot_without_timing_says_to_dispatch_with_timing():
+    model = tiny_llama(4)
+    hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=1)
+    try:
+        with pytest.raises(ValueError, match=r"dispatched without timing=True.*timing=True"):
+            hf_prefetch.stats(model).plot()
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_plot_without_matplotlib_names_the_extra(monkeypatch):
+    s = TransferStats((LayerStats("model.layers.1", 1, 4096, 0, 1e-3, 1e-3, 1e-3),), timing=True)
+    for name in ("matplotlib", "matplotlib.pyplot"):
+        monkeypatch.setitem(sys.modules, name, None)  # `import matplotlib.pyplot` now raises ImportError
+    with pytest.raises(ImportError, match=r"pip install \"hf_prefetch\[plot\]\"") as raised:
+        s.plot()
+    assert isinstance(raised.value.__cause__, ImportError)
+
+
+def test_stats_and_import_do_not_import_matplotlib():
+    code = (
+        "import sys, torch, hf_prefetch\n"
+        "from transformers import LlamaConfig, LlamaForCausalLM\n"
+        "config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,\n"
+        "                     num_key_value_heads=2, vocab_size=64)\n"
+        "model = hf_prefetch.dispatch_model(LlamaForCausalLM(config), device='cpu', timing=True, group_size=1)\n"
+        "model(torch.tensor([[1, 2]]))\n"
+        "s = hf_prefetch.stats(model)\n"
+        "str(s), s._repr_html_()\n"
+        "assert 'matplotlib' not in sys.modules, 'matplotlib imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
