@@ -44,6 +44,7 @@ class LayerTransfer:
     nbytes: int
     # Recorded on the copy stream after this layer's latest copy; the compute stream waits on it before the layer
     # runs. With timing on, every copy gets a fresh event so that late reads see the right copy.
+    # None after a capture that found the layer in its slot: its copy has landed, nothing to wait for.
     done: torch.cuda.Event | None = None
     done_in_capture: bool = False  # `done` was last recorded in a CUDA-graph capture: record a fresh event next time
     counters: LayerCounters = field(default_factory=LayerCounters)
@@ -95,6 +96,9 @@ class PrefetchEngine:
         # The copies issued in the CUDA-graph capture under way, as (ring, position): their `done` events belong to
         # it. Emptied when each ring's last layer joins the copy stream back into the capture.
         self._captured: set[tuple[int, int]] = set()
+        # For each ring whose forward a capture under way has begun: whether its first layers were in their slots then
+        # (the state every complete forward, eager or replayed, ends in). Read when the ring joins the capture.
+        self._steady_at_capture: dict[int, bool] = {}
         # A graph has recorded this engine's copies: replays skip the waits for each ring's first layers, so every
         # forward must `prepare` for one. See [Note: compile and CUDA graphs] in docs/design.md.
         self.graphs = False
@@ -128,10 +132,10 @@ class PrefetchEngine:
                     self.graphs = True
                 elif self.timing:
                     self._poll()
-                    begin, layer.done = _timing_event(), _timing_event()
+                    begin, layer.done, layer.done_in_capture = _timing_event(), _timing_event(), False
                     begin.record()
                     self._pending.append(_Pending(layer.counters, begin, layer.done, "copy_seconds"))
-                elif layer.done_in_capture:
+                elif layer.done is None or layer.done_in_capture:
                     layer.done, layer.done_in_capture = torch.cuda.Event(), False
                 _copy_all(layer, self._non_blocking, self.copy_stream if capturing else None)
                 layer.done.record()
@@ -142,6 +146,8 @@ class PrefetchEngine:
         transfers = self.rings[ring]
         layer = transfers.layers[position]
         capturing = self._cuda and torch.cuda.is_current_stream_capturing()
+        if capturing and ring not in self._steady_at_capture:
+            self._steady_at_capture[ring] = self._steady(transfers)
         if not self._holds(transfers, position, capturing):
             self._load_now(transfers, position)
         elif capturing:
@@ -150,7 +156,7 @@ class PrefetchEngine:
             # first), and each replay comes after the previous one, whose last layers copied these weights again.
             if (ring, position) in self._captured:
                 torch.cuda.current_stream(self.device).wait_event(layer.done)
-        elif self._cuda:
+        elif self._cuda and layer.done is not None:
             compute = torch.cuda.current_stream(self.device)
             if self.timing:
                 ready = _timing_event()
@@ -178,10 +184,14 @@ class PrefetchEngine:
         if not self.graphs or torch.cuda.is_current_stream_capturing():
             return
         for transfers in self.rings:
-            for position in range(min(transfers.pool.num_slots, len(transfers.layers))):
+            for position in range(_first_layers(transfers)):
                 if not self._holds(transfers, position, capturing=False):
                     self._load_now(transfers, position)
         torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+
+    def _steady(self, transfers: RingTransfers) -> bool:
+        # Each of the ring's first layers in its slot, copied outside any capture.
+        return all(self._holds(transfers, position, capturing=False) for position in range(_first_layers(transfers)))
 
     @staticmethod
     def _holds(transfers: RingTransfers, position: int, capturing: bool) -> bool:
@@ -191,14 +201,21 @@ class PrefetchEngine:
         return transfers.pool.owners[layer.slot] == position and (capturing or not layer.done_in_capture)
 
     def _join_capture(self, ring: int) -> None:
-        # The ring's forward ends: join the copy stream back into the capture (the graph ends only after the copies
-        # of the next forward's first layers), and forget what its slots hold: until the graph is replayed they hold
-        # what they held before the capture, not what the captured copies will put there.
+        # The ring's forward ends: join the copy stream back into the capture, so that the graph ends only after the
+        # copies of the next forward's first layers. Until the graph is replayed the slots hold what they held when the
+        # capture began; after a replay they hold the first layers. Both agree when the capture began in that state
+        # (the end of any complete forward): the first layers then own their slots, with nothing to wait for (their
+        # copies landed before the capture, or within the replay). Otherwise the slots are forgotten: misses reload.
         if any(r == ring for r, _ in self._captured):
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         self._captured = {(r, p) for r, p in self._captured if r != ring}
-        pool = self.rings[ring].pool
-        pool.owners[:] = [None] * pool.num_slots
+        transfers = self.rings[ring]
+        transfers.pool.owners[:] = [None] * transfers.pool.num_slots
+        if self._steady_at_capture.pop(ring, False):
+            for position in range(_first_layers(transfers)):
+                layer = transfers.layers[position]
+                transfers.pool.owners[layer.slot] = position
+                layer.done, layer.done_in_capture = None, False
 
     def _check_capturable(self) -> None:
         if not self._non_blocking:
@@ -345,6 +362,11 @@ class PrefetchEngine:
             seconds = time.perf_counter() - begin
             layer.counters.copy_seconds += seconds
             layer.counters.stall_seconds += seconds
+
+
+def _first_layers(transfers: RingTransfers) -> int:
+    # How many of a ring's layers are in their slots when a complete forward ends (copied by its last layers).
+    return min(transfers.pool.num_slots, len(transfers.layers))
 
 
 def _loaded_on(layer: LayerTransfer, stream: torch.cuda.Stream, capturing: bool) -> None:

@@ -354,7 +354,9 @@ def test_remove_offload_and_redispatch_return_device_and_pinned_memory_on_cuda(g
     settle()
     assert torch.cuda.memory_allocated() == device_before
     assert pinned_bytes() == pinned_before
-    assert torch_pinned_bytes() == torch_pinned_before
+    # Not a byte of the weights went through PyTorch's pinned allocator. (Its count may keep a few hundred bytes more:
+    # small staging blocks of generate's non-blocking copies, freed lazily, when the allocator next processes events.)
+    assert torch_pinned_bytes() - torch_pinned_before < 64 * 2**10
     assert all(t.device.type == "cpu" for t in [*model.parameters(), *model.buffers()])
     # ... and no longer after remove_offload: the streamed weights now live in that memory as ordinary pageable
     # CPU tensors, which registering afresh succeeds on.
