@@ -23,6 +23,22 @@ def tiny_llama(
     return LlamaForCausalLM(config).to(dtype).eval()
 
 
+def gpu_llama(num_layers: int = 8, dtype: torch.dtype = torch.bfloat16) -> LlamaForCausalLM:
+    """~90 MB of bf16 weights per layer (180 MB in fp32): a layer's copy (~2 ms) takes far longer than its decode
+    step, so a missing wait or fork shows up as wrong tokens on a GPU."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=2048,
+        intermediate_size=5632,
+        num_hidden_layers=num_layers,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        vocab_size=1024,
+        max_position_embeddings=4096,
+    )
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
 def prompt(batch: int = 2, length: int = 7, vocab: int = 128, seed: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (batch, length), generator=generator)

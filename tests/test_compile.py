@@ -9,8 +9,8 @@ import shutil
 
 import pytest
 import torch
-from models import prompt, tiny_llama
-from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
+from models import gpu_llama, prompt, tiny_llama
+from transformers import CompileConfig, LlamaForCausalLM
 
 import hf_prefetch
 
@@ -147,21 +147,9 @@ def test_a_layer_called_without_tensor_inputs_still_waits_when_compiled():
 # --- CUDA -------------------------------------------------------------------------------------------------------
 
 
-def _gpu_model(num_layers: int = 8, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    # ~180 MB of fp32 weights per layer: each copy takes far longer than a decode step, so a wait missing from the
-    # graph, or a copy recorded in the wrong order, shows up as wrong tokens. fp32 keeps compiled and eager tokens
-    # apart only by rounding, not by bf16's coarse steps.
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=num_layers,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        vocab_size=1024,
-        max_position_embeddings=4096,
-    )
-    return LlamaForCausalLM(config).to(dtype).eval()
+def _gpu_model() -> LlamaForCausalLM:
+    # fp32 keeps compiled and eager tokens apart only by rounding, not by bf16's coarse steps.
+    return gpu_llama(dtype=torch.float32)
 
 
 MODES = ["default", "reduce-overhead"]  # inductor without and with CUDA graphs

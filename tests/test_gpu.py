@@ -4,7 +4,8 @@ import copy
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from models import gpu_llama
+from transformers import LlamaForCausalLM
 
 import hf_prefetch
 from hf_prefetch.host import _clear_last_cuda_error
@@ -13,19 +14,25 @@ pytestmark = pytest.mark.gpu
 
 
 def _model(num_layers: int = 8) -> LlamaForCausalLM:
-    # ~90 MB of bf16 weights per layer: a layer's copy (~2 ms) takes far longer than its decode step, so a missing
-    # wait or fork shows up as wrong tokens.
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=2048,
-        intermediate_size=5632,
-        num_hidden_layers=num_layers,
-        num_attention_heads=16,
-        num_key_value_heads=4,
-        vocab_size=1024,
-        max_position_embeddings=4096,
-    )
-    return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    return gpu_llama(num_layers)
+
+
+def _check_generate(model, ids, long_ids, expected, prefill) -> None:
+    """200 greedy tokens and every step's logits, then two prefills, bitwise equal to the resident model's."""
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=200,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+        assert torch.equal(out.sequences, expected.sequences)
+        for step, (got, want) in enumerate(zip(out.logits, expected.logits, strict=True)):
+            assert torch.equal(got, want), f"logits differ at decode step {step}"
+        for _ in range(2):
+            assert torch.equal(model(long_ids).logits, prefill)
 
 
 @pytest.fixture(scope="module")
@@ -54,20 +61,7 @@ def test_200_decode_steps_bitwise_equal_on_cuda(gpu_reference, prefetch_step):
     model, ids, long_ids, expected, prefill = gpu_reference
     hf_prefetch.dispatch_model(model, device="cuda", group_size=2, num_in_group=1, prefetch_step=prefetch_step)
     try:
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=200,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            assert torch.equal(out.sequences, expected.sequences)
-            for step, (got, want) in enumerate(zip(out.logits, expected.logits, strict=True)):
-                assert torch.equal(got, want), f"logits differ at decode step {step}"
-            for _ in range(2):
-                assert torch.equal(model(long_ids).logits, prefill)
+        _check_generate(model, ids, long_ids, expected, prefill)
         assert hf_prefetch.stats(model).misses == 0
     finally:
         hf_prefetch.remove_offload(model, device="cpu")
@@ -187,20 +181,7 @@ def test_uva_200_decode_steps_bitwise_equal_on_cuda(gpu_reference, cpu_offload_p
     try:
         plan = hf_prefetch.get_state(model).plan
         assert abs(plan.offloaded_bytes - gb * 2**30) < 0.05 * gb * 2**30
-        with torch.no_grad():
-            out = model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=200,
-                do_sample=False,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            assert torch.equal(out.sequences, expected.sequences)
-            for step, (got, want) in enumerate(zip(out.logits, expected.logits, strict=True)):
-                assert torch.equal(got, want), f"logits differ at decode step {step}"
-            for _ in range(2):
-                assert torch.equal(model(long_ids).logits, prefill)
+        _check_generate(model, ids, long_ids, expected, prefill)
     finally:
         hf_prefetch.remove_offload(model, device="cpu")
 
