@@ -209,10 +209,16 @@ def sync_from_device(model: nn.Module, layers: str | Sequence[str] | None = None
 
 def _dispatched(model: nn.Module, verb: str) -> dispatch.OffloadState:
     state = dispatch.get_state(model)
-    if state is None or state.engine is None:
+    if state is None:
         raise ValueError(
             f"{type(model).__name__} is not dispatched by hf_prefetch: {verb} works on dispatched models. On an "
             "ordinary model use model.load_state_dict(...)."
+        )
+    if state.engine is None:
+        raise ValueError(
+            f"{verb} works on models dispatched with offload='prefetch'; {type(model).__name__} is dispatched with "
+            "the UVA backend. Call hf_prefetch.remove_offload(model), load the new weights into the model and "
+            "dispatch it again."
         )
     return state
 

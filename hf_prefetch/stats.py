@@ -262,6 +262,11 @@ def reset_stats(model: nn.Module) -> None:
 
 def _engine(model: nn.Module):
     state = get_state(model)
-    if state is None or state.engine is None:
+    if state is None:
         raise ValueError(f"{type(model).__name__} is not dispatched by hf_prefetch: it has no transfer statistics.")
+    if state.engine is None:
+        raise ValueError(
+            f"{type(model).__name__} is dispatched with the UVA backend, which makes no copies (its kernels read host "
+            "memory in place): there are no transfer statistics. They exist for offload='prefetch'."
+        )
     return state.engine

@@ -335,3 +335,24 @@ def test_view_on_a_base_uses_the_same_offsets_and_layout():
     other = arena.view(1, (2, 3), (1, 2), torch.bfloat16, base=base)
     assert other.shape == host_view.shape and other.stride() == host_view.stride() and other.dtype == torch.bfloat16
     assert other.data_ptr() - base.data_ptr() == host_view.data_ptr() - arena.bytes_view(0, 1).data_ptr() == 4096
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (hf_prefetch.stats, "UVA backend, which makes no copies"),
+        (hf_prefetch.reset_stats, "UVA backend, which makes no copies"),
+        (lambda model: hf_prefetch.reload_weights(model, model.state_dict()), "reload_weights works on models"),
+        (hf_prefetch.sync_from_device, "sync_from_device works on models"),
+    ],
+)
+def test_prefetch_only_calls_on_a_uva_model_say_so(reference, call, match):
+    model = reference[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        hf_prefetch.dispatch_model(model, offload="uva", device="cpu", cpu_offload_gb=1)
+    try:
+        with pytest.raises(ValueError, match=match):
+            call(model)
+    finally:
+        hf_prefetch.remove_offload(model)
