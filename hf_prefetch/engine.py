@@ -120,6 +120,7 @@ class PrefetchEngine:
         layer.counters.copied_bytes += layer.nbytes
         if not self._cuda:
             self._copy_on_host(layer)
+            layer.done_in_capture = False
         else:
             capturing = torch.cuda.is_current_stream_capturing()
             # In a capture this fork makes the copy stream join it: its copies become nodes of the graph.
@@ -146,8 +147,12 @@ class PrefetchEngine:
         transfers = self.rings[ring]
         layer = transfers.layers[position]
         capturing = self._cuda and torch.cuda.is_current_stream_capturing()
-        if capturing and ring not in self._steady_at_capture:
+        if capturing and (position == 0 or ring not in self._steady_at_capture):
+            # The ring's forward begins in a capture: a capture that ended before its join (an exception while
+            # recording) left state that is not this capture's.
+            self._forget_capture([ring])
             self._steady_at_capture[ring] = self._steady(transfers)
+            self.graphs = True  # a replay skips these waits: every forward must prepare (even with nothing to copy)
         if not self._holds(transfers, position, capturing):
             self._load_now(transfers, position)
         elif capturing:
@@ -181,13 +186,32 @@ class PrefetchEngine:
         """Before each forward, once a CUDA graph has recorded this engine's copies (a replay runs no Python): load
         each ring's first layers that are not in their slots, and order the compute stream after every copy issued
         so far. See [Note: compile and CUDA graphs] in docs/design.md."""
-        if not self.graphs or torch.cuda.is_current_stream_capturing():
+        if not self._cuda or torch.cuda.is_current_stream_capturing():
+            return
+        if self._captured or self._steady_at_capture:
+            self._forget_capture()  # a capture ended before its join
+        if not self.graphs:
             return
         for transfers in self.rings:
             for position in range(_first_layers(transfers)):
                 if not self._holds(transfers, position, capturing=False):
                     self._load_now(transfers, position)
         torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+
+    def holds(self, ring: int, position: int) -> bool:
+        """Whether layer `position`'s weights are in its slot (or on their way), outside a capture."""
+        return self._holds(self.rings[ring], position, capturing=False)
+
+    def _forget_capture(self, rings: Sequence[int] | None = None) -> None:
+        # What a capture that never reached its join left behind: copies it recorded (their events belong to it),
+        # its steady flag, and slots claimed by layers whose only copy into them was recorded, never made.
+        for ring in range(len(self.rings)) if rings is None else rings:
+            transfers = self.rings[ring]
+            self._captured = {(r, p) for r, p in self._captured if r != ring}
+            self._steady_at_capture.pop(ring, None)
+            for position, layer in enumerate(transfers.layers):
+                if layer.done_in_capture and transfers.pool.owners[layer.slot] == position:
+                    transfers.pool.owners[layer.slot] = None
 
     def _steady(self, transfers: RingTransfers) -> bool:
         # Each of the ring's first layers in its slot, copied outside any capture.
@@ -241,6 +265,7 @@ class PrefetchEngine:
         slot is rewritten outside the forward: no copy may still read the one, no kernel the other)."""
         if self._cuda:
             torch.cuda.synchronize(self.device)
+            self._forget_capture()
 
     def load(self, ring: int, position: int) -> None:
         """Copy layer `position` into its slot now, on the compute stream, and make it the slot's owner.
@@ -249,20 +274,21 @@ class PrefetchEngine:
         """
         transfers = self.rings[ring]
         layer = transfers.layers[position]
-        transfers.pool.owners[layer.slot] = position
+        transfers.pool.owners[layer.slot] = None  # owned once the copy is issued (see prefetch)
         if self._cuda:
             compute = torch.cuda.current_stream(self.device)
             compute.wait_stream(self.copy_stream)
             _copy_all(layer, self._non_blocking)
-            _loaded_on(layer, compute, capturing=False)
+            _loaded_on(layer, compute, capturing=False, timing=self.timing)
         else:
             _copy_all(layer, self._non_blocking)
+        transfers.pool.owners[layer.slot] = position
 
     def store(self, ring: int, position: int) -> None:
         """Copy the contents of layer `position`'s slot back into its host storage; the layer must own the slot."""
         transfers = self.rings[ring]
         layer = transfers.layers[position]
-        if transfers.pool.owners[layer.slot] != position:
+        if not self._holds(transfers, position, capturing=False):
             raise RuntimeError(f"Layer {position} of ring {ring} does not own slot {layer.slot}: nothing to store.")
         if self._cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
@@ -285,6 +311,8 @@ class PrefetchEngine:
         for transfers in self.rings:
             transfers.pool.owners[:] = [None] * transfers.pool.num_slots
         self.start()
+        if self._cuda:  # a CUDA-graph replay, which waits for none of these copies, may come next
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
     def collect(self) -> None:
         """Wait for the device and fold every pending timing measurement into the counters."""
@@ -333,7 +361,7 @@ class PrefetchEngine:
                 self._pending.append(_Pending(layer.counters, begin, end, "stall_seconds"))
             else:
                 _copy_all(layer, self._non_blocking)
-            _loaded_on(layer, compute, capturing)
+            _loaded_on(layer, compute, capturing, self.timing)
         transfers.pool.owners[layer.slot] = position
 
     def _begin_compute(self, layer: LayerTransfer) -> None:
@@ -369,10 +397,11 @@ def _first_layers(transfers: RingTransfers) -> int:
     return min(transfers.pool.num_slots, len(transfers.layers))
 
 
-def _loaded_on(layer: LayerTransfer, stream: torch.cuda.Stream, capturing: bool) -> None:
+def _loaded_on(layer: LayerTransfer, stream: torch.cuda.Stream, capturing: bool, timing: bool) -> None:
     # The layer's latest copy ran on `stream`: `done` now marks its end. A fresh event, since a pending timing
-    # measurement may still hold the old one.
-    layer.done, layer.done_in_capture = torch.cuda.Event(), capturing
+    # measurement may still hold the old one; a timing one when stalls are measured against it.
+    layer.done = _timing_event() if timing and not capturing else torch.cuda.Event()
+    layer.done_in_capture = capturing
     layer.done.record(stream)
 
 

@@ -176,10 +176,10 @@ def sync_from_device(model: nn.Module, layers: str | Sequence[str] | None = None
     state = _dispatched(model, "sync_from_device")
     streamed: dict[str, tuple[int, int]] = {}  # path -> (ring, position)
     holders: dict[int, dict[int, str]] = {}  # ring -> slot -> path of the layer that holds it
-    for ring_index, (ring, transfers) in enumerate(zip(state.plan.rings, state.engine.rings, strict=True)):
+    for ring_index, ring in enumerate(state.plan.rings):
         for position, layer in enumerate(ring.streamed):
             streamed[layer.path] = (ring_index, position)
-            if transfers.pool.owners[layer.slot] == position:
+            if state.engine.holds(ring_index, position):
                 holders.setdefault(ring_index, {})[layer.slot] = layer.path
     holding = [path for slots in holders.values() for path in slots.values()]
     if layers is None:

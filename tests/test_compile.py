@@ -246,3 +246,23 @@ def test_a_captured_copy_needs_a_dense_layout(make, dense):
     from hf_prefetch.engine import _dense
 
     assert _dense(make()) is dense
+
+
+def test_state_of_a_capture_that_never_joined_is_forgotten():
+    # A capture aborted while recording (an exception) leaves recorded copies, its steady flag and slots claimed by
+    # copies that were only recorded. The engine forgets them (here called directly: the triggers need CUDA).
+    model = hf_prefetch.dispatch_model(tiny_llama(), device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
+    engine = hf_prefetch.get_state(model).engine
+    ring = engine.rings[0]
+    recorded = ring.layers[2]  # as if release(0) had recorded the copy of layer 2 into slot 0
+    ring.pool.owners[recorded.slot] = 2
+    recorded.done_in_capture = True
+    engine._captured.add((0, 2))
+    engine._steady_at_capture[0] = True
+    assert not engine.holds(0, 2) and engine.holds(0, 1)
+    engine._forget_capture()
+    assert ring.pool.owners[recorded.slot] is None and ring.pool.owners[ring.layers[1].slot] == 1
+    assert not engine._captured and not engine._steady_at_capture
+    with torch.no_grad():
+        model(prompt(1, 7))  # layer 0 of the ring misses and loads itself
+    assert hf_prefetch.stats(model).misses == 1

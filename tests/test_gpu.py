@@ -344,3 +344,19 @@ def test_remove_offload_and_redispatch_return_device_and_pinned_memory_on_cuda(g
     assert model.get_parameter(streamed).data_ptr() == host_base
     assert int(torch.cuda.cudart().cudaHostRegister(host_base, host_nbytes, 0)) == 0
     assert int(torch.cuda.cudart().cudaHostUnregister(host_base)) == 0
+
+
+def test_timing_after_load_state_dict_on_cuda(gpu_reference):
+    # load_state_dict reloads the layers that hold their slots; their stall is then measured against the event of
+    # that load, which must be a timing event too.
+    model, ids, long_ids, _, prefill = gpu_reference
+    hf_prefetch.dispatch_model(model, device="cuda", timing=True, group_size=2, num_in_group=1, prefetch_step=4)
+    try:
+        model.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(long_ids).logits, prefill)
+        s = hf_prefetch.stats(model)
+        assert s.misses == 0 and s.stall_seconds >= 0 and s.compute_seconds > 0
+    finally:
+        hf_prefetch.remove_offload(model, device="cpu")
