@@ -109,6 +109,9 @@ class PrefetchEngine:
 
     def prefetch(self, ring: int, position: int) -> None:
         """Start copying layer `position` of `ring` into its slot, after all compute queued so far."""
+        self._prefetch(ring, position, self._capturing())
+
+    def _prefetch(self, ring: int, position: int, capturing: bool) -> None:
         transfers = self.rings[ring]
         layer = transfers.layers[position]
         if transfers.pool.owners[layer.slot] == position:
@@ -122,7 +125,6 @@ class PrefetchEngine:
             self._copy_on_host(layer)
             layer.done_in_capture = False
         else:
-            capturing = torch.cuda.is_current_stream_capturing()
             # In a capture this fork makes the copy stream join it: its copies become nodes of the graph.
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
@@ -146,7 +148,7 @@ class PrefetchEngine:
         """Order the compute stream after layer `position`'s copy; load it now if its slot holds another layer."""
         transfers = self.rings[ring]
         layer = transfers.layers[position]
-        capturing = self._cuda and torch.cuda.is_current_stream_capturing()
+        capturing = self._capturing()
         if capturing and (position == 0 or ring not in self._steady_at_capture):
             # The ring's forward begins in a capture: a capture that ended before its join (an exception while
             # recording) left state that is not this capture's.
@@ -175,10 +177,10 @@ class PrefetchEngine:
         """Layer `position` has been queued: hand its slot to the next layer that uses it."""
         transfers = self.rings[ring]
         layer = transfers.layers[position]
-        capturing = self._cuda and torch.cuda.is_current_stream_capturing()
+        capturing = self._capturing()
         if self.timing and not capturing:
             self._end_compute(layer)
-        self.prefetch(ring, layer.next_in_slot)
+        self._prefetch(ring, layer.next_in_slot, capturing)
         if capturing and position == len(transfers.layers) - 1:
             self._join_capture(ring)
 
@@ -186,7 +188,7 @@ class PrefetchEngine:
         """Before each forward, once a CUDA graph has recorded this engine's copies (a replay runs no Python): load
         each ring's first layers that are not in their slots, and order the compute stream after every copy issued
         so far. See [Note: compile and CUDA graphs] in docs/design.md."""
-        if not self._cuda or torch.cuda.is_current_stream_capturing():
+        if not self._cuda or self._capturing():
             return
         if self._captured or self._steady_at_capture:
             self._forget_capture()  # a capture ended before its join
@@ -197,6 +199,9 @@ class PrefetchEngine:
                 if not self._holds(transfers, position, capturing=False):
                     self._load_now(transfers, position)
         torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+
+    def _capturing(self) -> bool:
+        return self._cuda and torch.cuda.is_current_stream_capturing()
 
     def holds(self, ring: int, position: int) -> bool:
         """Whether layer `position`'s weights are in its slot (or on their way), outside a capture."""
@@ -232,10 +237,11 @@ class PrefetchEngine:
         # copies landed before the capture, or within the replay). Otherwise the slots are forgotten: misses reload.
         if any(r == ring for r, _ in self._captured):
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-        self._captured = {(r, p) for r, p in self._captured if r != ring}
+        steady = self._steady_at_capture.get(ring, False)
+        self._forget_capture([ring])
         transfers = self.rings[ring]
         transfers.pool.owners[:] = [None] * transfers.pool.num_slots
-        if self._steady_at_capture.pop(ring, False):
+        if steady:
             for position in range(_first_layers(transfers)):
                 layer = transfers.layers[position]
                 transfers.pool.owners[layer.slot] = position
@@ -346,7 +352,7 @@ class PrefetchEngine:
             self._copy_on_host(layer)
         else:
             compute = torch.cuda.current_stream(self.device)
-            capturing = torch.cuda.is_current_stream_capturing()
+            capturing = self._capturing()
             if not capturing or self._captured:  # in a capture the copy stream may be waited on once it joined it
                 compute.wait_stream(self.copy_stream)
             if capturing:

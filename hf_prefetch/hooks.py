@@ -28,14 +28,14 @@ class PrefetchHook(ModelHook):
     def pre_forward(self, module, *args, **kwargs):
         # transformers sometimes calls `pre_forward(module)` with no inputs: the signature accepts both.
         if torch.compiler.is_compiling():
-            _compiled_step(torch.ops.hf_prefetch.wait, self, _input_anchor(args, kwargs))
+            _compiled_step(torch.ops.hf_prefetch.wait, self.engine.wait, self, _input_anchor(args, kwargs))
         else:
             _eager_step(self.engine.wait, self, "hf_prefetch.wait")
         return args, kwargs
 
     def post_forward(self, module, output):
         if torch.compiler.is_compiling():
-            _compiled_step(torch.ops.hf_prefetch.release, self, _first_tensor(output))
+            _compiled_step(torch.ops.hf_prefetch.release, self.engine.release, self, _first_tensor(output))
         else:
             _eager_step(self.engine.release, self, "hf_prefetch.release")
         return output
@@ -65,13 +65,11 @@ def _eager_step(step, hook: PrefetchHook, label: str) -> None:
         step(hook.ring, hook.position)
 
 
-def _compiled_step(op, hook: PrefetchHook, anchor: torch.Tensor | None) -> None:
+def _compiled_step(op, step, hook: PrefetchHook, anchor: torch.Tensor | None) -> None:
     if anchor is not None:
         op(anchor, hook.engine_id, hook.ring, hook.position)
-        return
-    # Nothing to order the op by (a layer called without tensor inputs): run the step outside the graph.
-    step = hook.engine.wait if op is torch.ops.hf_prefetch.wait else hook.engine.release
-    _run_outside_graph(step, hook.ring, hook.position)
+    else:  # nothing to order the op by (a layer called without tensor inputs): the engine's step, outside the graph
+        _run_outside_graph(step, hook.ring, hook.position)
 
 
 def _run_outside_graph(step, *args) -> None:

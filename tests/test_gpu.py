@@ -17,6 +17,14 @@ def _model(num_layers: int = 8) -> LlamaForCausalLM:
     return gpu_llama(num_layers)
 
 
+def _register(pointer: int, nbytes: int) -> int:
+    """cudaHostRegister's error code for a range (712: cudaErrorHostMemoryAlreadyRegistered, i.e. already
+    page-locked); the error is cleared so that it does not surface in a later CUDA call."""
+    err = int(torch.cuda.cudart().cudaHostRegister(pointer, nbytes, 0))
+    _clear_last_cuda_error()
+    return err
+
+
 def _check_generate(model, ids, long_ids, expected, prefill) -> None:
     """200 greedy tokens and every step's logits, then two prefills, bitwise equal to the resident model's."""
     with torch.no_grad():
@@ -102,10 +110,7 @@ def test_memory_accounting_on_cuda(gpu_reference):
         assert abs(state.arena.nbytes - plan.offloaded_bytes) <= 0.01 * plan.offloaded_bytes
         # The arena is page-locked with cudaHostRegister (PyTorch's is_pinned() only knows its own allocator):
         # registering the range again must fail with cudaErrorHostMemoryAlreadyRegistered (712).
-        buffer = state.arena.bytes_view(0, 1)
-        err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), state.arena.nbytes, 0)
-        _clear_last_cuda_error()
-        assert int(err) == 712
+        assert _register(state.arena.bytes_view(0, 1).data_ptr(), state.arena.nbytes) == 712
     finally:
         hf_prefetch.remove_offload(model, device="cpu")
     torch.cuda.synchronize()
@@ -216,9 +221,7 @@ def test_uva_parameters_alias_pinned_host_memory_on_cuda(gpu_reference):
         assert param.view(-1)[0].item() == 7.0
         host.view(-1)[0] = original
         # The arena is page-locked with cudaHostRegister: registering it again fails with error 712.
-        err = torch.cuda.cudart().cudaHostRegister(host_base, arena.nbytes, 0)
-        _clear_last_cuda_error()
-        assert int(err) == 712
+        assert _register(host_base, arena.nbytes) == 712
         with pytest.raises(RuntimeError, match=r"remove_offload\(model\) first"):
             model.half()
     finally:
@@ -326,9 +329,7 @@ def test_remove_offload_and_redispatch_return_device_and_pinned_memory_on_cuda(g
         # with cudaErrorHostMemoryAlreadyRegistered, 712) ...
         host_base, host_nbytes = state.arena.bytes_view(0, 1).data_ptr(), state.arena.nbytes
         streamed = state.offloaded[0].full_name
-        err = torch.cuda.cudart().cudaHostRegister(host_base, host_nbytes, 0)
-        _clear_last_cuda_error()
-        assert int(err) == 712
+        assert _register(host_base, host_nbytes) == 712
         del state
     finally:
         hf_prefetch.remove_offload(model, device="cpu")
@@ -342,7 +343,7 @@ def test_remove_offload_and_redispatch_return_device_and_pinned_memory_on_cuda(g
     # ... and no longer after remove_offload: the streamed weights now live in that memory as ordinary pageable
     # CPU tensors, which registering afresh succeeds on.
     assert model.get_parameter(streamed).data_ptr() == host_base
-    assert int(torch.cuda.cudart().cudaHostRegister(host_base, host_nbytes, 0)) == 0
+    assert _register(host_base, host_nbytes) == 0
     assert int(torch.cuda.cudart().cudaHostUnregister(host_base)) == 0
 
 
