@@ -19,7 +19,7 @@ from torch import nn
 from .budget import choose_plan, device_argument, parse_max_memory
 from .config import PrefetchConfig
 from .engine import LayerTransfer, PrefetchEngine, RingTransfers
-from .hooks import PrefetchHook, prepare_hook
+from .hooks import PrefetchHook, model_hooks
 from .host import HostArena
 from .offload_config import OffloadConfig, UVAConfig, resolve_offload
 from .ops import register_engine
@@ -225,7 +225,8 @@ def attach(model: nn.Module, state: OffloadState) -> None:
             hook = PrefetchHook(state.engine, engine_id, ring_index, position)
             add_hook_to_module(module, hook, append=True)
             state.hooks.append((module, hook))
-    state.handles.append(model.register_forward_pre_hook(prepare_hook(state.engine)))
+    prepare, finish = model_hooks(state.engine)
+    state.handles += [model.register_forward_pre_hook(prepare), model.register_forward_hook(finish)]
     state.handles.append(model._register_state_dict_hook(_host_values_in_state_dict))
     state.handles += _write_through_load_state_dict(model, state)
     state.guarded = _guard_moves(model, [o.full_name for o in state.offloaded])

@@ -100,8 +100,13 @@ class PrefetchEngine:
         # (the state every complete forward, eager or replayed, ends in). Read when the ring joins the capture.
         self._steady_at_capture: dict[int, bool] = {}
         # A graph has recorded this engine's copies: replays skip the waits for each ring's first layers, so every
-        # forward must `prepare` for one. See [Note: compile and CUDA graphs] in docs/design.md.
+        # forward must `prepare` for one, and `finish` copies those layers after it. See [Note: compile and CUDA
+        # graphs] in docs/design.md.
         self.graphs = False
+        # The rings whose forward a capture recorded (a replay may run them), and for each ring whether its hooks ran
+        # in Python since the last `prepare`: after a forward, a recorded ring whose hooks did not run was replayed.
+        self._recorded: set[int] = set()
+        self._ran = [False] * len(self.rings)
         if self._cuda:
             for ring in self.rings:
                 for layer in ring.layers:
@@ -149,6 +154,7 @@ class PrefetchEngine:
         transfers = self.rings[ring]
         layer = transfers.layers[position]
         capturing = self._capturing()
+        self._ran[ring] = True
         if capturing and (position == 0 or ring not in self._steady_at_capture):
             # The ring's forward begins in a capture: a capture that ended before its join (an exception while
             # recording) left state that is not this capture's.
@@ -180,7 +186,10 @@ class PrefetchEngine:
         capturing = self._capturing()
         if self.timing and not capturing:
             self._end_compute(layer)
-        self._prefetch(ring, layer.next_in_slot, capturing)
+        if not (capturing and layer.next_in_slot < position):
+            # In a capture the next forward's first layers are left to `finish`, outside the graph: a graph must join
+            # every copy it forks, so a recorded copy would keep the copy engine idle between replays.
+            self._prefetch(ring, layer.next_in_slot, capturing)
         if capturing and position == len(transfers.layers) - 1:
             self._join_capture(ring)
 
@@ -190,6 +199,7 @@ class PrefetchEngine:
         so far. See [Note: compile and CUDA graphs] in docs/design.md."""
         if not self._cuda or self._capturing():
             return
+        self._ran = [False] * len(self.rings)
         if self._captured or self._steady_at_capture:
             self._forget_capture()  # a capture ended before its join
         if not self.graphs:
@@ -199,6 +209,19 @@ class PrefetchEngine:
                 if not self._holds(transfers, position, capturing=False):
                     self._load_now(transfers, position)
         torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+
+    def finish(self) -> None:
+        """After each forward, once a CUDA graph has recorded this engine's copies: start copying each ring's first
+        layers into their slots, after the forward, where a replay (which leaves its last layers there) or a capture
+        did not. See [Note: compile and CUDA graphs] in docs/design.md."""
+        if not self._cuda or not self.graphs or self._capturing():
+            return
+        for index, transfers in enumerate(self.rings):
+            if index in self._recorded and not self._ran[index] and len(transfers.layers) > transfers.pool.num_slots:
+                transfers.pool.owners[:] = [None] * transfers.pool.num_slots  # replayed: its last layers are there
+            for position in range(_first_layers(transfers)):
+                if not self._holds(transfers, position, capturing=False):
+                    self._prefetch(index, position, capturing=False)
 
     def _capturing(self) -> bool:
         return self._cuda and torch.cuda.is_current_stream_capturing()
@@ -230,22 +253,23 @@ class PrefetchEngine:
         return transfers.pool.owners[layer.slot] == position and (capturing or not layer.done_in_capture)
 
     def _join_capture(self, ring: int) -> None:
-        # The ring's forward ends: join the copy stream back into the capture, so that the graph ends only after the
-        # copies of the next forward's first layers. Until the graph is replayed the slots hold what they held when the
-        # capture began; after a replay they hold the first layers. Both agree when the capture began in that state
-        # (the end of any complete forward): the first layers then own their slots, with nothing to wait for (their
-        # copies landed before the capture, or within the replay). Otherwise the slots are forgotten: misses reload.
+        # The ring's forward ends: join the copy stream back into the capture, so that the graph ends after its copies.
+        # The copies of the next forward's first layers were not recorded (`release` leaves them to `finish`). Until
+        # the graph is replayed the slots hold what they held when the capture began, after a replay its last layers:
+        # the slots are forgotten, and `finish` copies the first layers after this forward and after each replay.
+        # With no more layers than slots nothing moves: if each layer was in its slot when the capture began, it stays
+        # there and owns it, with nothing to wait for (its copy landed before the capture).
         if any(r == ring for r, _ in self._captured):
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
         steady = self._steady_at_capture.get(ring, False)
         self._forget_capture([ring])
+        self._recorded.add(ring)
         transfers = self.rings[ring]
-        transfers.pool.owners[:] = [None] * transfers.pool.num_slots
-        if steady:
-            for position in range(_first_layers(transfers)):
-                layer = transfers.layers[position]
-                transfers.pool.owners[layer.slot] = position
+        if steady and len(transfers.layers) <= transfers.pool.num_slots:
+            for layer in transfers.layers:
                 layer.done, layer.done_in_capture = None, False
+            return
+        transfers.pool.owners[:] = [None] * transfers.pool.num_slots
 
     def _check_capturable(self) -> None:
         if not self._non_blocking:

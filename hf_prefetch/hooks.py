@@ -13,7 +13,7 @@ from accelerate.hooks import ModelHook
 from . import ops  # noqa: F401  (registers torch.ops.hf_prefetch)
 from .engine import PrefetchEngine
 
-__all__ = ["PrefetchHook", "prepare_hook"]
+__all__ = ["PrefetchHook", "model_hooks"]
 
 
 class PrefetchHook(ModelHook):
@@ -44,17 +44,25 @@ class PrefetchHook(ModelHook):
         return f"PrefetchHook(ring={self.ring}, position={self.position})"
 
 
-def prepare_hook(engine: PrefetchEngine):
-    """A forward pre-hook for the model itself: `engine.prepare()` before every forward, outside any compiled graph
-    (under torch.compile it is a graph break at the model's entry, so that it runs before each CUDA-graph replay)."""
+def model_hooks(engine: PrefetchEngine):
+    """The model's own forward pre-hook and forward hook: `engine.prepare()` before every forward and
+    `engine.finish()` after it, outside any compiled graph (under torch.compile each is a graph break at the model's
+    entry or exit, so that it runs around each CUDA-graph replay)."""
 
     def prepare(module, args):
-        if torch.compiler.is_compiling():
-            _run_outside_graph(engine.prepare)
-        else:
-            engine.prepare()
+        _outside_any_graph(engine.prepare)
 
-    return prepare
+    def finish(module, args, output):
+        _outside_any_graph(engine.finish)
+
+    return prepare, finish
+
+
+def _outside_any_graph(step) -> None:
+    if torch.compiler.is_compiling():
+        _run_outside_graph(step)
+    else:
+        step()
 
 
 def _eager_step(step, hook: PrefetchHook, label: str) -> None:

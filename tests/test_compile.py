@@ -82,18 +82,24 @@ def test_the_decoder_stack_compiles_into_one_graph_with_the_ops_in_it(pattern):
     assert hf_prefetch.stats(model).misses == 0
 
 
-def test_the_model_entry_runs_outside_the_graph_on_every_call():
-    # `prepare` (what must happen before a CUDA-graph replay) runs as a graph break at the model's entry, so it runs
-    # again on every call of a compiled __call__, not once while tracing.
+def test_the_model_entry_and_exit_run_outside_the_graph_on_every_call():
+    # `prepare` and `finish` (what must happen before and after a CUDA-graph replay) run as graph breaks at the model's
+    # entry and exit, so they run again on every call of a compiled __call__, not once while tracing; the decoder
+    # stack between them is still one graph.
     model = hf_prefetch.dispatch_model(tiny_llama(), device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
     engine = hf_prefetch.get_state(model).engine
     calls = []
-    engine.prepare = lambda: calls.append(1)
-    compiled = torch.compile(model.__call__, backend="eager")
+    engine.prepare = lambda: calls.append("prepare")
+    engine.finish = lambda: calls.append("finish")
+    recorder = GraphRecorder()
+    compiled = torch.compile(model.__call__, backend=recorder)
     with torch.no_grad():
         for _ in range(3):
             compiled(prompt(1, 7))
-    assert len(calls) == 3
+    assert calls == ["prepare", "finish"] * 3
+    with_ops = [gm for gm in recorder.graphs if any(str(n.target).startswith("hf_prefetch.") for n in gm.graph.nodes)]
+    assert len(with_ops) == 1
+    assert recorder.steps() == [(step, position) for position in range(4) for step in ("wait", "release")]
 
 
 def _dispatched(model, prefetch_step: int, device: str = "cpu"):
@@ -187,6 +193,27 @@ def test_compiled_decoding_on_cuda_matches_eager(cuda_reference, mode, prefetch_
             _check(_generate(model, ids, _compile_config("inductor", mode), new_tokens=64), eager, still[mode])
         assert hf_prefetch.get_state(model).engine.graphs == (mode == "reduce-overhead")
         assert hf_prefetch.stats(model).misses == 0  # a capture that began with the first layers in place keeps them
+    finally:
+        hf_prefetch.remove_offload(model, device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_each_replay_leaves_the_next_first_layers_to_finish_on_cuda(cuda_reference, mode):
+    # A replay copies its ring's layers after the first ones inside the graph (not counted: no Python runs) and leaves
+    # the next forward's first layers to `finish`, outside the graph (counted). Without graphs every forward copies all
+    # 4 streamed layers. 64 new tokens: an eager prefill (4 copies) and 63 compiled decode steps.
+    model, ids, eager, still = cuda_reference
+    _dispatched(model, 2, "cuda")
+    try:
+        config = _compile_config("inductor", mode)
+        for _ in range(2):  # compile, record
+            _generate(model, ids, config, new_tokens=64)
+        hf_prefetch.reset_stats(model)
+        _check(_generate(model, ids, config, new_tokens=64), eager, still[mode])
+        stats = hf_prefetch.stats(model)
+        per_step = 2 if mode == "reduce-overhead" else 4
+        assert (stats.copies, stats.misses) == (4 + 63 * per_step, 0)
     finally:
         hf_prefetch.remove_offload(model, device="cpu")
 
