@@ -12,7 +12,6 @@ measured by the plan itself) is compared with the measured s/token. Run on a GPU
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -21,7 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import build_model, h2d_peak_gbps, timed  # noqa: E402
+from common import build_model, h2d_peak_gbps, save_results, timed  # noqa: E402
 
 import hf_prefetch  # noqa: E402
 
@@ -146,10 +145,7 @@ def main() -> None:
     links = ", ".join(f"{r['plan_link_gbps']:.1f}" for results in rows.values() for r in results)
     print(f"\nlink speed measured by hf_prefetch.plan: {links} GB/s (benchmark's 1 GiB peak: {peak_gbps:.1f} GB/s)")
     print("run: longest run of consecutive streamed layers; plan s: plan.transfer_seconds_per_forward")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "budget_8b.json"), "w") as f:
-            json.dump({"peak_gbps": peak_gbps, "rows": table}, f, indent=1, default=str)
+    save_results("budget_8b.json", {"peak_gbps": peak_gbps, "rows": table})
     if failed:
         sys.exit("a budget row went over its budget, changed the tokens or missed")
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
 import time
 
@@ -108,3 +110,11 @@ def clone_to_cpu(model: LlamaForCausalLM) -> LlamaForCausalLM:
         path, _, leaf = name.rpartition(".")
         clone.get_submodule(path)._buffers[leaf] = buffer.to("cpu")
     return clone.eval()
+
+
+def save_results(name: str, payload: dict) -> None:
+    """Write `payload` as JSON to $OUT/`name` when $OUT is set (the device tool's output folder)."""
+    out = os.environ.get("OUT")
+    if out:
+        with open(os.path.join(out, name), "w") as f:
+            json.dump(payload, f, indent=1, default=str)

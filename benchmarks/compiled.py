@@ -11,7 +11,6 @@ bytes per token / measured pinned H2D peak). Run on a GPU machine:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -22,7 +21,7 @@ from transformers import CompileConfig, StaticCache
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import build_model, clone_to_cpu, h2d_peak_gbps  # noqa: E402
+from common import build_model, clone_to_cpu, h2d_peak_gbps, save_results  # noqa: E402
 
 import hf_prefetch  # noqa: E402
 
@@ -127,10 +126,7 @@ def main() -> None:
     same = torch.equal(reference, tokens[names[1]])
     print(f"compiled streamed tokens {'identical' if same else 'DIFFER'} to the compiled no-movement dispatch")
     print(f"all on GPU: compiled + CUDA graphs is {eager_resident / compiled_resident:.2f}x faster than eager")
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "compiled.json"), "w") as f:
-            json.dump({"peak_gbps": peak, "rows": rows}, f, indent=1)
+    save_results("compiled.json", {"peak_gbps": peak, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import statistics
 import sys
@@ -25,6 +24,7 @@ from common import (  # noqa: E402
     decode_seconds_per_token,
     h2d_peak_gbps,
     prefill_seconds,
+    save_results,
 )
 
 import hf_prefetch  # noqa: E402
@@ -200,10 +200,7 @@ def main() -> None:
         f"\nmemory_allocated over 100 static-cache decode steps (half streamed): min {low} max {high} "
         f"(spread {high - low} bytes)"
     )
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, f"decode_{args.shape}.json"), "w") as f:
-            json.dump({"peak_gbps": peak, "rows": table}, f, indent=1, default=str)
+    save_results(f"decode_{args.shape}.json", {"peak_gbps": peak, "rows": table})
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ Systems are measured alternately, several rounds, medians reported. Run on a GPU
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -32,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import build_model, decode_seconds_per_token, h2d_peak_gbps, timed  # noqa: E402
+from common import build_model, decode_seconds_per_token, h2d_peak_gbps, save_results, timed  # noqa: E402
 
 import hf_prefetch  # noqa: E402
 
@@ -154,10 +153,7 @@ def main() -> None:
         misses = [r["misses"] for r in runs[system]]
         print(f"{system}: logits {'identical' if same else 'DIFFER'} to all on GPU, misses per round {misses}")
     print("decode s/token: " + ", ".join(f"{s} {med(s, 'decode'):.4f}" for s in SYSTEMS))
-    out = os.environ.get("OUT")
-    if out:
-        with open(os.path.join(out, "prefill.json"), "w") as f:
-            json.dump({"peak_gbps": peak, "rows": table}, f, indent=1)
+    save_results("prefill.json", {"peak_gbps": peak, "rows": table})
 
 
 if __name__ == "__main__":

@@ -14,7 +14,6 @@ Run on a GPU machine (8B shape: about 3 minutes on an H100 80GB; --small: under 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import build_model, decode_seconds_per_token, h2d_peak_gbps, prefill_seconds  # noqa: E402
+from common import build_model, decode_seconds_per_token, h2d_peak_gbps, prefill_seconds, save_results  # noqa: E402
 
 import hf_prefetch  # noqa: E402
 from hf_prefetch.host import HostArena  # noqa: E402
@@ -160,12 +159,8 @@ def main() -> None:
             f"UVA / prefetch prefill {length}, median of {rounds} paired ratios: {statistics.median(ratios[key]):.3f}"
         )
 
-    out = os.environ.get("OUT")
-    if out:
-        name = "uva_small.json" if args.small else "uva_8b.json"
-        with open(os.path.join(out, name), "w") as f:
-            summary = dict(peak_gbps=peak, zero_copy_read_gbps=read_peak, rows=table, paired_ratios=ratios)
-            json.dump(summary, f, indent=1, default=str)
+    summary = dict(peak_gbps=peak, zero_copy_read_gbps=read_peak, rows=table, paired_ratios=ratios)
+    save_results("uva_small.json" if args.small else "uva_8b.json", summary)
 
 
 if __name__ == "__main__":

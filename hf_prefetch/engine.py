@@ -44,7 +44,8 @@ class LayerTransfer:
     nbytes: int
     # Recorded on the copy stream after this layer's latest copy; the compute stream waits on it before the layer
     # runs. With timing on, every copy gets a fresh event so that late reads see the right copy.
-    # None after a capture that found the layer in its slot: its copy has landed, nothing to wait for.
+    # None after a capture that found the layer in its slot in a ring with no more layers than slots: its copy has
+    # landed, nothing to wait for.
     done: torch.cuda.Event | None = None
     done_in_capture: bool = False  # `done` was last recorded in a CUDA-graph capture: record a fresh event next time
     counters: LayerCounters = field(default_factory=LayerCounters)
@@ -97,16 +98,16 @@ class PrefetchEngine:
         # it. Emptied when each ring's last layer joins the copy stream back into the capture.
         self._captured: set[tuple[int, int]] = set()
         # For each ring whose forward a capture under way has begun: whether its first layers were in their slots then
-        # (the state every complete forward, eager or replayed, ends in). Read when the ring joins the capture.
+        # (the state every complete forward ends in once `finish` ran). Read when the ring joins the capture.
         self._steady_at_capture: dict[int, bool] = {}
         # A graph has recorded this engine's copies: replays skip the waits for each ring's first layers, so every
         # forward must `prepare` for one, and `finish` copies those layers after it. See [Note: compile and CUDA
         # graphs] in docs/design.md.
         self.graphs = False
-        # The rings whose forward a capture recorded (a replay may run them), and for each ring whether its hooks ran
-        # in Python since the last `prepare`: after a forward, a recorded ring whose hooks did not run was replayed.
+        # The rings whose forward a capture recorded (a replay may run them), and for each ring whether the owner table
+        # is known to be true: since the last `prepare` its last layer released in Python. See `_settle`.
         self._recorded: set[int] = set()
-        self._ran = [False] * len(self.rings)
+        self._exact = [True] * len(self.rings)
         if self._cuda:
             for ring in self.rings:
                 for layer in ring.layers:
@@ -154,7 +155,6 @@ class PrefetchEngine:
         transfers = self.rings[ring]
         layer = transfers.layers[position]
         capturing = self._capturing()
-        self._ran[ring] = True
         if capturing and (position == 0 or ring not in self._steady_at_capture):
             # The ring's forward begins in a capture: a capture that ended before its join (an exception while
             # recording) left state that is not this capture's.
@@ -166,7 +166,7 @@ class PrefetchEngine:
         elif capturing:
             # A copy issued before the capture began is not waited for (its event lies outside the capture): the
             # capture began after a device synchronisation (torch.cuda.graph and inductor's CUDA graphs synchronise
-            # first), and each replay comes after the previous one, whose last layers copied these weights again.
+            # first), and before each replay `prepare` orders the compute stream after every copy issued so far.
             if (ring, position) in self._captured:
                 torch.cuda.current_stream(self.device).wait_event(layer.done)
         elif self._cuda and layer.done is not None:
@@ -190,8 +190,10 @@ class PrefetchEngine:
             # In a capture the next forward's first layers are left to `finish`, outside the graph: a graph must join
             # every copy it forks, so a recorded copy would keep the copy engine idle between replays.
             self._prefetch(ring, layer.next_in_slot, capturing)
-        if capturing and position == len(transfers.layers) - 1:
-            self._join_capture(ring)
+        if position == len(transfers.layers) - 1:
+            self._exact[ring] = True
+            if capturing:
+                self._join_capture(ring)
 
     def prepare(self) -> None:
         """Before each forward, once a CUDA graph has recorded this engine's copies (a replay runs no Python): load
@@ -199,7 +201,8 @@ class PrefetchEngine:
         so far. See [Note: compile and CUDA graphs] in docs/design.md."""
         if not self._cuda or self._capturing():
             return
-        self._ran = [False] * len(self.rings)
+        self._settle()  # the previous forward may have been replayed and stopped before its `finish`
+        self._exact = [False] * len(self.rings)
         if self._captured or self._steady_at_capture:
             self._forget_capture()  # a capture ended before its join
         if not self.graphs:
@@ -216,18 +219,29 @@ class PrefetchEngine:
         did not. See [Note: compile and CUDA graphs] in docs/design.md."""
         if not self._cuda or not self.graphs or self._capturing():
             return
+        self._settle()
         for index, transfers in enumerate(self.rings):
-            if index in self._recorded and not self._ran[index] and len(transfers.layers) > transfers.pool.num_slots:
-                transfers.pool.owners[:] = [None] * transfers.pool.num_slots  # replayed: its last layers are there
             for position in range(_first_layers(transfers)):
                 if not self._holds(transfers, position, capturing=False):
                     self._prefetch(index, position, capturing=False)
+
+    def _settle(self) -> None:
+        # Make the owner table true again after forwards that ran no Python. A replay leaves its ring's last layers
+        # in the slots, and only the table of a ring whose last layer released in Python since `prepare` is known to
+        # be true: for any other ring a capture recorded (replayed, interrupted before its end, or not run at all),
+        # forget what the slots hold. Called before every use of the table outside a forward, since `finish` may
+        # never run (an exception or a KeyboardInterrupt between a replay and the model's forward hook).
+        for index, transfers in enumerate(self.rings):
+            if not self._exact[index] and index in self._recorded and len(transfers.layers) > transfers.pool.num_slots:
+                transfers.pool.owners[:] = [None] * transfers.pool.num_slots
+            self._exact[index] = True
 
     def _capturing(self) -> bool:
         return self._cuda and torch.cuda.is_current_stream_capturing()
 
     def holds(self, ring: int, position: int) -> bool:
         """Whether layer `position`'s weights are in its slot (or on their way), outside a capture."""
+        self._settle()
         return self._holds(self.rings[ring], position, capturing=False)
 
     def _forget_capture(self, rings: Sequence[int] | None = None) -> None:
@@ -296,12 +310,14 @@ class PrefetchEngine:
         if self._cuda:
             torch.cuda.synchronize(self.device)
             self._forget_capture()
+        self._settle()
 
     def load(self, ring: int, position: int) -> None:
         """Copy layer `position` into its slot now, on the compute stream, and make it the slot's owner.
 
         For work outside the forward (reloading weights): neither a transfer nor a miss is counted.
         """
+        self._settle()
         transfers = self.rings[ring]
         layer = transfers.layers[position]
         transfers.pool.owners[layer.slot] = None  # owned once the copy is issued (see prefetch)
@@ -316,6 +332,7 @@ class PrefetchEngine:
 
     def store(self, ring: int, position: int) -> None:
         """Copy the contents of layer `position`'s slot back into its host storage; the layer must own the slot."""
+        self._settle()
         transfers = self.rings[ring]
         layer = transfers.layers[position]
         if not self._holds(transfers, position, capturing=False):
@@ -328,6 +345,7 @@ class PrefetchEngine:
     def refresh(self, ring: int, position: int) -> None:
         """Layer `position`'s host storage was rewritten: copy it again if it owns its slot. See [Note: rewriting
         weights] in docs/design.md."""
+        self._settle()
         transfers = self.rings[ring]
         if transfers.pool.owners[transfers.layers[position].slot] == position:
             self.load(ring, position)
@@ -340,6 +358,7 @@ class PrefetchEngine:
         """
         for transfers in self.rings:
             transfers.pool.owners[:] = [None] * transfers.pool.num_slots
+        self._exact = [True] * len(self.rings)
         self.start()
         if self._cuda:  # a CUDA-graph replay, which waits for none of these copies, may come next
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)

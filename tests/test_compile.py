@@ -239,6 +239,38 @@ def test_eager_and_replayed_forwards_interleave_on_cuda(cuda_reference):
 
 
 @pytest.mark.gpu
+def test_a_replay_interrupted_before_finish_on_cuda(cuda_reference):
+    # A KeyboardInterrupt after a replay, before the model's forward hook runs `finish` (here from a forward hook that
+    # runs first): the slots hold the replay's last layers and no Python saw it. Neither sync_from_device nor the
+    # next generate may trust the table's owners.
+    model, ids, eager, still = cuda_reference
+    _dispatched(model, 2, "cuda")
+    armed = {"calls": None}
+
+    @torch.compiler.disable
+    def interrupt(module, args, output):
+        if armed["calls"] is not None:
+            armed["calls"] += 1
+            if armed["calls"] == 10:  # the 9th decode step: a replay
+                armed["calls"] = None
+                raise KeyboardInterrupt
+
+    handle = model.register_forward_hook(interrupt, prepend=True)
+    try:
+        config = _compile_config("inductor", "reduce-overhead")
+        for _ in range(2):  # compile, record
+            _generate(model, ids, config, new_tokens=64)
+        armed["calls"] = 0
+        with pytest.raises(KeyboardInterrupt):
+            _generate(model, ids, config, new_tokens=64)
+        hf_prefetch.sync_from_device(model)  # trusting stale owners, it would store layers 2, 3 as layers 0, 1
+        _check(_generate(model, ids, config, new_tokens=64), eager, still["reduce-overhead"])
+    finally:
+        handle.remove()
+        hf_prefetch.remove_offload(model, device="cpu")
+
+
+@pytest.mark.gpu
 def test_reload_between_graph_replays_on_cuda(cuda_reference):
     model, ids, eager, _ = cuda_reference
     other = _gpu_model()
@@ -257,6 +289,25 @@ def test_reload_between_graph_replays_on_cuda(cuda_reference):
         assert torch.equal(_generate(model, ids, config, new_tokens=64).sequences, eager.sequences)
     finally:
         hf_prefetch.remove_offload(model, device="cpu")
+
+
+def test_a_replay_that_never_finished_is_settled_before_the_slots_are_trusted():
+    # A CUDA-graph replay leaves its ring's last layers in the slots and runs no Python; only `finish` (after it) or
+    # the next `prepare` records that. If neither ran (an interrupt between a replay and the model's forward hook),
+    # every use of the owner table first forgets the slots of a ring a capture recorded. Simulated on the CPU.
+    reference = tiny_llama()
+    model = _dispatched(copy.deepcopy(reference), 2)
+    engine = hf_prefetch.get_state(model).engine
+    ring = engine.rings[0]
+    engine.load(0, 2)
+    engine.load(0, 3)  # what a replay leaves: its last layers in the slots...
+    ring.pool.owners[:] = [0, 1]  # ...while the table still names the first layers
+    engine._recorded.add(0)
+    engine._exact[0] = False  # a recorded ring whose last layer did not release in Python since `prepare`
+    assert hf_prefetch.sync_from_device(model) == []  # it would store layers 2 and 3 as layers 0 and 1
+    assert ring.pool.owners == [None, None]
+    for (name, want), got in zip(reference.state_dict().items(), model.state_dict().values(), strict=True):
+        assert torch.equal(got, want), name
 
 
 @pytest.mark.parametrize(
