@@ -3,7 +3,8 @@ transformers' own compile of static-cache decoding (inductor, mode "reduce-overh
 
 The two models live side by side on the GPU (the resident one and a dispatched copy) and are measured alternately,
 several pairs, medians reported: the lent machine's speed drifts. bound = max(compiled all-on-GPU s/token, streamed
-bytes per token / measured pinned H2D peak). Run on a GPU machine:
+bytes per token / pinned H2D peak), the peak measured before each pair (the link's rate drifts by a few percent
+between moments and machines) and the median taken. Run on a GPU machine:
 
     PYTHONUNBUFFERED=1 python benchmarks/compiled.py [--pairs 3] [--layers 32]
 """
@@ -60,8 +61,6 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     args = parser.parse_args()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  layers {args.layers}")
-    peak = h2d_peak_gbps()
-    print(f"pinned H2D peak (1 GiB): {peak:.1f} GB/s")
 
     resident = build_model(num_layers=args.layers)
     streamed = hf_prefetch.dispatch_model(
@@ -87,13 +86,18 @@ def main() -> None:
 
     runs: dict[str, list[float]] = {name: [] for name in systems}
     tokens = {}
+    peaks = []
     for pair in range(args.pairs):
+        peaks.append(h2d_peak_gbps())
+        print(f"pair {pair} pinned H2D peak (1 GiB): {peaks[-1]:.1f} GB/s", flush=True)
         for name, (model, cache, compiled) in systems.items():
             seconds, out = seconds_per_token(model, ids, cache, compiled)
             runs[name].append(seconds)
             tokens[name] = out
             print(f"pair {pair} {name}: {seconds:.4f} s/token", flush=True)
 
+    peak = statistics.median(peaks)
+    print(f"pinned H2D peak, median of {args.pairs}: {peak:.1f} GB/s (min {min(peaks):.1f}, max {max(peaks):.1f})")
     names = list(systems)
     compiled_resident = statistics.median(runs[names[0]])
     eager_resident = statistics.median(runs[names[2]])
