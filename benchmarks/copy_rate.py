@@ -25,7 +25,7 @@ import hf_prefetch  # noqa: E402
 def arena_copy_gbps(engine, repeats: int = 5) -> float:
     """Copy every streamed layer of ring 0 into its slot on the copy stream, nothing else running: GB/s."""
     ring = engine.rings[0]
-    nbytes, seconds = 0, []
+    nbytes, seconds = sum(layer.nbytes for layer in ring.layers), []
     for _ in range(repeats):
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(engine.copy_stream):
@@ -36,7 +36,6 @@ def arena_copy_gbps(engine, repeats: int = 5) -> float:
             end.record()
         end.synchronize()
         seconds.append(begin.elapsed_time(end) / 1e3)
-        nbytes = sum(layer.nbytes for layer in ring.layers)
     engine.refill()  # the slots now hold the ring's last layers: copy the first ones back and own them
     torch.cuda.synchronize()
     return nbytes / statistics.median(seconds) / 1e9

@@ -96,11 +96,10 @@ def measure(model, system: str, lengths, repeats: int = 3) -> dict:
     prompt = torch.randint(3, 1000, (1, 16), device="cuda")
     result["decode"] = decode_seconds_per_token(model, prompt)
     if handle is not None:
-        result["misses"] = hf_prefetch.stats(model).misses
         handle.remove()
     if system != SYSTEMS[0]:
         result["streamed"] = hf_prefetch.get_state(model).plan.streamed_bytes_per_forward
-        result.setdefault("misses", hf_prefetch.stats(model).misses)
+        result["misses"] = hf_prefetch.stats(model).misses
         hf_prefetch.remove_offload(model)
     return result
 

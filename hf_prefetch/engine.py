@@ -8,7 +8,6 @@ in docs/design.md.
 
 from __future__ import annotations
 
-import ctypes
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .driver import captured_copy
 from .pool import BufferPool
 
 __all__ = ["PrefetchEngine", "RingTransfers", "LayerTransfer", "LayerCounters"]
@@ -208,9 +208,8 @@ class PrefetchEngine:
         if not self.graphs:
             return
         for transfers in self.rings:
-            for position in range(_first_layers(transfers)):
-                if not self._holds(transfers, position, capturing=False):
-                    self._load_now(transfers, position)
+            for position in self._missing_first_layers(transfers):
+                self._load_now(transfers, position)
         torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
     def finish(self) -> None:
@@ -221,9 +220,8 @@ class PrefetchEngine:
             return
         self._settle()
         for index, transfers in enumerate(self.rings):
-            for position in range(_first_layers(transfers)):
-                if not self._holds(transfers, position, capturing=False):
-                    self._prefetch(index, position, capturing=False)
+            for position in self._missing_first_layers(transfers):
+                self._prefetch(index, position, capturing=False)
 
     def _settle(self) -> None:
         # Make the owner table true again after forwards that ran no Python. A replay leaves its ring's last layers
@@ -232,7 +230,7 @@ class PrefetchEngine:
         # forget what the slots hold. Called before every use of the table outside a forward, since `finish` may
         # never run (an exception or a KeyboardInterrupt between a replay and the model's forward hook).
         for index, transfers in enumerate(self.rings):
-            if not self._exact[index] and index in self._recorded and len(transfers.layers) > transfers.pool.num_slots:
+            if not self._exact[index] and index in self._recorded and _shares_slots(transfers):
                 transfers.pool.owners[:] = [None] * transfers.pool.num_slots
             self._exact[index] = True
 
@@ -257,7 +255,11 @@ class PrefetchEngine:
 
     def _steady(self, transfers: RingTransfers) -> bool:
         # Each of the ring's first layers in its slot, copied outside any capture.
-        return all(self._holds(transfers, position, capturing=False) for position in range(_first_layers(transfers)))
+        return not self._missing_first_layers(transfers)
+
+    def _missing_first_layers(self, transfers: RingTransfers) -> list[int]:
+        # The ring's first layers (those a complete forward ends with in their slots) that are not in them now.
+        return [p for p in range(_first_layers(transfers)) if not self._holds(transfers, p, capturing=False)]
 
     @staticmethod
     def _holds(transfers: RingTransfers, position: int, capturing: bool) -> bool:
@@ -279,7 +281,7 @@ class PrefetchEngine:
         self._forget_capture([ring])
         self._recorded.add(ring)
         transfers = self.rings[ring]
-        if steady and len(transfers.layers) <= transfers.pool.num_slots:
+        if steady and not _shares_slots(transfers):
             for layer in transfers.layers:
                 layer.done, layer.done_in_capture = None, False
             return
@@ -356,9 +358,9 @@ class PrefetchEngine:
         Without it a slot would keep the old bytes of the layer it is tagged with, and that layer would compute with
         them without a miss. See [Note: rewriting weights] in docs/design.md.
         """
+        self._settle()
         for transfers in self.rings:
             transfers.pool.owners[:] = [None] * transfers.pool.num_slots
-        self._exact = [True] * len(self.rings)
         self.start()
         if self._cuda:  # a CUDA-graph replay, which waits for none of these copies, may come next
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
@@ -441,6 +443,11 @@ class PrefetchEngine:
             layer.counters.stall_seconds += seconds
 
 
+def _shares_slots(transfers: RingTransfers) -> bool:
+    # More streamed layers than slots: layers take turns in the slots, so their contents move with every forward.
+    return len(transfers.layers) > transfers.pool.num_slots
+
+
 def _first_layers(transfers: RingTransfers) -> int:
     # How many of a ring's layers are in their slots when a complete forward ends (copied by its last layers).
     return min(transfers.pool.num_slots, len(transfers.layers))
@@ -461,75 +468,7 @@ def _timing_event() -> torch.cuda.Event:
 def _copy_all(layer: LayerTransfer, non_blocking: bool, captured_on: torch.cuda.Stream | None = None) -> None:
     if captured_on is not None:
         for dst, src in zip(layer.device, layer.host, strict=True):
-            _captured_copy(dst, src, captured_on)
+            captured_copy(dst, src, captured_on)
         return
     for dst, src in zip(layer.device, layer.host, strict=True):
         dst.copy_(src, non_blocking=non_blocking)
-
-
-def _captured_copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
-    # In a capture torch copies from host memory only if its own allocator pinned it; ours is page-locked with
-    # cudaHostRegister (exact size), so the copy goes to the driver: one cuMemcpyHtoDAsync of the tensor's bytes,
-    # recorded as a memcpy node of the graph. Host and slot tensors have the same shape and strides.
-    if src.stride() != dst.stride() or not _dense(dst):
-        raise RuntimeError(
-            f"hf_prefetch: cannot capture the copy of a tensor of shape {tuple(dst.shape)}, strides {dst.stride()} "
-            f"from host strides {src.stride()}: a captured copy needs the same dense layout on both sides."
-        )
-    nbytes = dst.numel() * dst.element_size()
-    result = _driver().cuMemcpyHtoDAsync_v2(dst.data_ptr(), src.data_ptr(), nbytes, stream.cuda_stream)
-    if result != 0:
-        raise RuntimeError(
-            f"hf_prefetch: cuMemcpyHtoDAsync of {nbytes} bytes in a CUDA-graph capture failed (CUresult {result})."
-        )
-
-
-def _dense(tensor: torch.Tensor) -> bool:
-    # Its elements fill numel() consecutive elements of memory, in some order of the dimensions.
-    expected = 1
-    for stride, size in sorted((st, sz) for sz, st in zip(tensor.shape, tensor.stride(), strict=True) if sz != 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-_cuda_driver = None
-
-
-def _driver() -> ctypes.CDLL:
-    global _cuda_driver
-    if _cuda_driver is None:
-        driver = ctypes.CDLL("libcuda.so.1")  # the CUDA driver, loaded by torch already
-        driver.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        driver.cuMemcpyHtoDAsync_v2.restype = ctypes.c_int
-        _cuda_driver = driver
-    return _cuda_driver
-
-
-def measure_link_gbps(device: torch.device, nbytes: int = 256 * 2**20, repeats: int = 5) -> float:
-    """Pinned host-to-device copy speed of `device` in GB/s, measured once per process and device, then cached: the
-    fastest of `repeats` timed copies of `nbytes` (a weight-sized copy), after two warm-up copies.
-
-    Allocates `nbytes` of pinned host memory and `nbytes` on `device` while it measures; only `hf_prefetch.plan`
-    calls it.
-    """
-    key = (str(device), nbytes)
-    if key not in _link_gbps:
-        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        dest = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        fastest = float("inf")
-        with torch.cuda.device(device):
-            for attempt in range(repeats + 2):
-                begin, end = _timing_event(), _timing_event()
-                begin.record()
-                dest.copy_(host, non_blocking=True)
-                end.record()
-                end.synchronize()
-                if attempt >= 2:  # the first copies warm up the path
-                    fastest = min(fastest, begin.elapsed_time(end) / 1e3)
-        _link_gbps[key] = nbytes / fastest / 1e9
-    return _link_gbps[key]
-
-
-_link_gbps: dict[tuple[str, int], float] = {}

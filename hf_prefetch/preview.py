@@ -19,7 +19,7 @@ from . import dispatch, loader
 from .budget import choose_plan, device_argument, parse_max_memory
 from .checkpoint import Checkpoint
 from .config import PrefetchConfig
-from .engine import measure_link_gbps
+from .link import measure_link_gbps
 from .plan import OffloadPlan
 
 __all__ = ["plan"]

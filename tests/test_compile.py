@@ -321,7 +321,7 @@ def test_a_replay_that_never_finished_is_settled_before_the_slots_are_trusted():
     ],
 )
 def test_a_captured_copy_needs_a_dense_layout(make, dense):
-    from hf_prefetch.engine import _dense
+    from hf_prefetch.driver import _dense
 
     assert _dense(make()) is dense
 
