@@ -10,6 +10,8 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from hf_prefetch.link import LINK_BYTES, LINK_REPEATS, measure_link_gbps
+
 LLAMA_8B = dict(
     hidden_size=4096,
     intermediate_size=14336,
@@ -54,19 +56,12 @@ def build_model(
     return model.eval()
 
 
-def h2d_peak_gbps(nbytes: int = 2**30, repeats: int = 5) -> float:
-    """Pinned host -> device copy bandwidth, median of `repeats` copies of `nbytes`."""
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(repeats + 1):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        dst.copy_(src, non_blocking=True)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return nbytes / statistics.median(times[1:]) / 1e9
+def h2d_peak_gbps(nbytes: int = LINK_BYTES, repeats: int = LINK_REPEATS) -> float:
+    """Pinned host -> device link speed of the current CUDA device in GB/s, measured now: the library's definition
+    (`hf_prefetch.link.measure_link_gbps`, the fastest of `repeats` copies of `nbytes` after two warm-up copies),
+    uncached, so that a benchmark can measure it next to each run it bounds."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    return measure_link_gbps(device, nbytes, repeats, cached=False)
 
 
 def timed(fn) -> float:

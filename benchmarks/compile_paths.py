@@ -79,7 +79,9 @@ def main() -> None:
             torch._dynamo.reset()
             m = copy.deepcopy(base)
             if offloaded:
-                hf_prefetch.dispatch_model(m, device="cuda", group_size=2, num_in_group=1, prefetch_step=2)
+                hf_prefetch.dispatch_model(
+                    m, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2), device="cuda"
+                )
             else:
                 m = m.cuda()
             label = f"{name:<75} {'hf_prefetch' if offloaded else 'resident':<11}"

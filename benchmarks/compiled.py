@@ -64,7 +64,9 @@ def main() -> None:
 
     resident = build_model(num_layers=args.layers)
     streamed = hf_prefetch.dispatch_model(
-        clone_to_cpu(resident), device="cuda", group_size=2, num_in_group=1, prefetch_step=2
+        clone_to_cpu(resident),
+        hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2),
+        device="cuda",
     )
     streamed_bytes = hf_prefetch.get_state(streamed).plan.streamed_bytes_per_forward
     ids = torch.randint(3, 1000, (1, PROMPT_TOKENS), device="cuda")
@@ -122,7 +124,9 @@ def main() -> None:
     del resident
     torch.cuda.empty_cache()
     still = hf_prefetch.dispatch_model(
-        clone_to_cpu(streamed), device="cuda", group_size=2, num_in_group=1, prefetch_step=args.layers // 2
+        clone_to_cpu(streamed),
+        hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=args.layers // 2),
+        device="cuda",
     )
     cache = StaticCache(config=still.config, max_cache_len=CACHE_TOKENS)
     seconds_per_token(still, ids, cache, compiled=True)

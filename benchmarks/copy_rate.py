@@ -48,7 +48,9 @@ def main() -> None:
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     model = build_model()
     ids = torch.randint(3, 1000, (1, 16), device="cuda")
-    hf_prefetch.dispatch_model(model, device="cuda", group_size=2, num_in_group=1, prefetch_step=2, timing=True)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2), device="cuda", timing=True
+    )
     engine = hf_prefetch.get_state(model).engine
     streamed = hf_prefetch.get_state(model).plan.streamed_bytes_per_forward
     print(f"{'round':>5} {'peak GB/s':>9} {'arena GB/s':>10} {'decode GB/s':>11} {'s/token':>8} {'x bound':>8}")

@@ -44,7 +44,7 @@ BUDGET_GIB = 9  # the GPU budget of the peer comparison (ANCHORS.md)
 
 def measure_system(model, ids, fields, prefill_lengths) -> dict:
     if fields is not None:
-        hf_prefetch.dispatch_model(model, device="cuda", **fields)
+        hf_prefetch.dispatch_model(model, device="cuda", offload=hf_prefetch.PrefetchConfig(**fields))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     state = hf_prefetch.get_state(model)
@@ -101,7 +101,7 @@ def memory_flat_over_decode(model, steps: int = 100) -> tuple[int, int]:
     """memory_allocated() after each of `steps` decode steps with a static cache: (min, max) after the first."""
     from transformers import StaticCache
 
-    hf_prefetch.dispatch_model(model, device="cuda", **SYSTEMS[HALF])
+    hf_prefetch.dispatch_model(model, device="cuda", offload=hf_prefetch.PrefetchConfig(**SYSTEMS[HALF]))
     cache = StaticCache(config=model.config, max_cache_len=steps + 8)
     token = torch.tensor([[5]], device="cuda")
     readings = []

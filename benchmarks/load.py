@@ -94,7 +94,7 @@ def gpu_budget_bytes(folder: Path) -> int:
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
-    return hf_prefetch.make_plan(model, hf_prefetch.PrefetchConfig(**PREFETCH)).device_bytes
+    return hf_prefetch.planner.make_plan(model, hf_prefetch.PrefetchConfig(**PREFETCH)).device_bytes
 
 
 def run_system(system: str, folder: Path, budget_gib: int) -> dict:
@@ -110,7 +110,9 @@ def run_system(system: str, folder: Path, budget_gib: int) -> dict:
     if system == "hf_prefetch":
         import hf_prefetch
 
-        model = hf_prefetch.from_pretrained(folder, device="cuda", progress=False, **PREFETCH)
+        model = hf_prefetch.from_pretrained(
+            folder, device="cuda", progress=False, offload=hf_prefetch.PrefetchConfig(**PREFETCH)
+        )
         state = hf_prefetch.get_state(model)
         result["pinned_bytes"] = state.arena.nbytes if state.arena.pinned else 0
         result["offloaded_bytes"] = state.plan.offloaded_bytes

@@ -80,7 +80,7 @@ TIMINGS = {"single": single, "loop": loop, "first token": first_token}
 def measure(model, system: str, lengths, repeats: int = 3) -> dict:
     handle = None
     if system != SYSTEMS[0]:
-        hf_prefetch.dispatch_model(model, device="cuda", **HALF)
+        hf_prefetch.dispatch_model(model, device="cuda", offload=hf_prefetch.PrefetchConfig(**HALF))
         if "free last slot" in system:
             handle = free_last_slot(model)
     result = {}

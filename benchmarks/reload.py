@@ -57,7 +57,9 @@ def main() -> None:
     build_checkpoint(folder, args.layers)
     checkpoint_bytes = warm_page_cache(folder)
 
-    model = hf_prefetch.dispatch_model(build_model(args.layers), device="cuda", **PREFETCH)
+    model = hf_prefetch.dispatch_model(
+        build_model(args.layers), device="cuda", offload=hf_prefetch.PrefetchConfig(**PREFETCH)
+    )
     torch.cuda.synchronize()
     ids = torch.randint(3, 1000, (1, 16), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     generate(model, ids)  # the slots hold whatever a generate left in them
@@ -71,7 +73,9 @@ def main() -> None:
     same_tensors = identities(model) == before
 
     started = time.perf_counter()
-    fresh = hf_prefetch.from_pretrained(folder, device="cuda", progress=False, **PREFETCH)
+    fresh = hf_prefetch.from_pretrained(
+        folder, device="cuda", progress=False, offload=hf_prefetch.PrefetchConfig(**PREFETCH)
+    )
     torch.cuda.synchronize()
     rows.append(("from_pretrained (fresh)", time.perf_counter() - started))
     tokens_equal = torch.equal(tokens, generate(fresh, ids))

@@ -60,9 +60,9 @@ def dispatch(model, system: str, uva_gb: float) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
     if system == PREFETCH:
-        hf_prefetch.dispatch_model(model, device="cuda", **HALF)
+        hf_prefetch.dispatch_model(model, device="cuda", offload=hf_prefetch.PrefetchConfig(**HALF))
     elif system == UVA:
-        hf_prefetch.dispatch_model(model, offload="uva", device="cuda", cpu_offload_gb=uva_gb)
+        hf_prefetch.dispatch_model(model, hf_prefetch.UVAConfig(cpu_offload_gb=uva_gb), device="cuda")
     torch.cuda.synchronize()
     return time.perf_counter() - start
 
@@ -102,7 +102,7 @@ def main() -> None:
         f"pinned H2D copy peak (1 GiB): {peak:.1f} GB/s; zero-copy read of pinned memory by a kernel: {read_peak:.1f}"
     )
     model = build_model(num_layers)
-    prefetch_plan = hf_prefetch.make_plan(model, hf_prefetch.PrefetchConfig(**HALF))
+    prefetch_plan = hf_prefetch.planner.make_plan(model, hf_prefetch.PrefetchConfig(**HALF))
     uva_gb = prefetch_plan.offloaded_bytes / 2**30  # the bytes the half-streamed row keeps on the host
     ids = torch.randint(3, 1000, (1, 16), device="cuda")
 

@@ -1,35 +1,41 @@
 """hf_prefetch: run Hugging Face models larger than the GPU at close to the speed of the host-to-GPU link.
 
-Importing this package initialises neither CUDA nor `torch._dynamo`.
+One verb per step, each configured by one config object per backend (`PrefetchConfig`, `UVAConfig`, or the
+`OffloadConfig` that picks one): `plan` shows what a dispatch would do, `dispatch_model` / `from_pretrained` /
+`load_checkpoint_and_dispatch` do it, `remove_offload` undoes it; `stats`, `reload_weights` and `sync_from_device`
+work on a dispatched model. Importing this package initialises neither CUDA nor `torch._dynamo`.
 """
 
 from .config import PrefetchConfig
-from .dispatch import dispatch_model, get_state, remove_offload
+from .dispatch import dispatch_model, remove_offload
+from .layers import find_layer_lists
 from .loader import from_pretrained, load_checkpoint_and_dispatch
 from .offload_config import OffloadConfig, UVAConfig
-from .plan import OffloadPlan, find_layer_lists, make_plan
-from .preview import plan  # after .plan: the name `hf_prefetch.plan` is this function
+from .placements import OffloadPlan, Placement, Source
+from .preview import plan
 from .reload import reload_weights, sync_from_device
+from .state import get_state
 from .stats import TransferStats, reset_stats, stats
 
 __all__ = [
     "PrefetchConfig",
     "UVAConfig",
     "OffloadConfig",
+    "plan",
     "OffloadPlan",
+    "Placement",
+    "Source",
+    "dispatch_model",
     "from_pretrained",
     "load_checkpoint_and_dispatch",
-    "dispatch_model",
     "remove_offload",
+    "get_state",
     "reload_weights",
     "sync_from_device",
-    "get_state",
-    "plan",
-    "make_plan",
-    "find_layer_lists",
     "stats",
     "reset_stats",
     "TransferStats",
+    "find_layer_lists",
 ]
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -8,7 +8,7 @@ nothing about streams, hooks or checkpoints.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,16 +16,10 @@ import torch
 from torch import nn
 
 from .config import PrefetchConfig
-from .plan import (
-    OffloadPlan,
-    RingPlan,
-    candidate_layers,
-    format_bytes,
-    make_plan,
-    model_bytes,
-    offload_params_error,
-    ring_plan,
-)
+from .layers import candidate_layers, model_bytes
+from .placements import OffloadPlan, RingPlan, Source
+from .planner import make_plan, offload_params_error, plan_of, ring_plan
+from .render import format_bytes
 
 __all__ = ["DEFAULT_RESERVE_BYTES", "MemoryBudget", "MaxMemory", "parse_max_memory", "plan_for_budget", "spread"]
 
@@ -72,7 +66,6 @@ def parse_max_memory(
     max_memory: Mapping[int | str, int | str] | str | None,
     reserve_bytes: int | str | None = None,
     config: PrefetchConfig | None = None,
-    config_fields: Iterable[str] = (),
 ) -> MaxMemory | None:
     """Validate `max_memory` (accelerate's format, or `"auto"`) and `reserve_bytes`; None when no budget is asked for.
 
@@ -96,14 +89,13 @@ def parse_max_memory(
                 "max_memory={0: '10GiB'} or max_memory='auto'."
             )
         return None
-    chosen = set(config_fields) & {"group_size", "num_in_group"}
     default = PrefetchConfig()
     if config is not None and (config.group_size, config.num_in_group) != (default.group_size, default.num_in_group):
-        chosen.add(f"group_size={config.group_size}, num_in_group={config.num_in_group}")
-    if chosen:
         raise ValueError(
-            f"max_memory chooses the streamed layers itself, so it cannot be combined with {sorted(chosen)}. Pass "
-            "max_memory with prefetch_step and offload_params only, or drop max_memory to stream the group pattern."
+            f"max_memory chooses the streamed layers itself, so it cannot be combined with "
+            f"group_size={config.group_size}, num_in_group={config.num_in_group}. Pass max_memory with a "
+            "PrefetchConfig that sets only prefetch_step and offload_params, or drop max_memory to stream the group "
+            "pattern."
         )
     reserve = DEFAULT_RESERVE_BYTES if reserve_bytes is None else _to_bytes(reserve_bytes, "reserve_bytes")
     if isinstance(max_memory, str) and max_memory == "auto":
@@ -112,6 +104,11 @@ def parse_max_memory(
         raise ValueError(
             f"max_memory={max_memory!r} must be a dict like {{0: '10GiB', 'cpu': '64GiB'}} (accelerate's format) or "
             "'auto' (the GPU's free memory)."
+        )
+    if not max_memory:
+        raise ValueError(
+            "max_memory={} gives no budget; pass the execution device's budget, e.g. max_memory={0: '10GiB', 'cpu': "
+            "'64GiB'}, or max_memory='auto' for its free memory (or drop max_memory to stream the group pattern)."
         )
     gpus: dict[int | None, int | None] = {}
     keys: dict[int | None, Any] = {}  # as the caller wrote them, for messages
@@ -154,9 +151,12 @@ def _to_bytes(value: Any, name: str) -> int:
         return value
     if isinstance(value, str):
         try:
-            return convert_file_size_to_int(value.strip())
-        except ValueError:
+            size = convert_file_size_to_int(value.strip())
+        except (ValueError, OverflowError):
             pass
+        else:
+            if size >= 0:
+                return size
     raise ValueError(
         f"{name}={value!r} is not a size; use bytes (an int >= 0) or a string with a unit such as '10GiB', '9.5GB' "
         "or '500MB' (GiB/MiB are powers of 2, GB/MB powers of 10)."
@@ -177,7 +177,13 @@ def resolve_budget(max_memory: MaxMemory, device: torch.device, model: nn.Module
     On the CPU (no GPU, or `device="cpu"`) the one GPU entry is planned for as if the CPU were that GPU, so that a plan
     can be tried and tested without one.
     """
-    entries = dict(max_memory.gpus) or {None: None}  # only 'cpu' given: the device's free memory
+    if not max_memory.gpus and device.type != "cuda":
+        raise ValueError(
+            f"max_memory gives only a 'cpu' entry, so it has no budget for the execution device ({device}). Add one, "
+            "e.g. max_memory={0: '10GiB', 'cpu': '64GiB'} (on the CPU the one GPU entry is planned for as if the CPU "
+            "were that GPU)."
+        )
+    entries = dict(max_memory.gpus) or {None: None}  # only 'cpu' given: the GPU's free memory
     if device.type == "cuda" and device.index in entries:
         key = device.index
     elif device.type == "cuda" and None in entries:
@@ -300,9 +306,9 @@ def plan_for_budget(
             f"reserve_bytes = {format_bytes(budget.reserve_bytes)}, kept free for activations and the KV cache. Give "
             "the device more memory, or lower reserve_bytes."
         )
-    candidates = candidate_layers(model, config, layers)
-    if config.offload_params and not any(c.matched for ring in candidates.values() for c in ring):
-        raise offload_params_error(model, config, list(candidates))
+    candidates = candidate_layers(model, config.offload_params, layers)
+    if config.offload_params and not any(layer.matched for ring in candidates.values() for layer in ring):
+        raise offload_params_error(model, config.offload_params, list(candidates), "offload_params")
     total = model_bytes(model)
     per_ring = [
         [ring_plan(path, ring, set(spread(len(ring), s)), config.prefetch_step) for s in range(len(ring) + 1)]
@@ -312,7 +318,7 @@ def plan_for_budget(
     for rings in itertools.product(*per_ring):
         offloaded = sum(ring.offloaded_bytes for ring in rings)
         device = total - offloaded + sum(ring.pool_bytes for ring in rings)
-        options.append(_Option(rings, device, sum(r.streamed_bytes_per_forward for r in rings), offloaded))
+        options.append(_Option(rings, device, sum(r.bytes_per_forward for r in rings), offloaded))
 
     fits_device = [o for o in options if o.device_bytes <= budget.weights_bytes]
     if not fits_device:
@@ -321,7 +327,7 @@ def plan_for_budget(
     if not fits:
         raise _host_error(budget, candidates, min(fits_device, key=lambda o: o.pinned_bytes))
     best = min(fits, key=lambda o: (o.streamed_bytes, o.pinned_bytes, o.device_bytes))
-    return OffloadPlan(config, best.rings, total - best.pinned_bytes, explicit=True, budget=budget)
+    return plan_of(model, config, best.rings, Source.BUDGET, budget)
 
 
 def _device_error(model, budget, config, candidates, total, least: _Option) -> ValueError:
@@ -346,7 +352,11 @@ def _device_error(model, budget, config, candidates, total, least: _Option) -> V
 
 def _host_error(budget, candidates, least: _Option) -> ValueError:
     size = format_bytes
-    layer = max(c.streamed.offloaded_bytes for ring in candidates.values() for c in ring)
+    layer = max(
+        sum(c.spec.nbytes for c in layer.params if id(c.param) in layer.streamable())
+        for ring in candidates.values()
+        for layer in ring
+    )
     num_streamed = sum(len(ring.streamed) for ring in least.rings)
     return ValueError(
         f"The smallest plan that fits {budget.source} = {size(budget.device_bytes)} streams {num_streamed} layers and "

@@ -1,23 +1,23 @@
 """The checkpoint: safetensors files (one, or shards named by an index), parsed, validated and read by position.
 
 A checkpoint is untrusted input. `Checkpoint.open` reads only the headers and checks every value in them against
-the files before anyone allocates anything: header lengths, JSON, dtypes, shapes, byte ranges, and (for sharded
-checkpoints) that every shard exists and lies inside the checkpoint folder. `Checkpoint.read` copies a tensor's bytes
-into a caller's buffer with positional reads; `TensorReader` fills caller-owned tensors, in host memory or on a CUDA
-device, from a thread pool. The checkpoint knows nothing about models: which tensor goes where is the loader's call.
+the files before anyone allocates anything: header lengths, JSON, dtypes, shapes, byte ranges (which must tile the
+data section exactly, as safetensors requires), and (for sharded checkpoints) that every shard exists and lies inside
+the checkpoint folder. `Checkpoint.read` copies a tensor's bytes into a caller's buffer with positional reads;
+`TensorReader` fills caller-owned tensors, in host memory or on a CUDA device, from a thread pool. The checkpoint knows
+nothing about models: which tensor goes where is the loader's call.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -372,7 +372,20 @@ def _check_inside(path: Path, folder: Path, named_by: Path, what: str) -> None:
 
 
 def _parse_file(path: Path) -> dict[str, TensorEntry]:
+    # The rules are safetensors' own (`SafeTensors::read_metadata` and `Metadata::validate` in its Rust source): a file
+    # that safetensors refuses is refused here too, and one it accepts is accepted unless it holds a dtype that
+    # hf_prefetch cannot load or a dimension of 2**63 or more.
     file_bytes = path.stat().st_size
+    header_bytes, header = _read_header(path, file_bytes)
+    _check_metadata(path, header.pop("__metadata__", None))
+    data_start, data_bytes = 8 + header_bytes, file_bytes - 8 - header_bytes
+    entries = {key: _parse_entry(path, key, info, data_start, data_bytes) for key, info in header.items()}
+    _check_coverage(path, list(entries.values()), header_bytes, data_bytes)
+    return entries
+
+
+def _read_header(path: Path, file_bytes: int) -> tuple[int, dict[str, Any]]:
+    # The header's length (the file's first 8 bytes) and its JSON object.
     if file_bytes < 8:
         raise ValueError(
             f"{path} is truncated: {file_bytes} bytes, fewer than the 8-byte header length of a safetensors file. "
@@ -392,29 +405,35 @@ def _parse_file(path: Path) -> dict[str, TensorEntry]:
             )
         raw = file.read(header_bytes)
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        # Like serde_json, which safetensors uses: the JSON may be surrounded by whitespace (save_file pads it with
+        # spaces), but NaN, Infinity and lone UTF-16 surrogates ("\ud800", which cannot be encoded) are refused.
+        header = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant)
+        json.dumps(header, ensure_ascii=False).encode("utf-8")
+    except (ValueError, RecursionError) as err:  # UnicodeError and JSONDecodeError are ValueErrors
         raise ValueError(
             f"{path} has an invalid JSON header ({err}); the file is corrupt or not a safetensors file. "
             "Re-download or re-save it."
         ) from err
     if not isinstance(header, dict):
         raise ValueError(f"{path}: the header is not a JSON object of tensor entries. Re-download or re-save it.")
-    metadata = header.pop("__metadata__", None)
-    if metadata is not None and not isinstance(metadata, dict):
-        raise ValueError(f"{path}: __metadata__ must be a JSON object of strings. Re-download or re-save it.")
+    return header_bytes, header
 
-    data_start, data_bytes = 8 + header_bytes, file_bytes - 8 - header_bytes
-    entries = {key: _parse_entry(path, key, info, data_start, data_bytes) for key, info in header.items()}
-    previous: TensorEntry | None = None
-    for entry in sorted(entries.values(), key=lambda e: (e.offset, e.nbytes)):
-        if previous is not None and entry.offset < previous.offset + previous.nbytes:
+
+def _refuse_constant(name: str) -> NoReturn:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _check_metadata(path: Path, metadata: Any) -> None:
+    if metadata is None:
+        return
+    if not isinstance(metadata, dict):
+        raise ValueError(f"{path}: __metadata__ must be a JSON object of strings. Re-download or re-save it.")
+    for key, value in metadata.items():
+        if not isinstance(value, str):
             raise ValueError(
-                f"{path}: the bytes of {entry.key!r} overlap those of {previous.key!r}; the file is corrupt. "
-                "Re-download or re-save it."
+                f"{path}: __metadata__ {key!r} is {value!r:.50}, not a string; safetensors allows only strings there. "
+                "Re-save the file with string metadata."
             )
-        previous = entry
-    return entries
 
 
 def _parse_entry(path: Path, key: str, info: Any, data_start: int, data_bytes: int) -> TensorEntry:
@@ -430,21 +449,66 @@ def _parse_entry(path: Path, key: str, info: Any, data_start: int, data_bytes: i
     shape, offsets = info["shape"], info["data_offsets"]
     if not isinstance(shape, list) or not all(_is_count(d) and d < 2**63 for d in shape):
         raise ValueError(f"{where} has shape {shape!r:.100}; a shape is a list of non-negative ints. Re-save it.")
+    expected = _nbytes(shape, dtype.itemsize)
+    if expected is None:
+        raise ValueError(
+            f"{where} has shape {shape}: its size in elements or bits overflows 64 bits, which safetensors refuses "
+            "even where a dimension is 0. Re-save the file."
+        )
     if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
         raise ValueError(f"{where} has data_offsets {offsets!r:.100}; expected [begin, end]. Re-save the file.")
     begin, end = offsets
     if not begin <= end <= data_bytes:
         raise ValueError(
             f"{where} has data_offsets [{begin}, {end}] outside the file's {data_bytes}-byte data section: the file "
-            "is truncated or corrupt. Re-download or re-save it."
+            "is truncated, or its header length is too large. Re-download or re-save it."
         )
-    expected = math.prod(shape) * dtype.itemsize
     if end - begin != expected:
         raise ValueError(
             f"{where} holds {end - begin} bytes but dtype {info['dtype']} x shape {shape} needs {expected}; the file "
             "is corrupt. Re-download or re-save it."
         )
     return TensorEntry(key, path, dtype, tuple(shape), data_start + begin, expected)
+
+
+def _nbytes(shape: list[int], itemsize: int) -> int | None:
+    # The bytes of a tensor, or None where safetensors' checked 64-bit arithmetic overflows: it multiplies the
+    # dimensions in order, then by the dtype's size in bits.
+    count = 1
+    for factor in [*shape, 8 * itemsize]:
+        count *= factor
+        if count >= 2**64:
+            return None
+    return count // 8
+
+
+def _check_coverage(path: Path, entries: list[TensorEntry], header_bytes: int, data_bytes: int) -> None:
+    # Sorted by (begin, end), the tensors must tile the data section exactly: no gap, no overlap, no byte after the
+    # last one. A header length a few bytes short of the header's end (the JSON still parses when it was padded with
+    # spaces) shifts every tensor; the bytes it leaves after the last tensor are what tells.
+    data_start, covered, previous = 8 + header_bytes, 0, None
+    for entry in sorted(entries, key=lambda e: (e.offset, e.nbytes)):
+        begin = entry.offset - data_start
+        if begin < covered:
+            raise ValueError(
+                f"{path}: the bytes of {entry.key!r} [{begin}, {begin + entry.nbytes}) overlap those of "
+                f"{previous.key!r} [{previous.offset - data_start}, {covered}); the file is corrupt. "
+                "Re-download or re-save it."
+            )
+        if begin > covered:
+            between = f"between {previous.key!r} and {entry.key!r}" if previous else f"before {entry.key!r}"
+            raise ValueError(
+                f"{path}: bytes [{covered}, {begin}) of the data section, {between}, belong to no tensor; safetensors "
+                "refuses such files. Re-download or re-save it."
+            )
+        covered, previous = begin + entry.nbytes, entry
+    if covered != data_bytes:
+        raise ValueError(
+            f"{path}: the tensors end at byte {covered} of the {data_bytes}-byte data section: the last "
+            f"{data_bytes - covered} bytes belong to no tensor. Either the header length ({header_bytes}) stops "
+            f"short of the header's end, which would have every tensor read {data_bytes - covered} bytes early, or "
+            "bytes were appended to the file. Re-download or re-save it."
+        )
 
 
 def _is_count(value: Any) -> bool:

@@ -5,11 +5,16 @@ This module knows the knobs and their rules; it knows nothing about models, devi
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import sys
 import warnings
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
 
-__all__ = ["PrefetchConfig"]
+__all__ = ["PrefetchConfig", "config_hash", "warn_at_caller"]
 
 _warned_prefetch_step: set[tuple[int, int]] = set()
 
@@ -73,15 +78,24 @@ class PrefetchConfig:
         key = (self.prefetch_step, self.num_in_group)
         if self.prefetch_step < self.num_in_group and key not in _warned_prefetch_step:
             _warned_prefetch_step.add(key)
-            warnings.warn(
+            warn_at_caller(
                 f"PrefetchConfig(prefetch_step={self.prefetch_step}, num_in_group={self.num_in_group}): "
                 "the offloaded layers of a group are consecutive, so a copy started fewer than `num_in_group` "
-                "layers ahead has no compute to hide behind. Use prefetch_step >= num_in_group.",
-                stacklevel=3,
+                "layers ahead has no compute to hide behind. Use prefetch_step >= num_in_group."
             )
+
+    def compute_hash(self) -> str:
+        """A sha256 hex digest of the fields: equal configs give equal digests in every process."""
+        return config_hash(self)
 
 
 def _validate_segments(segments: Iterable[str], name: str = "PrefetchConfig.offload_params") -> frozenset[str]:
+    field_name = name.split(".")[-1]
+    if segments is None or not isinstance(segments, Iterable):
+        raise ValueError(
+            f"{name}={segments!r} must be a set of parameter-name segments, e.g. {field_name}={{'mlp'}}; pass an "
+            f"empty set (the default) for every parameter of a selected layer."
+        )
     if isinstance(segments, str):
         raise ValueError(
             f"{name}={segments!r} is a string; pass a set of segments, e.g. {name.split('.')[-1]}={{{segments!r}}}."
@@ -94,3 +108,37 @@ def _validate_segments(segments: Iterable[str], name: str = "PrefetchConfig.offl
                 "whole dotted name parts such as 'experts' or 'mlp.down_proj'."
             )
     return result
+
+
+def config_hash(config: Any) -> str:
+    """A sha256 hex digest of a config's canonical form: every field, nested configs included, sets sorted, floats
+    exact with -0.0 as 0.0. Equal configs give equal digests in every process; changing any field changes it."""
+    canonical = json.dumps(_factors(config), sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def _factors(value: Any) -> Any:
+    # A JSON-able form that depends only on the values: no id(), no set order, no hash seed.
+    if is_dataclass(value):
+        return {"class": type(value).__name__, **{f.name: _factors(getattr(value, f.name)) for f in fields(value)}}
+    if isinstance(value, set | frozenset):
+        return sorted(_factors(item) for item in value)
+    if isinstance(value, float):
+        return repr(value + 0.0)  # round-trips exactly; 'inf'; -0.0 + 0.0 is 0.0, equal values have one form
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    raise TypeError(f"compute_hash cannot represent {type(value).__name__} {value!r}; add it to _factors.")
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """Warn with the location of the first caller outside hf_prefetch (and outside generated dataclass code)."""
+    level, frame = 1, sys._getframe(1)
+    while frame is not None and (
+        os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE
+        or frame.f_code.co_filename == "<string>"
+    ):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level + 1)

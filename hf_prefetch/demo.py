@@ -31,7 +31,7 @@ INTERMEDIATE_SIZE = 512
 VOCAB_SIZE = 1024
 PROMPT_LENGTH = 8
 # The layer selection shown by the demo: layers 1, 3, 5, ... stream, copies start two streamed layers ahead.
-CONFIG_FIELDS = dict(group_size=2, num_in_group=1, prefetch_step=2)
+CONFIG = hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2)
 
 
 def save_checkpoint(folder: Path, num_layers: int, seed: int = 0) -> None:
@@ -103,9 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         folder = Path(tmp)
         save_checkpoint(folder, args.layers)
         shards = sorted(folder.glob("*.safetensors"))
-        print(f"saved a random {args.layers}-layer Llama as {len(shards)} safetensors shards in {folder}")
+        print(f"saved a random {args.layers}-layer Llama as {len(shards)} safetensors shards in a temporary folder")
 
-        model = hf_prefetch.from_pretrained(folder, device=args.device, progress=False, **CONFIG_FIELDS)
+        model = hf_prefetch.from_pretrained(folder, CONFIG, device=args.device, progress=False)
         tokens = greedy(model, prompt, args.tokens)
         compiled = None
         if args.device.startswith("cuda"):
@@ -129,6 +129,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(hf_prefetch.get_state(model).plan)
     print("\ntransfer statistics (hf_prefetch.stats(model)):")
     print(hf_prefetch.stats(model))
+    if not args.device.startswith("cuda"):
+        print(
+            "(on the CPU the copies are synchronous: every copy is time the forward waits, nothing overlaps. On a GPU "
+            "they run on a copy stream while the layers before them compute.)"
+        )
 
     hf_prefetch.remove_offload(model)
     print(f"\nremoved the offload: hf_prefetch.get_state(model) is None -> {hf_prefetch.get_state(model) is None}")

@@ -1,68 +1,55 @@
-"""Wiring: `dispatch_model` executes an `OffloadPlan` (prefetch) or a `UVAPlan` on a model; `remove_offload` undoes it.
+"""Wiring: `dispatch_model` executes a plan on a model, `remove_offload` undoes it.
 
-This is the only module that mutates the model: it moves weights into host storage and onto the device, points
-streamed parameters at their pool slots (prefetch) or at device views of their host storage (UVA), and attaches and
-detaches the hooks.
+Plan, then execute: the plan says where every parameter goes (`placements.py`); `attach` builds the buffer pool, the
+engine and the hooks for it, making every change to the model through the state's journal (`changes.py`), which
+removal, re-dispatch, failure and the collection of a deleted model replay. The loader fills host storage from the
+checkpoint instead of from the parameters, then calls the same `attach`.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-from accelerate.hooks import SequentialHook, add_hook_to_module, remove_hook_from_module
 from torch import nn
 
 from .budget import choose_plan, device_argument, parse_max_memory
-from .config import PrefetchConfig
-from .engine import LayerTransfer, PrefetchEngine, RingTransfers
-from .hooks import PrefetchHook, model_hooks
+from .changes import Journal, Phase, move_tensors
+from .config import PrefetchConfig, warn_at_caller
+from .engine import PrefetchEngine
+from .hooks import (
+    ForwardGate,
+    PrefetchHook,
+    Streamed,
+    WriteThrough,
+    host_values_in_state_dict,
+    refuse_apply,
+    refuse_assign,
+)
 from .host import HostArena
 from .offload_config import OffloadConfig, UVAConfig, resolve_offload
 from .ops import register_engine
-from .plan import OffloadPlan, ParamSpec
+from .placements import OffloadPlan, ParamSpec
+from .planner import make_uva_plan
 from .pool import BufferPool
-from .uva import UVAPlan, make_uva_plan, warn_on_cpu
+from .render import format_bytes
+from .ring import LayerTransfer, RingTransfers
+from .state import (
+    STATE_ATTR,
+    Lifecycle,
+    OffloadedParam,
+    OffloadState,
+    get_state,
+    refuse_unknown_keywords,
+    resolve_device,
+)
 
-__all__ = ["dispatch_model", "remove_offload", "get_state", "OffloadState"]
+__all__ = ["dispatch_model", "remove_offload", "attach", "begin", "rollback", "host_layout"]
 
-_STATE_ATTR = "_hf_prefetch_state"
-_MISSING = object()  # the model had no hf_device_map
-_UNSET = object()  # attach() has not set hf_device_map
-
-
-@dataclass
-class OffloadedParam:
-    """A streamed parameter: the `nn.Parameter` (pointing at its slot) and the host tensor that holds its value."""
-
-    full_name: str
-    param: nn.Parameter
-    host: torch.Tensor
-    requires_grad: bool
-
-
-@dataclass
-class OffloadState:
-    """Everything `dispatch_model` set up on a model; `remove_offload` tears it down. UVA has no engine or hooks."""
-
-    plan: OffloadPlan | UVAPlan
-    device: torch.device
-    arena: HostArena
-    offloaded: list[OffloadedParam]
-    engine: PrefetchEngine | None = None
-    hooks: list[tuple[nn.Module, PrefetchHook]] = field(default_factory=list)
-    handles: list[Any] = field(default_factory=list)
-    guarded: list[nn.Module] = field(default_factory=list)
-    previous_device_map: Any = _UNSET
-    timing: bool = False
-
-
-def get_state(model: nn.Module) -> OffloadState | None:
-    """The offload state of a dispatched model, or None."""
-    return getattr(model, _STATE_ATTR, None)
+_warned_on_cpu = False
 
 
 def dispatch_model(
@@ -70,13 +57,12 @@ def dispatch_model(
     offload: str | PrefetchConfig | UVAConfig | OffloadConfig = "prefetch",
     *,
     device: str | int | torch.device | None = None,
-    config: PrefetchConfig | UVAConfig | None = None,
     layers: str | Sequence[str] | None = None,
-    replace: bool = False,
-    timing: bool = False,
     max_memory: dict[int | str, int | str] | str | None = None,
     reserve_bytes: int | str | None = None,
-    **config_fields: Any,
+    timing: bool = False,
+    replace: bool = False,
+    **unknown: Any,
 ) -> nn.Module:
     """Stream the selected layers' weights from pinned host memory into a static device buffer pool.
 
@@ -85,25 +71,25 @@ def dispatch_model(
 
     Args:
         model (`nn.Module`): A built model (on CPU or GPU) with a layer list, e.g. a transformers model.
-        offload (`str` or config): `"prefetch"` or `"uva"` (configured by `config` or its fields as keywords), or a
-            `PrefetchConfig`, `UVAConfig` or `OffloadConfig`. For UVA see `hf_prefetch.UVAConfig`.
+        offload (config or `str`): A `PrefetchConfig` (which layers stream), a `UVAConfig` (which parameters the
+            kernels read in place from host memory) or an `OffloadConfig`; `"prefetch"` is `PrefetchConfig()`.
         device: Execution device. Defaults to the current CUDA device, or `"cpu"` without CUDA (copies are then
             synchronous, everything else is the same).
-        config (`PrefetchConfig` or `UVAConfig`, *optional*): The configuration; alternatively pass its fields.
         layers (`str` or list of `str`, *optional*): Path(s) of the layer list(s), e.g. `"model.layers"`. Found
             from `_no_split_modules` when omitted.
-        replace (`bool`): Re-dispatch a dispatched model with a new configuration, without reloading it.
-        timing (`bool`): Measure copy and stall seconds per layer with CUDA events (see `hf_prefetch.stats`).
         max_memory (`dict` or `"auto"`, *optional*): A memory budget in accelerate's format, e.g.
             `{0: "10GiB", "cpu": "64GiB"}`: the layers to stream are then chosen so that resident weights, the buffer
             pool and `reserve_bytes` fit the GPU's entry with the fewest bytes streamed per forward, strided over the
             layer list, and the pinned bytes fit `"cpu"`. `"auto"` (or a GPU entry `"auto"`) is the device's free
-            memory. Replaces `group_size` and `num_in_group`. `hf_prefetch.plan` shows the plan without dispatching.
+            memory. Replaces the config's `group_size` and `num_in_group`. `hf_prefetch.plan` shows the plan first.
         reserve_bytes (`int` or `str`, *optional*): Device memory kept free for activations and the KV cache with
             `max_memory`; defaults to 1 GiB (`hf_prefetch.budget.DEFAULT_RESERVE_BYTES`).
+        timing (`bool`): Measure copy and stall seconds per layer with CUDA events (see `hf_prefetch.stats`).
+        replace (`bool`): Re-dispatch a dispatched model with a new configuration, without reloading it.
 
-    A dispatched model refuses `.to()`, `.cuda()`, `.half()` and other conversions: call `remove_offload` first,
-    convert, and dispatch again. Streamed parameters are not trainable (`requires_grad=False` while dispatched).
+    A dispatched model refuses `.to()`, `.cuda()`, `.half()` and other conversions, `copy.deepcopy` and pickling: call
+    `remove_offload` first. It is for inference: streamed parameters have `requires_grad=False` and a backward through
+    a streamed layer raises. Forwards from several threads run one at a time.
 
     Returns:
         The same model, dispatched.
@@ -118,20 +104,25 @@ def dispatch_model(
     ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=64)).eval()
     >>> ids = torch.tensor([[1, 2, 3]])
     >>> expected = model(ids).logits
-    >>> model = hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=1)
+    >>> config = hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1)
+    >>> model = hf_prefetch.dispatch_model(model, config, device="cpu")
     >>> torch.equal(model(ids).logits, expected)
     True
     >>> model = hf_prefetch.remove_offload(model)
 
     ```
     """
-    config = resolve_offload(offload, config, config_fields)
+    refuse_unknown_keywords("dispatch_model", unknown)
+    config = resolve_offload(offload)
     uva = isinstance(config, UVAConfig)
     if uva and (timing or max_memory is not None or reserve_bytes is not None):
-        raise ValueError("timing, max_memory and reserve_bytes work with offload='prefetch' only, not with 'uva'.")
-    max_memory = parse_max_memory(max_memory, reserve_bytes, config, config_fields)
+        raise ValueError("timing, max_memory and reserve_bytes work with the prefetch backend only, not with UVA.")
+    max_memory = None if uva else parse_max_memory(max_memory, reserve_bytes, config)
     exec_device = resolve_device(device_argument(max_memory, device))
     state = get_state(model)
+    if state is not None and state.lifecycle is not Lifecycle.ATTACHED:
+        _finish_interrupted(model, state)  # an interrupted dispatch or removal: complete it first
+        state = None
     if state is not None and not replace:
         raise ValueError(
             f"{type(model).__name__} is already dispatched with {state.plan.config}. Call "
@@ -141,118 +132,177 @@ def dispatch_model(
     # Validated before the old dispatch is undone.
     plan = make_uva_plan(model, config, layers) if uva else choose_plan(model, config, layers, exec_device, max_memory)
     if state is not None:
-        _teardown(model, state, target=None)
+        detach(model, state, target=None)
     # UVA on the CPU leaves every weight where it is: host memory is the device's memory.
     layout = [] if uva and exec_device.type == "cpu" else host_layout(plan)
-    arena = HostArena([spec.nbytes for _, _, spec in layout])
-    state = OffloadState(plan, exec_device, arena, offloaded=[], timing=timing)
-    origin = {name: t.device for name, t in [*model.named_parameters(), *model.named_buffers()]}
+    # Host memory the arena takes back as it fills: each offloaded parameter's original storage, if on the CPU.
+    on_host = sum(
+        spec.nbytes for path, spec in layout if model.get_parameter(f"{path}.{spec.name}").device.type == "cpu"
+    )
+    arena = HostArena([spec.nbytes for _, spec in layout], freed_bytes=on_host)
+    state = begin(model, plan, exec_device, arena, timing)
     try:
-        for index, (layer_path, _, spec) in enumerate(layout):
-            param = model.get_parameter(f"{layer_path}.{spec.name}")
+        for index, (layer_path, spec) in enumerate(layout):
+            name = f"{layer_path}.{spec.name}"
+            param = model.get_parameter(name)
             host = arena.view(index, spec.shape, spec.stride, spec.dtype)
             host.copy_(param.data)
             # Drop the original storage now, so a model that starts on the GPU frees it before the pool exists.
-            param.data = host
-            state.offloaded.append(OffloadedParam(f"{layer_path}.{spec.name}", param, host, param.requires_grad))
+            state.journal.place(param, host, f"{name} into host storage")
+            state.offloaded.append(OffloadedParam(name, param, host))
         if exec_device.type == "cuda":
             with torch.cuda.device(exec_device):  # registered memory belongs to the current device (UVA views)
                 arena.pin()
-        if uva:
-            _attach_uva(model, state)
-        else:
-            attach(model, state)
+        attach(model, state)
     except BaseException:
-        _teardown(model, state, target=None)
-        _restore_devices(model, origin)
+        rollback(model, state)
         raise
     return model
 
 
-def _restore_devices(model: nn.Module, origin: dict[str, torch.device]) -> None:
-    # Roll a failed dispatch back to where every tensor was before it (rollback must not leave a model half-moved).
-    for name, param in model.named_parameters():
-        if name in origin and param.device != origin[name]:
-            param.data = param.data.to(origin[name])
-    for name, buffer in model.named_buffers():
-        if name in origin and buffer.device != origin[name]:
-            module_path, _, leaf = name.rpartition(".")
-            model.get_submodule(module_path)._buffers[leaf] = buffer.to(origin[name])
+def host_layout(plan: OffloadPlan) -> list[tuple[str, ParamSpec]]:
+    """The host arena's entries in order: (layer path, spec) for every offloaded parameter."""
+    return [(layer.path, spec) for ring in plan.rings for layer in ring.layers for spec in layer.offloaded]
 
 
-def host_layout(plan: OffloadPlan | UVAPlan) -> list[tuple[str, int, ParamSpec]]:
-    """The host arena's entries in order: (layer path, ring index, spec) for every offloaded parameter."""
-    return [
-        (layer.path, ring_index, spec)
-        for ring_index, ring in enumerate(plan.rings)
-        for layer in ring.streamed
-        for spec in layer.params
-    ]
+def begin(
+    model: nn.Module,
+    plan: OffloadPlan,
+    device: torch.device,
+    arena: HostArena,
+    timing: bool,
+    journal: Journal | None = None,
+) -> OffloadState:
+    """The first change of every dispatch: the model gets its state (lifecycle ATTACHING), so that from here on an
+    interrupt leaves something `remove_offload` can finish. `journal`: changes made before (the loader's casts)."""
+    state = OffloadState(plan, device, arena, journal if journal is not None else Journal(), timing=timing)
+    model.__dict__[STATE_ATTR] = state
+    return state
 
 
 def attach(model: nn.Module, state: OffloadState) -> None:
-    """Second half of dispatch: `state.offloaded` hold their values; place the rest, build the pool, hook the layers.
+    """Second half of a dispatch: `state.offloaded` hold their values in host storage; place the rest, point the
+    offloaded parameters at their slots (or mapped views), hook the layers. Also used by the loader."""
+    if state.plan.backend == "uva":
+        _attach_uva(model, state)
+    else:
+        _attach_prefetch(model, state)
+    journal, device = state.journal, state.device
+    journal.set_attribute(model, "hf_device_map", {"": device.index if device.type == "cuda" else "cpu"}, "device map")
+    if state.engine is not None:
+        state.engine.start()
+    state.lifecycle = Lifecycle.ATTACHED
+    # A deleted model is freed by reference counting: its journal is replayed then, which detaches the hooks (an
+    # accelerate hook is a reference cycle through its module) and unpins the host storage. See [Note: the journal].
+    state.finalizer = weakref.finalize(model, _collected, journal, state.engine, state.arena)
+    if not state.plan.saves_device_memory and state.plan.offloaded_bytes:
+        warn_at_caller(
+            f"This dispatch saves no device memory: its buffer pool ({format_bytes(state.plan.pool_bytes)}) is as "
+            f"large as what it offloads ({format_bytes(state.plan.offloaded_bytes)}). Stream more layers than "
+            "prefetch_step (or lower prefetch_step), or do not offload."
+        )
 
-    Also used by the loader, which fills host storage straight from the checkpoint.
-    """
-    device, plan = state.device, state.plan
-    setattr(model, _STATE_ATTR, state)
-    offloaded_ids = {id(o.param) for o in state.offloaded}
-    _move_tensors(model, device, skip=offloaded_ids)
 
+def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
+    journal, device, plan = state.journal, state.device, state.plan
     by_name = {o.full_name: o for o in state.offloaded}
+    journal.move_tensors(model, device, skip={id(o.param) for o in state.offloaded})
     rings: list[RingTransfers] = []
     for ring in plan.rings:
-        pool = BufferPool([spec.key for layer in ring.streamed for spec in layer.params], ring.num_slots, device)
+        specs = [spec.key for layer in ring.streamed for spec in layer.offloaded]
+        pool = BufferPool(specs, ring.num_slots, device)
         transfers = []
         for layer in ring.streamed:
             host, slots = [], []
-            for spec in layer.params:
+            for spec in layer.offloaded:
                 offloaded = by_name[f"{layer.path}.{spec.name}"]
                 slot_buffer = pool.buffer(spec.key, layer.slot)
-                offloaded.param.data = slot_buffer
-                offloaded.param.requires_grad_(False)  # slot storage is shared between layers: not trainable
+                journal.point(
+                    Phase.ATTACH, offloaded.param, slot_buffer, f"{offloaded.full_name} to slot {layer.slot}"
+                )
+                journal.freeze(offloaded.param, f"{offloaded.full_name} frozen")
                 host.append(offloaded.host)
                 slots.append(slot_buffer)
             transfers.append(LayerTransfer(host, slots, layer.slot, layer.next_in_slot, layer.offloaded_bytes))
         rings.append(RingTransfers(transfers, pool))
-    state.engine = PrefetchEngine(device, rings, pinned=state.arena.pinned, timing=state.timing)
-    engine_id = register_engine(state.engine)
-
+    engine = state.engine = PrefetchEngine(device, rings, pinned=state.arena.pinned, timing=state.timing)
+    engine_id = register_engine(engine)
     for ring_index, ring in enumerate(plan.rings):
         for position, layer in enumerate(ring.streamed):
-            module = model.get_submodule(layer.path)
-            hook = PrefetchHook(state.engine, engine_id, ring_index, position)
-            add_hook_to_module(module, hook, append=True)
-            state.hooks.append((module, hook))
-    prepare, finish = model_hooks(state.engine)
-    state.handles += [model.register_forward_pre_hook(prepare), model.register_forward_hook(finish)]
-    state.handles.append(model._register_state_dict_hook(_host_values_in_state_dict))
-    state.handles += _write_through_load_state_dict(model, state)
-    state.guarded = _guard_moves(model, [o.full_name for o in state.offloaded])
-    state.previous_device_map = getattr(model, "hf_device_map", _MISSING)
-    model.hf_device_map = {"": device.index if device.type == "cuda" else "cpu"}
-    state.engine.start()
+            hook = PrefetchHook(engine, engine_id, ring_index, position, layer.path)
+            journal.hook(model.get_submodule(layer.path), hook, f"hook on {layer.path}")
+    write_throughs = _write_through_load_state_dict(model, state)
+    _gate_forwards(model, state, write_throughs)
+    journal.handle(model._register_state_dict_hook(host_values_in_state_dict), "state_dict reports host values")
+    _guard_moves(model, state)
 
 
 def _attach_uva(model: nn.Module, state: OffloadState) -> None:
-    """UVA's second half: each offloaded parameter becomes a device view of its pinned host storage (zero-copy)."""
-    setattr(model, _STATE_ATTR, state)
+    # [Note: UVA lifetime] in host.py: each offloaded parameter becomes a device view of its pinned host storage.
+    journal = state.journal
     if state.device.type == "cpu":
-        warn_on_cpu(state.plan)
+        _warn_uva_on_cpu(state.plan)
     else:
-        mapped = state.arena.map(state.device)  # [Note: UVA lifetime]: its views keep the arena registered
+        mapped = state.arena.map(state.device)
         for index, offloaded in enumerate(state.offloaded):
             host = offloaded.host
-            offloaded.param.data = state.arena.view(index, host.shape, host.stride(), host.dtype, base=mapped)
-        state.guarded = _guard_moves(model, [o.full_name for o in state.offloaded])
-    _move_tensors(model, state.device, skip=set())  # the views are on the device already
-    state.previous_device_map = getattr(model, "hf_device_map", _MISSING)
-    model.hf_device_map = {"": state.device.index if state.device.type == "cuda" else "cpu"}
+            view = state.arena.view(index, host.shape, host.stride(), host.dtype, base=mapped)
+            journal.point(Phase.ATTACH, offloaded.param, view, f"{offloaded.full_name} mapped")
+        _guard_moves(model, state)
+    journal.move_tensors(model, state.device, skip=set())  # the views are on the device already
+    _gate_forwards(model, state, [])
+
+
+def _gate_forwards(model: nn.Module, state: OffloadState, write_throughs: list[WriteThrough]) -> None:
+    gate = ForwardGate(state, write_throughs)
+    state.journal.handle(model.register_forward_pre_hook(gate.before), "forward gate (before)")
+    state.journal.handle(model.register_forward_hook(gate.after, always_call=True), "forward gate (after)")
+
+
+def _guard_moves(model: nn.Module, state: OffloadState) -> None:
+    # `.to()`, `.half()` ... are refused on every module that owns or contains an offloaded parameter (`refuse_apply`).
+    paths = {""}
+    for offloaded in state.offloaded:
+        parts = offloaded.full_name.split(".")[:-1]
+        paths.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    for path in sorted(paths):
+        state.journal.set_attribute(model.get_submodule(path), "_apply", refuse_apply, f"guard on {path or 'model'}")
+
+
+def _write_through_load_state_dict(model: nn.Module, state: OffloadState) -> list[WriteThrough]:
+    journal = state.journal
+    under: dict[str, list[str]] = {}  # module path -> the streamed parameters under it, by their names in it
+    for offloaded in state.offloaded:
+        parts = offloaded.full_name.split(".")
+        for depth in range(len(parts)):
+            under.setdefault(".".join(parts[:depth]), []).append(".".join(parts[depth:]))
+    for path, names in under.items():
+        refuse = partial(refuse_assign, names)
+        handle = model.get_submodule(path)._register_load_state_dict_pre_hook(refuse, with_module=True)
+        journal.handle(handle, f"assign refused on {path or 'model'}")
+
+    by_name = {o.full_name: o for o in state.offloaded}
+    owned: dict[nn.Module, list[Streamed]] = {}
+    for ring_index, (ring, transfers) in enumerate(zip(state.plan.rings, state.engine.rings, strict=True)):
+        for position, (layer, transfer) in enumerate(zip(ring.streamed, transfers.layers, strict=True)):
+            for spec, slot_buffer in zip(layer.offloaded, transfer.device, strict=True):
+                full_name = f"{layer.path}.{spec.name}"
+                module_path, _, name = full_name.rpartition(".")
+                streamed = Streamed(name, by_name[full_name], slot_buffer, ring_index, position)
+                owned.setdefault(model.get_submodule(module_path), []).append(streamed)
+    write_throughs = []
+    for module, streamed in owned.items():
+        write_through = WriteThrough(state.engine, streamed)
+        journal.handle(module._register_load_state_dict_pre_hook(write_through.before, with_module=True), "write")
+        journal.handle(module.register_load_state_dict_post_hook(write_through.after), "write-through done")
+        write_throughs.append(write_through)
+    return write_throughs
 
 
 def remove_offload(model: nn.Module, device: str | int | torch.device | None = None) -> nn.Module:
     """Undo `dispatch_model`: every weight back on one device, hooks removed, pool and pinned memory freed.
+
+    Also finishes a dispatch or a removal that an interrupt (Ctrl-C) or an error stopped half-way.
 
     Args:
         model (`nn.Module`): A dispatched model.
@@ -266,7 +316,8 @@ def remove_offload(model: nn.Module, device: str | int | torch.device | None = N
     >>> import hf_prefetch
     >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
     ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
-    >>> model = hf_prefetch.remove_offload(hf_prefetch.dispatch_model(model, device="cpu"))
+    >>> model = hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(prefetch_step=1), device="cpu")
+    >>> model = hf_prefetch.remove_offload(model)
     >>> hf_prefetch.get_state(model) is None
     True
 
@@ -275,175 +326,66 @@ def remove_offload(model: nn.Module, device: str | int | torch.device | None = N
     state = get_state(model)
     if state is None:
         raise ValueError(f"{type(model).__name__} is not dispatched by hf_prefetch: nothing to remove.")
-    target = state.device if device is None else resolve_device(device)
-    _teardown(model, state, target)
+    if state.lifecycle in (Lifecycle.ATTACHING, Lifecycle.ROLLING_BACK):
+        rollback(model, state)
+        return model
+    if state.lifecycle is Lifecycle.ATTACHED:
+        state.target = state.device if device is None else resolve_device(device)
+    detach(model, state, state.target)
     return model
 
 
-def _teardown(model: nn.Module, state: OffloadState, target: torch.device | None) -> None:
-    # With target None, streamed parameters are left holding their host tensors (re-dispatch and rollback).
+def detach(model: nn.Module, state: OffloadState, target: torch.device | None) -> None:
+    """Undo the ATTACH steps (the weights keep their values where they are), move everything to `target` (None: leave
+    streamed weights in host memory, for a re-dispatch) and release the host storage. Resumable."""
+    state.lifecycle, state.target = Lifecycle.DETACHING, target
+    _quiesce(state)
+    state.journal.unwind(Phase.ATTACH)
+    state.engine = None  # drop the pool (hooks held the engine too): its memory is reused by the moves below
+    if target is not None:
+        move_tensors(model, target)
+    _end(model, state)
+
+
+def rollback(model: nn.Module, state: OffloadState) -> None:
+    """Undo every step of a failed dispatch, back to the model as it was given. Resumable."""
+    state.lifecycle = Lifecycle.ROLLING_BACK
+    _quiesce(state)
+    state.journal.unwind(Phase.PLACE)
+    state.engine = None
+    _end(model, state)
+
+
+def _finish_interrupted(model: nn.Module, state: OffloadState) -> None:
+    if state.lifecycle is Lifecycle.DETACHING:
+        detach(model, state, state.target)
+    else:
+        rollback(model, state)
+
+
+def _quiesce(state: OffloadState) -> None:
+    # No copy may still read host storage about to be released, and (UVA) no kernel may still read host memory.
+    if state.finalizer is not None:
+        state.finalizer.detach()
     if state.engine is not None:
         state.engine.synchronize()
     elif state.device.type == "cuda":
-        torch.cuda.synchronize(state.device)  # UVA: no kernel may still read host memory about to be unpinned
-    for module, hook in state.hooks:
-        _remove_hook(module, hook)
-    for handle in state.handles:
-        handle.remove()
-    for module in state.guarded:
-        module.__dict__.pop("_apply", None)
-    for offloaded in state.offloaded:
-        offloaded.param.data = offloaded.host
-        offloaded.param.requires_grad_(offloaded.requires_grad)
-    # Drop every reference to the engine and the pool (hooks hold the engine): the pool's memory is reused by the
-    # moves below, and a caller still holding `state` keeps nothing alive.
-    state.engine = None
-    state.hooks = []
-    if target is not None:
-        _move_tensors(model, target, skip=set())
-    if state.previous_device_map is not _UNSET:  # attach() set hf_device_map: restore what was there
-        if state.previous_device_map is _MISSING:
-            model.__dict__.pop("hf_device_map", None)
-        else:
-            model.hf_device_map = state.previous_device_map
+        torch.cuda.synchronize(state.device)
+
+
+def _end(model: nn.Module, state: OffloadState) -> None:
     state.arena.release()
     state.offloaded = []
-    if getattr(model, _STATE_ATTR, None) is state:
-        delattr(model, _STATE_ATTR)
+    if model.__dict__.get(STATE_ATTR) is state:
+        del model.__dict__[STATE_ATTR]
 
 
-def _remove_hook(module: nn.Module, hook: PrefetchHook) -> None:
-    current = getattr(module, "_hf_hook", None)
-    if current is hook:
-        remove_hook_from_module(module)
-    elif isinstance(current, SequentialHook) and hook in current.hooks:
-        rest = [h for h in current.hooks if h is not hook]
-        module._hf_hook = rest[0] if len(rest) == 1 else SequentialHook(*rest)
-
-
-def _guard_moves(model: nn.Module, streamed_params: list[str]) -> list[nn.Module]:
-    # `model.to()`, `.half()`, `.cuda()`, `.float()` ... all go through `nn.Module._apply`, which would swap the
-    # streamed parameters' slot tensors for converted copies that no copy ever refreshes. Refuse it on every module
-    # that owns or contains a streamed parameter, before anything is converted.
-    paths = {""}
-    for name in streamed_params:
-        parts = name.split(".")[:-1]
-        paths.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
-    guarded = [model.get_submodule(path) for path in sorted(paths)]
-    for module in guarded:
-        module._apply = _refuse_apply
-    return guarded
-
-
-def _refuse_apply(*args: Any, **kwargs: Any) -> None:
-    raise RuntimeError(
-        "This model is dispatched by hf_prefetch: .to(), .cuda(), .cpu(), .half(), .float() and other conversions "
-        "would detach the offloaded weights from their buffer slots or host memory. Call "
-        "hf_prefetch.remove_offload(model) first (remove_offload(model, device='cpu') if it does not fit on the GPU), "
-        "convert, then dispatch again."
-    )
-
-
-def _host_values_in_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    # A streamed parameter's slot holds whichever layer ran last; its true value lives in host storage.
-    state = get_state(module)
-    if state is None:
-        return
-    for offloaded in state.offloaded:
-        key = prefix + offloaded.full_name
-        if key in state_dict:
-            state_dict[key] = offloaded.host
-
-
-class _Streamed(NamedTuple):
-    name: str  # in the module that owns it
-    offloaded: OffloadedParam
-    slot_buffer: torch.Tensor
-    ring: int
-    position: int
-
-
-class _WriteThrough:
-    """`load_state_dict` on a module that owns streamed parameters writes their host storage, not their slots.
-
-    Before the module loads, each streamed parameter the state dict names points at its host tensor, so torch's own
-    loading (its checks, casts, strict and missing/unexpected keys) writes the true value; after it loaded, the
-    parameters point at their slots again and a layer that holds its slot gets the new values copied in. See
-    [Note: rewriting weights] in docs/design.md.
-    """
-
-    def __init__(self, engine: PrefetchEngine, streamed: list[_Streamed]) -> None:
-        self.engine = engine
-        self.streamed = streamed
-        self.loading: list[_Streamed] = []  # pointed at host storage by `before`, until `after`
-
-    def before(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
-        loading = [s for s in self.streamed if prefix + s.name in state_dict]
-        if loading:
-            self.engine.drain()  # no copy may still read the host storage about to be written
-        for streamed in loading:
-            streamed.offloaded.param.data = streamed.offloaded.host
-        self.loading = loading
-
-    def after(self, module: nn.Module, incompatible_keys: Any) -> None:
-        loading, self.loading = self.loading, []
-        for streamed in loading:
-            streamed.offloaded.param.data = streamed.slot_buffer
-        for ring, position in dict.fromkeys((s.ring, s.position) for s in loading):
-            self.engine.refresh(ring, position)
-
-
-def _refuse_assign(
-    streamed_names: list[str], module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: Any
-) -> None:
-    # Registered on every module that contains a streamed parameter, so that a load_state_dict(assign=True) that
-    # would reach one fails on entry, before torch has assigned anything.
-    if not local_metadata.get("assign_to_params_buffers", False):
-        return
-    for name in streamed_names:
-        if prefix + name in state_dict:
-            raise RuntimeError(
-                f"load_state_dict(..., assign=True) would replace the streamed parameter {prefix}{name} by the state "
-                "dict's tensor and detach it from its buffer slot. Load in place (assign=False) or use "
-                "hf_prefetch.reload_weights(model, state_dict); to assign, call hf_prefetch.remove_offload(model) "
-                "first and dispatch again."
-            )
-
-
-def _write_through_load_state_dict(model: nn.Module, state: OffloadState) -> list[Any]:
-    handles = []
-    under: dict[str, list[str]] = {}  # module path -> the streamed parameters under it, by their names in it
-    for offloaded in state.offloaded:
-        parts = offloaded.full_name.split(".")
-        for depth in range(len(parts)):
-            under.setdefault(".".join(parts[:depth]), []).append(".".join(parts[depth:]))
-    for path, names in under.items():
-        refuse = partial(_refuse_assign, names)
-        handles.append(model.get_submodule(path)._register_load_state_dict_pre_hook(refuse, with_module=True))
-
-    by_name = {o.full_name: o for o in state.offloaded}
-    owned: dict[nn.Module, list[_Streamed]] = {}
-    for ring_index, (ring, transfers) in enumerate(zip(state.plan.rings, state.engine.rings, strict=True)):
-        for position, (layer, transfer) in enumerate(zip(ring.streamed, transfers.layers, strict=True)):
-            for spec, slot_buffer in zip(layer.params, transfer.device, strict=True):
-                module_path, _, name = f"{layer.path}.{spec.name}".rpartition(".")
-                streamed = _Streamed(name, by_name[f"{layer.path}.{spec.name}"], slot_buffer, ring_index, position)
-                owned.setdefault(model.get_submodule(module_path), []).append(streamed)
-    for module, streamed in owned.items():
-        write_through = _WriteThrough(state.engine, streamed)
-        handles.append(module._register_load_state_dict_pre_hook(write_through.before, with_module=True))
-        handles.append(module.register_load_state_dict_post_hook(write_through.after))
-    return handles
-
-
-def _move_tensors(model: nn.Module, device: torch.device, skip: set[int]) -> None:
-    for param in model.parameters():
-        if id(param) not in skip and param.device != device:
-            param.data = param.data.to(device)
-    for module in model.modules():
-        for name, buffer in module._buffers.items():
-            if buffer is not None and buffer.device != device:
-                module._buffers[name] = buffer.to(device)
+def _collected(journal: Journal, engine: PrefetchEngine | None, arena: HostArena) -> None:
+    # The model was deleted while dispatched (see `attach`): nothing may read host storage once it is released.
+    if engine is not None:
+        engine.synchronize()
+    journal.unwind(Phase.ATTACH)
+    arena.release()
 
 
 def _check_materialized(model: nn.Module) -> None:
@@ -455,35 +397,12 @@ def _check_materialized(model: nn.Module) -> None:
             )
 
 
-def _resolve_config(offload: Any, config: PrefetchConfig | None, config_fields: dict[str, Any]) -> PrefetchConfig:
-    # The loaders and hf_prefetch.plan run the prefetch backend only.
-    resolved = resolve_offload(offload, config, config_fields)
-    if isinstance(resolved, UVAConfig):
-        raise ValueError(
-            "offload='uva' works with hf_prefetch.dispatch_model only (the loaders and hf_prefetch.plan run "
-            "prefetch): load the model in host memory (e.g. with transformers), then call "
-            "hf_prefetch.dispatch_model(model, offload='uva', cpu_offload_gb=...); hf_prefetch.uva.make_uva_plan "
-            "shows the plan."
+def _warn_uva_on_cpu(plan: OffloadPlan) -> None:
+    global _warned_on_cpu
+    if not _warned_on_cpu:
+        _warned_on_cpu = True
+        warn_at_caller(
+            f"The UVA backend on the CPU keeps every weight where it is: host memory is the execution device's memory "
+            f"(on a GPU, {format_bytes(plan.offloaded_bytes)} would stay in host memory). The model is dispatched "
+            "(get_state and remove_offload work) but unchanged."
         )
-    return resolved
-
-
-def resolve_device(device: str | int | torch.device | None) -> torch.device:
-    """The execution device: CUDA when available and not told otherwise, else the CPU."""
-    if device is None:
-        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"device={device!r} is not a device; use 'cuda', 'cuda:0', 0 or 'cpu'.") from err
-    if resolved.type == "cpu":
-        return resolved
-    if resolved.type != "cuda":
-        raise ValueError(f"device={device!r}: hf_prefetch executes on 'cuda' or 'cpu' devices only.")
-    if not torch.cuda.is_available():
-        reason = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA driver or GPU was found"
-        raise ValueError(f"device={device!r} but CUDA is not available ({reason}). Pass device='cpu'.")
-    index = torch.cuda.current_device() if resolved.index is None else resolved.index
-    if index >= torch.cuda.device_count():
-        raise ValueError(f"device={device!r}: there are only {torch.cuda.device_count()} CUDA device(s).")
-    return torch.device("cuda", index)

@@ -1,29 +1,41 @@
-"""The accelerate hook on each streamed layer: the only code that runs inside a model's forward.
+"""Every hook hf_prefetch installs on a model: the code that runs inside its forward, `state_dict` and
+`load_state_dict`. Installing and removing them is `changes.py`'s job; what they do is here.
 
-Before the layer runs its weights must be in its slot (`wait`); after it ran, its slot goes to the next layer that
-uses it (`release`). Policy lives in the plan and the engine, not here. Under torch.compile both steps are the custom
-ops of `hf_prefetch.ops`, so the decoder stack compiles into one graph.
+- `PrefetchHook` (an accelerate `ModelHook` on each streamed layer): before the layer runs its weights must be in its
+  slot (`wait`); after it ran its slot goes to the next layer that uses it (`release`). Under torch.compile both steps
+  are the custom ops of `ops.py`, so the decoder stack compiles into one graph.
+- `ForwardGate` (the model's own forward pre-hook and forward hook): one forward at a time, and `engine.prepare()`
+  before it and `engine.finish()` after it, outside any compiled graph.
+- The state-dict hooks: `state_dict()` reports host values, `load_state_dict()` writes through to them.
+Policy lives in the plan and the engine, not here.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
 import torch
 from accelerate.hooks import ModelHook
+from torch import nn
 
 from . import ops  # noqa: F401  (registers torch.ops.hf_prefetch)
 from .engine import PrefetchEngine
+from .state import Lifecycle, OffloadedParam, OffloadState, get_state
 
-__all__ = ["PrefetchHook", "model_hooks"]
+__all__ = ["PrefetchHook", "ForwardGate", "WriteThrough", "refuse_assign", "refuse_apply", "host_values_in_state_dict"]
 
 
 class PrefetchHook(ModelHook):
     """Waits for a streamed layer's weights before its forward and starts the next copy into its slot after it."""
 
-    def __init__(self, engine: PrefetchEngine, engine_id: int, ring: int, position: int) -> None:
+    def __init__(self, engine: PrefetchEngine, engine_id: int, ring: int, position: int, path: str) -> None:
         self.engine = engine
         self.engine_id = engine_id  # the engine's name for the custom ops
         self.ring = ring
         self.position = position
+        self.path = path
 
     def pre_forward(self, module, *args, **kwargs):
         # transformers sometimes calls `pre_forward(module)` with no inputs: the signature accepts both.
@@ -38,27 +50,82 @@ class PrefetchHook(ModelHook):
             _compiled_step(torch.ops.hf_prefetch.release, self.engine.release, self, _first_tensor(output))
         else:
             _eager_step(self.engine.release, self, "hf_prefetch.release")
+            if torch.is_grad_enabled():
+                _refuse_backward(output, self.path)
         return output
 
     def __repr__(self) -> str:
-        return f"PrefetchHook(ring={self.ring}, position={self.position})"
+        return f"PrefetchHook({self.path}, ring={self.ring}, position={self.position})"
 
 
-def model_hooks(engine: PrefetchEngine):
-    """The model's own forward pre-hook and forward hook: `engine.prepare()` before every forward and
-    `engine.finish()` after it, outside any compiled graph (under torch.compile each is a graph break at the model's
-    entry or exit, so that it runs around each CUDA-graph replay)."""
+class ForwardGate:
+    """The model's forward pre-hook and forward hook (registered with `always_call=True`, so the hook runs when the
+    forward raises too).
 
-    def prepare(module, args):
-        _outside_any_graph(engine.prepare)
+    - One forward at a time: a second thread's forward waits for the first to end (the slots hold one forward's
+      layers at a time, so interleaved forwards would compute with each other's weights). Re-entrant in one thread.
+    - A model whose dispatch or removal was interrupted refuses to compute until `remove_offload` finished it.
+    - `engine.prepare()` before and `engine.finish()` after each forward, outside any compiled graph (under
+      torch.compile each is a graph break at the model's entry or exit, so that it runs around each CUDA-graph
+      replay); pending write-throughs of an interrupted `load_state_dict` are completed first.
+    """
 
-    def finish(module, args, output):
-        _outside_any_graph(engine.finish)
+    def __init__(self, state: OffloadState, write_throughs: list[WriteThrough]) -> None:
+        self._state = state
+        self._write_throughs = write_throughs
+        self._lock = threading.RLock()
+        self._depth = threading.local()
 
-    return prepare, finish
+    def before(self, module: nn.Module, args: Any) -> None:
+        _outside_any_graph(self._enter)
+
+    def after(self, module: nn.Module, args: Any, output: Any) -> None:
+        _outside_any_graph(self._exit)
+
+    def _enter(self) -> None:
+        state = self._state
+        if state.lifecycle is not Lifecycle.ATTACHED:
+            raise RuntimeError(
+                f"This model's hf_prefetch dispatch is half-done ({state.lifecycle.value}: an interrupt or an error "
+                "stopped it). Call hf_prefetch.remove_offload(model) to finish undoing it, then dispatch again."
+            )
+        self._lock.acquire()
+        self._depth.value = getattr(self._depth, "value", 0) + 1
+        try:
+            for write_through in self._write_throughs:
+                write_through.complete()
+            if state.engine is not None:
+                state.engine.prepare()
+        except BaseException:
+            self._exit()
+            raise
+
+    def _exit(self) -> None:
+        depth = getattr(self._depth, "value", 0)
+        if depth == 0:  # `before` refused, or raised before taking the lock
+            return
+        try:
+            if depth == 1 and self._state.engine is not None:
+                self._state.engine.finish()
+        finally:
+            self._depth.value = depth - 1
+            self._lock.release()
 
 
-def _outside_any_graph(step) -> None:
+def _refuse_backward(output: Any, path: str) -> None:
+    def refuse(grad: torch.Tensor) -> None:
+        raise RuntimeError(
+            f"Backward through {path}, a layer streamed by hf_prefetch: its parameters live in buffer slots shared "
+            "with other layers and get no gradients. hf_prefetch is for inference: run under torch.no_grad() (or "
+            "torch.inference_mode()), or call hf_prefetch.remove_offload(model) before training."
+        )
+
+    for tensor in _tensors(output):
+        if tensor.requires_grad:
+            tensor.register_hook(refuse)
+
+
+def _outside_any_graph(step: Callable[[], None]) -> None:
     if torch.compiler.is_compiling():
         _run_outside_graph(step)
     else:
@@ -100,13 +167,108 @@ def _input_anchor(args: tuple, kwargs: dict) -> torch.Tensor | None:
 
 def _first_tensor(value) -> torch.Tensor | None:
     """The first tensor in a layer's inputs or output (nested in tuples, lists, dicts or a ModelOutput)."""
+    return next(_tensors(value), None)
+
+
+def _tensors(value):
     if isinstance(value, torch.Tensor):
-        return value
+        yield value
+        return
     if isinstance(value, dict):  # ModelOutput is a dict too
         value = list(value.values())
     if isinstance(value, (tuple, list)):
         for item in value:
-            found = _first_tensor(item)
-            if found is not None:
-                return found
-    return None
+            yield from _tensors(item)
+
+
+# --- state_dict and load_state_dict ------------------------------------------------------------------------------
+
+
+def host_values_in_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+    """`state_dict()` hook: a streamed parameter's slot holds whichever layer ran last; its value is in host storage."""
+    state = get_state(module)
+    if state is None:
+        return
+    for offloaded in state.offloaded:
+        key = prefix + offloaded.full_name
+        if key in state_dict:
+            state_dict[key] = offloaded.host
+
+
+class Streamed(NamedTuple):
+    name: str  # in the module that owns it
+    offloaded: OffloadedParam
+    slot_buffer: torch.Tensor
+    ring: int
+    position: int
+
+
+class WriteThrough:
+    """`load_state_dict` on a module that owns streamed parameters writes their host storage, not their slots.
+
+    Before the module loads, the layers it will write lose their slots (an interrupt from then on leaves them to load
+    their new values, a miss) and each streamed parameter the state dict names points at its host tensor, so torch's
+    own loading (its checks, casts, strict and missing/unexpected keys) writes the true value. After it loaded, the
+    parameters point at their slots again. If the load is interrupted before that, the next forward completes it
+    (`complete`). See [Note: rewriting weights] in reload.py.
+    """
+
+    def __init__(self, engine: PrefetchEngine, streamed: list[Streamed]) -> None:
+        self.engine = engine
+        self.streamed = streamed
+        self.loading: list[Streamed] = []  # pointed at host storage by `before`, until `complete`
+        self.held: list[tuple[int, int]] = []  # (ring, position) of the layers that held their slot before
+
+    def before(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        loading = [s for s in self.streamed if prefix + s.name in state_dict]
+        if not loading:
+            return
+        self.engine.drain()  # no copy may still read the host storage about to be written
+        layers = list(dict.fromkeys((s.ring, s.position) for s in loading))
+        self.held += [layer for layer in layers if self.engine.holds(*layer)]
+        for layer in layers:
+            self.engine.invalidate(*layer)
+        self.loading += loading
+        for streamed in loading:
+            streamed.offloaded.param.data = streamed.offloaded.host
+
+    def after(self, module: nn.Module, incompatible_keys: Any) -> None:
+        self.complete()
+
+    def complete(self) -> None:
+        """Point the parameters of a finished (or interrupted) load back at their slots. Idempotent."""
+        for streamed in self.loading:
+            streamed.offloaded.param.data = streamed.slot_buffer
+        self.loading = []
+        while self.held:  # copy the new values into the slots the layers held
+            self.engine.load(*self.held[-1])
+            self.held.pop()
+
+
+def refuse_assign(
+    streamed_names: list[str], module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: Any
+) -> None:
+    """`load_state_dict` pre-hook on every module that contains a streamed parameter: `assign=True` would swap the
+    parameter out of its slot, so it fails on entry, before torch has assigned anything."""
+    if not local_metadata.get("assign_to_params_buffers", False):
+        return
+    for name in streamed_names:
+        if prefix + name in state_dict:
+            raise RuntimeError(
+                f"load_state_dict(..., assign=True) would replace the streamed parameter {prefix}{name} by the state "
+                "dict's tensor and detach it from its buffer slot. Load in place (assign=False) or use "
+                "hf_prefetch.reload_weights(model, state_dict); to assign, call hf_prefetch.remove_offload(model) "
+                "first and dispatch again."
+            )
+
+
+def refuse_apply(*args: Any, **kwargs: Any) -> None:
+    """Set as `_apply` on every module that owns or contains an offloaded parameter: `model.to()`, `.half()`,
+    `.cuda()`, `.float()` ... all go through `nn.Module._apply`, which would swap the parameters' slot tensors (or
+    mapped views) for converted copies that no copy ever refreshes. It refuses before anything is converted."""
+    raise RuntimeError(
+        "This model is dispatched by hf_prefetch: .to(), .cuda(), .cpu(), .half(), .float() and other conversions "
+        "would detach the offloaded weights from their buffer slots or host memory. Call "
+        "hf_prefetch.remove_offload(model) first (remove_offload(model, device='cpu') if it does not fit on the GPU), "
+        "convert, then dispatch again."
+    )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,10 +21,12 @@ from torch import nn
 
 from . import dispatch
 from .budget import MaxMemory, choose_plan, device_argument, parse_max_memory
+from .changes import Journal, Phase
 from .checkpoint import Checkpoint, TensorReader
 from .config import PrefetchConfig
 from .host import HostArena
 from .keymap import KeyMap, convert, filled_names, map_keys, region_view
+from .state import OffloadedParam, get_state, refuse_unknown_keywords, resolve_config, resolve_device
 
 __all__ = ["from_pretrained", "load_checkpoint_and_dispatch"]
 
@@ -33,8 +35,8 @@ logger = logging.getLogger(__name__)
 
 def from_pretrained(
     path: str | os.PathLike,
-    *,
     offload: str | PrefetchConfig = "prefetch",
+    *,
     device: str | int | torch.device | None = None,
     dtype: torch.dtype | str | None = None,
     layers: str | Sequence[str] | None = None,
@@ -43,7 +45,7 @@ def from_pretrained(
     timing: bool = False,
     max_memory: dict[int | str, int | str] | str | None = None,
     reserve_bytes: int | str | None = None,
-    **config_fields: Any,
+    **unknown: Any,
 ) -> nn.Module:
     """Load a local transformers checkpoint straight into a dispatched model, without a full copy in host memory.
 
@@ -53,7 +55,7 @@ def from_pretrained(
     Args:
         path (`str` or `os.PathLike`): A folder with `config.json` and `model.safetensors` or a sharded
             `model.safetensors.index.json`.
-        offload (`str` or `PrefetchConfig`): `"prefetch"` (configured by `config_fields`) or a config.
+        offload (`PrefetchConfig` or `str`): Which layers stream; `"prefetch"` is `PrefetchConfig()`.
         device: Execution device. Defaults to the current CUDA device, or `"cpu"` without CUDA.
         dtype (`torch.dtype`, *optional*): Floating-point dtype of the weights. Defaults to `config.dtype` (then to
             the checkpoint's), as in transformers' `dtype="auto"`.
@@ -61,7 +63,6 @@ def from_pretrained(
         model_class (*optional*): A transformers Auto class or model class. Defaults to `AutoModelForCausalLM`.
         progress (`bool`, *optional*): Show a progress bar over bytes; by default only on a terminal.
         max_memory, reserve_bytes: Choose the streamed layers to fit a memory budget, as in `dispatch_model`.
-        config_fields: `PrefetchConfig` fields, e.g. `group_size=2, num_in_group=1`.
 
     Returns:
         The model, dispatched and in eval mode.
@@ -76,7 +77,8 @@ def from_pretrained(
     ...     num_key_value_heads=2, vocab_size=64)
     >>> with tempfile.TemporaryDirectory() as folder:
     ...     LlamaForCausalLM(config).save_pretrained(folder)
-    ...     model = hf_prefetch.from_pretrained(folder, device="cpu", group_size=2, num_in_group=1, prefetch_step=1)
+    ...     config = hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1)
+    ...     model = hf_prefetch.from_pretrained(folder, config, device="cpu")
     >>> [layer.path for layer in hf_prefetch.get_state(model).plan.rings[0].streamed]
     ['model.layers.1', 'model.layers.3']
     >>> model(torch.tensor([[1, 2, 3]])).logits.shape
@@ -84,9 +86,10 @@ def from_pretrained(
 
     ```
     """
-    config = dispatch._resolve_config(offload, None, config_fields)
-    max_memory = parse_max_memory(max_memory, reserve_bytes, config, config_fields)
-    exec_device = dispatch.resolve_device(device_argument(max_memory, device))
+    refuse_unknown_keywords("from_pretrained", unknown)
+    config = resolve_config(offload, "from_pretrained")
+    max_memory = parse_max_memory(max_memory, reserve_bytes, config)
+    exec_device = resolve_device(device_argument(max_memory, device))
     folder = checkpoint_folder(path)
     with Checkpoint.open(folder) as checkpoint:
         model, torch_dtype = build_skeleton(folder, checkpoint, dtype, model_class)
@@ -121,7 +124,7 @@ def load_checkpoint_and_dispatch(
     timing: bool = False,
     max_memory: dict[int | str, int | str] | str | None = None,
     reserve_bytes: int | str | None = None,
-    **config_fields: Any,
+    **unknown: Any,
 ) -> nn.Module:
     """Load a checkpoint into a model built on the meta device and dispatch it, like `from_pretrained`.
 
@@ -131,7 +134,7 @@ def load_checkpoint_and_dispatch(
     Args:
         model (`nn.Module`): The model skeleton, parameters on the meta device.
         checkpoint (`str` or `os.PathLike`): A folder, a `.safetensors` file or a `model.safetensors.index.json`.
-        offload, device, layers, progress, max_memory, reserve_bytes, config_fields: As in `from_pretrained`.
+        offload, device, layers, progress, max_memory, reserve_bytes: As in `from_pretrained`.
         dtype (`torch.dtype`, *optional*): Cast floating-point parameters to this dtype; by default each parameter
             keeps the model's dtype (the checkpoint's values are cast to it).
 
@@ -151,16 +154,18 @@ def load_checkpoint_and_dispatch(
     ...     model = LlamaForCausalLM(config)
     >>> with tempfile.TemporaryDirectory() as folder:
     ...     LlamaForCausalLM(config).save_pretrained(folder)
-    ...     model = hf_prefetch.load_checkpoint_and_dispatch(model, folder, device="cpu", dtype=torch.bfloat16)
+    ...     model = hf_prefetch.load_checkpoint_and_dispatch(model, folder, hf_prefetch.PrefetchConfig(prefetch_step=1),
+    ...         device="cpu", dtype=torch.bfloat16)
     >>> model.lm_head.weight.dtype, hf_prefetch.get_state(model) is not None
     (torch.bfloat16, True)
 
     ```
     """
-    config = dispatch._resolve_config(offload, None, config_fields)
-    max_memory = parse_max_memory(max_memory, reserve_bytes, config, config_fields)
-    exec_device = dispatch.resolve_device(device_argument(max_memory, device))
-    if dispatch.get_state(model) is not None:
+    refuse_unknown_keywords("load_checkpoint_and_dispatch", unknown)
+    config = resolve_config(offload, "load_checkpoint_and_dispatch")
+    max_memory = parse_max_memory(max_memory, reserve_bytes, config)
+    exec_device = resolve_device(device_argument(max_memory, device))
+    if get_state(model) is not None:
         raise ValueError(
             f"{type(model).__name__} is already dispatched; call hf_prefetch.remove_offload(model) before loading."
         )
@@ -201,17 +206,18 @@ def _load(
         # accelerate's init_empty_weights re-creates a parameter each time one is registered, which unties the
         # weights that __init__ tied; tie them again so that a tied tensor is one parameter (kept resident).
         model.tie_weights()
-    undo: list[Callable[[], None]] = []
-    arena = None
+    journal = Journal()
+    arena = state = None
     try:
-        _set_dtypes(model, dtype, cast, undo)
+        _set_dtypes(model, dtype, cast, journal)
         keymap = map_keys(model, checkpoint)
         plan = choose_plan(model, config, layers, device, max_memory)
         # Everything is validated: allocate the host arena exactly as dispatch_model does, then the resident tensors.
         layout = dispatch.host_layout(plan)
-        arena = HostArena([spec.nbytes for _, _, spec in layout])
+        arena = HostArena([spec.nbytes for _, spec in layout])
+        state = dispatch.begin(model, plan, device, arena, timing, journal)
         dests = {}
-        for i, (path, _, spec) in enumerate(layout):
+        for i, (path, spec) in enumerate(layout):
             dests[f"{path}.{spec.name}"] = arena.view(i, spec.shape, spec.stride, spec.dtype)
         offloaded_names = list(dests)
         for name in filled_names(keymap):
@@ -219,21 +225,19 @@ def _load(
                 tensor = keymap.model_tensors[name]
                 dests[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
         seconds, bytes_read = _read_all(checkpoint, keymap, dests, model, progress)
-        _install(model, keymap, dests, undo)
+        _install(keymap, dests, journal)
         if device.type == "cuda":
             arena.pin()  # after the reads: page-locking memory the readers already touched is ~10x faster
         tensors = keymap.model_tensors
-        offloaded = [
-            dispatch.OffloadedParam(n, tensors[n], dests[n], tensors[n].requires_grad) for n in offloaded_names
-        ]
-        dispatch.attach(model, dispatch.OffloadState(plan, device, arena, offloaded, timing=timing))
+        state.offloaded = [OffloadedParam(n, tensors[n], dests[n]) for n in offloaded_names]
+        dispatch.attach(model, state)
     except BaseException:
-        if (state := dispatch.get_state(model)) is not None:
-            dispatch._teardown(model, state, target=None)
-        for step in reversed(undo):
-            step()
-        if arena is not None:
-            arena.release()
+        if state is not None:
+            dispatch.rollback(model, state)
+        else:
+            journal.unwind(Phase.PLACE)
+            if arena is not None:
+                arena.release()
         raise
     if isinstance(model, PreTrainedModel):
         model._weight_conversions = keymap.used_conversions  # what save_pretrained reverts, as after from_pretrained
@@ -269,7 +273,7 @@ def build_skeleton(
     model.config.name_or_path = str(folder)
     if isinstance(model, PreTrainedModel):
         model.tie_weights()  # as _load does: the plan must see tied tensors as one parameter
-    _set_dtypes(model, torch_dtype, cast=False, undo=[])
+    _set_dtypes(model, torch_dtype, cast=False, journal=Journal())
     return model, torch_dtype
 
 
@@ -297,7 +301,7 @@ def _auto_dtype(dtype: Any, config: Any, checkpoint: Checkpoint) -> torch.dtype:
     return dtype
 
 
-def _set_dtypes(model: nn.Module, dtype: torch.dtype | None, cast: bool, undo: list) -> None:
+def _set_dtypes(model: nn.Module, dtype: torch.dtype | None, cast: bool, journal: Journal) -> None:
     # transformers keeps some modules in float32 (`_keep_in_fp32_modules`) whatever the requested dtype.
     from transformers.core_model_loading import build_glob_alternation
 
@@ -309,9 +313,7 @@ def _set_dtypes(model: nn.Module, dtype: torch.dtype | None, cast: bool, undo: l
         if dtype_plan and (match := alternation.search(name)):
             target = dtype_plan[glob_of_group[match.lastgroup]]
         if target != param.dtype:
-            old = param.data
-            param.data = old.to(target)
-            undo.append(lambda param=param, old=old: setattr(param, "data", old))
+            journal.point(Phase.PLACE, param, param.data.to(target), f"{name} as {target}")
 
 
 def _read_all(checkpoint, keymap, dests, model, progress) -> tuple[float, int]:
@@ -343,14 +345,10 @@ def _read_all(checkpoint, keymap, dests, model, progress) -> tuple[float, int]:
     return time.perf_counter() - started, reader.bytes_read
 
 
-def _install(model: nn.Module, keymap: KeyMap, dests: dict[str, torch.Tensor], undo: list) -> None:
+def _install(keymap: KeyMap, dests: dict[str, torch.Tensor], journal: Journal) -> None:
     # Swap each meta tensor's contents for its loaded value in place, so every name of a tied tensor sees it.
     for name, value in dests.items():
         tensor = keymap.model_tensors[name]
         if isinstance(tensor, nn.Parameter):
             value = nn.Parameter(value, requires_grad=tensor.requires_grad)
-        torch.utils.swap_tensors(tensor, value)
-        undo.append(lambda tensor=tensor, value=value: torch.utils.swap_tensors(tensor, value))
-    # dispatch.attach() replaces buffers by their copies on the device: restore the dicts on failure.
-    saved = [(module, dict(module._buffers)) for module in model.modules()]
-    undo.append(lambda: [module._buffers.update(buffers) for module, buffers in saved])
+        journal.swap(tensor, value, f"{name} loaded")

@@ -6,14 +6,11 @@ config that runs. This module knows the knobs, their rules and their hash; it kn
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
-import warnings
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .config import PrefetchConfig, _validate_segments
+from .config import PrefetchConfig, _validate_segments, config_hash, warn_at_caller
 
 __all__ = ["OffloadConfig", "UVAConfig", "resolve_offload"]
 
@@ -26,7 +23,7 @@ _warned: set[str] = set()
 def _warn_once(message: str) -> None:
     if message not in _warned:
         _warned.add(message)
-        warnings.warn(message, stacklevel=4)
+        warn_at_caller(message)
 
 
 @dataclass(frozen=True)
@@ -59,14 +56,25 @@ class UVAConfig:
 
     def __post_init__(self) -> None:
         gb = self.cpu_offload_gb
-        if isinstance(gb, bool) or not isinstance(gb, int | float) or math.isnan(gb) or gb < 0:
+        problem = isinstance(gb, bool) or not isinstance(gb, int | float)
+        if not problem:
+            try:
+                gb = float(gb) + 0.0  # 8 and 8.0, 0.0 and -0.0 are one config, with one hash
+            except OverflowError:
+                gb = math.inf  # an int too large for a float: more than any model
+            problem = math.isnan(gb) or gb < 0
+        if problem:
             raise ValueError(
-                f"UVAConfig.cpu_offload_gb={gb!r} must be a number of GiB >= 0, e.g. cpu_offload_gb=8 "
-                "(float('inf') keeps every matching parameter in host memory)."
+                f"UVAConfig.cpu_offload_gb={self.cpu_offload_gb!r} must be a number of GiB >= 0, e.g. "
+                "cpu_offload_gb=8 (float('inf') keeps every matching parameter in host memory)."
             )
-        object.__setattr__(self, "cpu_offload_gb", float(gb))  # 8 and 8.0 are one config, with one hash
+        object.__setattr__(self, "cpu_offload_gb", gb)
         segments = _validate_segments(self.cpu_offload_params, "UVAConfig.cpu_offload_params")
         object.__setattr__(self, "cpu_offload_params", segments)
+
+    def compute_hash(self) -> str:
+        """A sha256 hex digest of the fields: equal configs give equal digests in every process."""
+        return config_hash(self)
 
 
 @dataclass(frozen=True)
@@ -165,56 +173,42 @@ class OffloadConfig:
         The same config gives the same digest in every process; changing any field changes it. Compile caches key on
         it: the backend and its fields decide which parameters live where and which layers are hooked.
         """
-        canonical = json.dumps(_factors(self), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(canonical.encode()).hexdigest()
+        return config_hash(self)
 
 
-def _factors(value: Any) -> Any:
-    # A JSON-able form that depends only on the values: no id(), no set order, no hash seed.
-    if is_dataclass(value):
-        return {"class": type(value).__name__, **{f.name: _factors(getattr(value, f.name)) for f in fields(value)}}
-    if isinstance(value, set | frozenset):
-        return sorted(_factors(item) for item in value)
-    if isinstance(value, float):
-        return repr(value)  # round-trips exactly; also 'inf'
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    raise TypeError(f"compute_hash cannot represent {type(value).__name__} {value!r}; add it to _factors.")
-
-
-def resolve_offload(offload: Any, config: Any, config_fields: dict[str, Any]) -> PrefetchConfig | UVAConfig:
-    """The backend config that runs, from `dispatch_model`'s `offload`, `config` and keyword fields.
+def resolve_offload(offload: Any) -> PrefetchConfig | UVAConfig:
+    """The backend config that runs, from a verb's `offload` argument: a config, or the name of a backend's default.
 
     Example:
 
     ```python
+    >>> from hf_prefetch import OffloadConfig, UVAConfig
     >>> from hf_prefetch.offload_config import resolve_offload
-    >>> resolve_offload("uva", None, {"cpu_offload_gb": 2})
+    >>> resolve_offload("prefetch").group_size
+    2
+    >>> resolve_offload(OffloadConfig(uva=UVAConfig(cpu_offload_gb=2)))
     UVAConfig(cpu_offload_gb=2.0, cpu_offload_params=frozenset())
-    >>> resolve_offload("prefetch", None, {"group_size": 4}).group_size
-    4
 
     ```
     """
-    if isinstance(offload, OffloadConfig | PrefetchConfig | UVAConfig):
-        if config is not None or config_fields:
-            given = ["config="] if config is not None else sorted(config_fields)
-            raise ValueError(
-                f"offload={type(offload).__name__}(...) is already a config: do not also pass {given}; put them in "
-                "the config."
-            )
-        resolved = _selected(offload) if isinstance(offload, OffloadConfig) else offload
-    elif offload in ("prefetch", "uva"):
-        resolved = _from_fields(offload, config, config_fields)
+    if isinstance(offload, OffloadConfig):
+        resolved = _selected(offload)
+    elif isinstance(offload, PrefetchConfig | UVAConfig):
+        resolved = offload
+    elif offload == "prefetch":
+        resolved = PrefetchConfig()
+    elif offload == "uva":
+        resolved = UVAConfig()
     else:
         raise ValueError(
-            f"offload={offload!r} is not supported; use offload='prefetch', offload='uva', a PrefetchConfig, "
-            "a UVAConfig or an OffloadConfig."
+            f"offload={offload!r} is not supported; use 'prefetch' (the default PrefetchConfig), a PrefetchConfig, "
+            "a UVAConfig(cpu_offload_gb=...) or an OffloadConfig."
         )
     if isinstance(resolved, UVAConfig) and resolved.cpu_offload_gb == 0:
         raise ValueError(
-            "offload='uva' with cpu_offload_gb=0 keeps nothing in host memory. Pass cpu_offload_gb=<GiB>, e.g. "
-            "cpu_offload_gb=8 (parameters are taken in layer order until that many GiB are taken)."
+            "The UVA backend with cpu_offload_gb=0 keeps nothing in host memory. Pass "
+            "offload=UVAConfig(cpu_offload_gb=<GiB>), e.g. UVAConfig(cpu_offload_gb=8) (parameters are taken in "
+            "layer order until that many GiB are taken)."
         )
     return resolved
 
@@ -226,20 +220,3 @@ def _selected(offload: OffloadConfig) -> PrefetchConfig | UVAConfig:
             "uva=UVAConfig(cpu_offload_gb=...), or pass backend='prefetch' for the default prefetch config."
         )
     return offload.prefetch if offload.selected == "prefetch" else offload.uva
-
-
-def _from_fields(offload: str, config: Any, config_fields: dict[str, Any]) -> PrefetchConfig | UVAConfig:
-    kind, other = (PrefetchConfig, "uva") if offload == "prefetch" else (UVAConfig, "prefetch")
-    if config is not None:
-        if config_fields:
-            raise ValueError(f"Pass either config= or config fields ({sorted(config_fields)}), not both.")
-        if not isinstance(config, kind):
-            raise ValueError(f"config={config!r} must be a hf_prefetch.{kind.__name__} with offload={offload!r}.")
-        return config
-    known = {f.name for f in fields(kind)}
-    unknown = sorted(set(config_fields) - known)
-    if unknown:
-        other_fields = {f.name for f in fields(UVAConfig if kind is PrefetchConfig else PrefetchConfig)}
-        hint = f" {unknown} belong to offload={other!r}." if set(unknown) <= other_fields else ""
-        raise ValueError(f"Unknown {kind.__name__} field(s) {unknown}; valid fields are {sorted(known)}.{hint}")
-    return kind(**config_fields)

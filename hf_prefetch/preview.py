@@ -15,19 +15,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import dispatch, loader
+from . import loader
 from .budget import choose_plan, device_argument, parse_max_memory
 from .checkpoint import Checkpoint
 from .config import PrefetchConfig
 from .link import measure_link_gbps
-from .plan import OffloadPlan
+from .offload_config import OffloadConfig, UVAConfig, resolve_offload
+from .placements import OffloadPlan
+from .planner import make_uva_plan
+from .state import refuse_unknown_keywords, resolve_device
 
 __all__ = ["plan"]
 
 
 def plan(
     model_or_checkpoint: nn.Module | str | os.PathLike,
-    offload: str | PrefetchConfig = "prefetch",
+    offload: str | PrefetchConfig | UVAConfig | OffloadConfig = "prefetch",
     *,
     max_memory: dict[int | str, int | str] | str | None = None,
     reserve_bytes: int | str | None = None,
@@ -36,7 +39,7 @@ def plan(
     dtype: torch.dtype | str | None = None,
     model_class: type | None = None,
     link_gbps: float | None = None,
-    **config_fields: Any,
+    **unknown: Any,
 ) -> OffloadPlan:
     """The plan `dispatch_model` (for a model) or `from_pretrained` (for a checkpoint folder) would execute.
 
@@ -46,7 +49,7 @@ def plan(
     Args:
         model_or_checkpoint: A built model (its parameters may be on the meta device), or a checkpoint folder as
             `from_pretrained` takes it.
-        offload, max_memory, reserve_bytes, device, layers, config_fields: As in `dispatch_model`.
+        offload, max_memory, reserve_bytes, device, layers: As in `dispatch_model`.
         dtype, model_class: For a checkpoint folder, as in `from_pretrained`.
         link_gbps (`float`, *optional*): Host-to-device link speed in GB/s, for the transfer time per forward. On a
             GPU it is measured when not given (a few 256 MiB pinned copies, once per process and device, then
@@ -70,9 +73,13 @@ def plan(
 
     ```
     """
-    config = dispatch._resolve_config(offload, None, config_fields)
-    max_memory = parse_max_memory(max_memory, reserve_bytes, config, config_fields)
-    exec_device = dispatch.resolve_device(device_argument(max_memory, device))
+    refuse_unknown_keywords("plan", unknown)
+    config = resolve_offload(offload)
+    uva = isinstance(config, UVAConfig)
+    if uva and (max_memory is not None or reserve_bytes is not None):
+        raise ValueError("max_memory and reserve_bytes work with the prefetch backend only, not with UVA.")
+    max_memory = None if uva else parse_max_memory(max_memory, reserve_bytes, config)
+    exec_device = resolve_device(device_argument(max_memory, device))
     if link_gbps is not None and (isinstance(link_gbps, bool) or not isinstance(link_gbps, int | float)):
         raise ValueError(f"link_gbps={link_gbps!r} must be a number of GB/s, e.g. link_gbps=55.0, or None.")
     if link_gbps is not None and not link_gbps > 0:
@@ -88,7 +95,10 @@ def plan(
         folder = loader.checkpoint_folder(model_or_checkpoint)
         with Checkpoint.open(folder) as checkpoint:
             model, _ = loader.build_skeleton(folder, checkpoint, dtype, model_class)
-    result = choose_plan(model, config, layers, exec_device, max_memory)
+    if uva:
+        result = make_uva_plan(model, config, layers)
+    else:
+        result = choose_plan(model, config, layers, exec_device, max_memory)
     if link_gbps is None and exec_device.type == "cuda":
         link_gbps = measure_link_gbps(exec_device)
     return dataclasses.replace(result, link_gbps=link_gbps)

@@ -12,17 +12,19 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from . import dispatch
 from .checkpoint import Checkpoint, TensorReader
 from .keymap import convert, map_keys, region_view
-from .plan import OffloadPlan
+from .placements import OffloadPlan
+from .state import OffloadState, get_state
 
 __all__ = ["reload_weights", "sync_from_device"]
 
@@ -46,9 +48,9 @@ def reload_weights(
 
     Streamed parameters get their new values in their host storage, resident parameters and buffers in their device
     tensors; then every slot of the pool is refilled from host storage, so the next forward never computes with the
-    old weights. Everything is validated (names, shapes, dtypes) before the first byte is written. A checkpoint is
-    read straight into place, tensor by tensor, like `from_pretrained` reads it (no copy of the whole checkpoint in
-    memory).
+    old weights. Everything is validated before the first byte is written: names, coverage, shapes, dtypes, that each
+    value is a dense tensor holding values, and that tied tensors given twice agree. A checkpoint is read straight
+    into place, tensor by tensor, like `from_pretrained` reads it (no copy of the whole checkpoint in memory).
 
     Write weights this way, or with `model.load_state_dict(...)` (which writes through to host storage), and not
     through the parameters (`param.data.copy_(...)`, an optimizer step, merging an adapter): a streamed parameter's
@@ -58,7 +60,10 @@ def reload_weights(
         model (`nn.Module`): A dispatched model (`dispatch_model`, `from_pretrained`, `load_checkpoint_and_dispatch`).
         source: A checkpoint (a folder, a `.safetensors` file or a `model.safetensors.index.json`, keys mapped as in
             `from_pretrained`), or a state dict keyed by the model's own `state_dict()` names. Values are cast between
-            floating-point dtypes; any other change of dtype, and any change of shape, is an error.
+            floating-point dtypes; any other change of dtype, and any change of shape, is an error. A state dict's
+            values are dense tensors that hold values (not meta, sparse or nested tensors, nor subclasses such as
+            DTensor) and share no memory with the model's tensors, except a value that is its own tensor, as in
+            `model.state_dict()` (not `named_parameters()`: a streamed parameter shows a buffer slot).
         process (`Callable[[nn.Module], None]`, *optional*): Called once for each layer of the layer lists, under
             `torch.no_grad()`, once all of the layer's new weights arrived and with them on the execution device (a
             streamed layer is copied into its slot first), e.g. to quantize or repack values. It may change values
@@ -69,16 +74,20 @@ def reload_weights(
             `reload_weights(model, model.state_dict(), process=fn)` applies `fn` to the current weights.
         strict (`bool`, defaults to `True`): For a state dict: every parameter and persistent buffer must have a value
             and every key must name one, as in `load_state_dict`. With `False` only the tensors it names are written.
-            A checkpoint must always cover the model, as for `from_pretrained`.
+            A checkpoint must always fill every parameter, as for `from_pretrained` (a persistent buffer it lacks
+            keeps its value).
 
     Returns:
         The same model.
 
     Raises:
-        `ValueError` for a model that is not dispatched, a missing or unexpected key, or a shape or dtype that does
-        not fit (nothing is written then), and when `process` changes more than values (the layer's tensors are put
-        back). An error while writing (a file that cannot be read, `process` failing) leaves some layers with their
-        new weights and the others with their old ones, the pool consistent with them: reload again.
+        `ValueError`, and nothing is written, for a model that is not dispatched or whose tensors are inference
+        tensors (call it under `torch.inference_mode()` then), a missing or unexpected key, a shape or dtype that does
+        not fit, a value that is not a dense tensor holding values or that shares memory with a tensor it writes, and
+        tied tensors given two different values. `ValueError` when `process` changes more than values (the layer's
+        tensors are put back). An error while writing (a file that cannot be read, `process` failing) leaves some
+        layers with their new weights and the others with their old ones, the pool consistent with them: reload
+        again.
 
     Example:
 
@@ -88,8 +97,8 @@ def reload_weights(
     >>> import hf_prefetch
     >>> config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
     ...     num_key_value_heads=2, vocab_size=64)
-    >>> model = hf_prefetch.dispatch_model(LlamaForCausalLM(config).eval(), device="cpu", group_size=2, num_in_group=1,
-    ...     prefetch_step=1)
+    >>> model = hf_prefetch.dispatch_model(LlamaForCausalLM(config).eval(),
+    ...     hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1), device="cpu")
     >>> new, ids = LlamaForCausalLM(config).eval(), torch.tensor([[1, 2, 3]])
     >>> with tempfile.TemporaryDirectory() as folder:
     ...     new.save_pretrained(folder)
@@ -107,6 +116,7 @@ def reload_weights(
     ```
     """
     state = _dispatched(model, "reload_weights")
+    _check_writable(model)
     started = time.perf_counter()
     if isinstance(source, Mapping):
         values = _StateDictValues(model, source, strict)
@@ -121,6 +131,9 @@ def reload_weights(
         layers = _layers(state.plan)
         names_of = _names_by_layer(values.names, layers)
         state.engine.drain()  # no copy may still read host storage, and no kernel a tensor, that is rewritten now
+        # Every slot forgotten before the first write: an interrupt anywhere after this leaves layers that load their
+        # (new or old, never mixed) values from host storage when they run, never a slot with stale bytes.
+        state.engine.invalidate()
         try:
             if process is None:
                 values.write(values.names)
@@ -163,8 +176,8 @@ def sync_from_device(model: nn.Module, layers: str | Sequence[str] | None = None
     >>> import hf_prefetch
     >>> config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
     ...     num_key_value_heads=2, vocab_size=64)
-    >>> model = hf_prefetch.dispatch_model(LlamaForCausalLM(config).eval(), device="cpu", group_size=2, num_in_group=1,
-    ...     prefetch_step=2)
+    >>> model = hf_prefetch.dispatch_model(LlamaForCausalLM(config).eval(),
+    ...     hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2), device="cpu")
     >>> with torch.no_grad():
     ...     _ = model.model.layers[3].mlp.up_proj.weight.mul_(0.5)
     >>> hf_prefetch.sync_from_device(model)
@@ -207,8 +220,8 @@ def sync_from_device(model: nn.Module, layers: str | Sequence[str] | None = None
     return chosen
 
 
-def _dispatched(model: nn.Module, verb: str) -> dispatch.OffloadState:
-    state = dispatch.get_state(model)
+def _dispatched(model: nn.Module, verb: str) -> OffloadState:
+    state = get_state(model)
     if state is None:
         raise ValueError(
             f"{type(model).__name__} is not dispatched by hf_prefetch: {verb} works on dispatched models. On an "
@@ -260,6 +273,20 @@ def _destinations(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, 
     return destinations, canonical
 
 
+def _check_writable(model: nn.Module) -> None:
+    # Tensors made under torch.inference_mode() can be written only inside it: copy_ would fail at the first one.
+    if torch.is_inference_mode_enabled():
+        return
+    written = [*model.state_dict(keep_vars=True).items(), *model.named_parameters()]  # and the slots they point at
+    frozen = list(dict.fromkeys(name for name, tensor in written if tensor.is_inference()))
+    if frozen:
+        raise ValueError(
+            f"{frozen[0]} ({len(frozen)} of the tensors reload_weights writes) is an inference tensor: "
+            f"{type(model).__name__} was built or dispatched under torch.inference_mode(), and such tensors can be "
+            "written only inside it. Call reload_weights under torch.inference_mode()."
+        )
+
+
 def _check_shape(key: str, shape: Sequence[int], name: str, destination: torch.Tensor) -> None:
     if tuple(shape) != tuple(destination.shape):
         raise ValueError(
@@ -275,23 +302,106 @@ def _check_dtype(key: str, dtype: torch.dtype, name: str, destination: torch.Ten
         )
 
 
+def _check_value(key: str, value: object, name: str, destination: torch.Tensor) -> None:
+    # What `destination.copy_(value)` would fail on halfway through the writes, or cast wrongly.
+    where = f"state_dict[{key!r}]"
+    if not isinstance(value, torch.Tensor):
+        raise ValueError(f"{where} is a {type(value).__name__}, not a tensor. Pass {name}'s new value as a tensor.")
+    if value.is_meta:
+        raise ValueError(
+            f"{where} is on the meta device: it has a shape but no values (a model built under init_empty_weights "
+            "or on device='meta' has no weights to give). Pass tensors that hold values."
+        )
+    if value.is_nested:
+        shape = list(destination.shape)
+        raise ValueError(f"{where} is a nested tensor; {name} takes one dense tensor of shape {shape}: pass one.")
+    if value.layout != torch.strided:
+        raise ValueError(f"{where} has layout {value.layout}; reload_weights copies dense tensors: pass .to_dense().")
+    if type(value).__torch_dispatch__ is not torch.Tensor.__torch_dispatch__:
+        raise ValueError(
+            f"{where} is a {type(value).__name__}, a tensor subclass that runs its own operations: copying it into "
+            f"{name} is not known to work. Pass a plain tensor: a DTensor's full_tensor(), a quantized tensor's "
+            "dequantized values."
+        )
+    _check_shape(key, value.shape, name, destination)
+    _check_dtype(key, value.dtype, name, destination)
+
+
+def _check_tied(keys: tuple[str, str], values: tuple[torch.Tensor, ...], name: str, destination: torch.Tensor) -> None:
+    # Two keys of one tied tensor must hold one value (once cast), as the loader requires of a checkpoint.
+    if values[0] is values[1]:
+        return
+    first, second = (value.to(destination.device, destination.dtype) for value in values)
+    if not torch.equal(first, second):
+        raise ValueError(
+            f"state_dict[{keys[0]!r}] and state_dict[{keys[1]!r}] fill one tensor ({name}: the model ties them) but "
+            "hold different values. Pass one of them, or untie the weights and dispatch the model again."
+        )
+
+
+class _WrittenMemory:
+    """The memory reload_weights writes: every destination, and the buffer slots that streamed parameters point at.
+
+    A value may share it only by being its own destination (copying it onto itself changes nothing). Any other
+    overlap fails in copy_ (another view of its own destination) or reads values that are already overwritten
+    (another destination, or a slot, which the refill and `process` rewrite)."""
+
+    def __init__(self, model: nn.Module, destinations: dict[str, torch.Tensor]) -> None:
+        self.spans: dict[tuple[torch.device, int], list[tuple[int, int, str]]] = {}
+        written = [(name, tensor) for name, tensor in destinations.items()]
+        written += [
+            (f"the buffer slot that the streamed parameter {name} points at", param)
+            for name, param in model.named_parameters()
+            if name not in destinations or not _same_memory(param, destinations[name])
+        ]
+        for what, tensor in written:
+            self.spans.setdefault(_storage(tensor), []).append((*_span(tensor), what))
+
+    def check(self, key: str, value: torch.Tensor, own: torch.Tensor) -> None:
+        if _same_memory(value, own):
+            return
+        start, end = _span(value)
+        for other_start, other_end, what in self.spans.get(_storage(value), []):
+            if start < other_end and other_start < end:
+                raise ValueError(
+                    f"state_dict[{key!r}] shares memory with {what}, which reload_weights overwrites, without being "
+                    "that tensor itself: copying it would fail or read values already overwritten. Pass "
+                    "value.clone(), or model.state_dict() for the current weights (it holds a streamed parameter's "
+                    "host storage, named_parameters() its slot)."
+                )
+
+
+def _storage(tensor: torch.Tensor) -> tuple[torch.device, int]:
+    return tensor.device, tensor.untyped_storage().data_ptr()
+
+
+def _span(tensor: torch.Tensor) -> tuple[int, int]:
+    # The addresses [start, end) of the bytes a tensor's elements lie in.
+    if tensor.numel() == 0:
+        return 0, 0
+    last = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
+    return tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()
+
+
 class _StateDictValues:
     """New values from a state dict keyed like the model's `state_dict()`."""
 
     def __init__(self, model: nn.Module, state_dict: Mapping[str, torch.Tensor], strict: bool) -> None:
         self.destinations, canonical = _destinations(model)
+        memory = _WrittenMemory(model, self.destinations)
         self.values: dict[str, torch.Tensor] = {}
+        keys: dict[str, str] = {}  # canonical name -> the key its value came from
         unexpected = [key for key in state_dict if key not in canonical]
         for key, value in state_dict.items():
             if key not in canonical:
                 continue
-            if not isinstance(value, torch.Tensor):
-                raise ValueError(f"state_dict[{key!r}] is a {type(value).__name__}, not a tensor.")
             name = canonical[key]
-            _check_shape(key, value.shape, name, self.destinations[name])
-            _check_dtype(key, value.dtype, name, self.destinations[name])
-            if name not in self.values or key == name:
-                self.values[name] = value
+            _check_value(key, value, name, self.destinations[name])
+            memory.check(key, value, self.destinations[name])
+            if name in self.values:
+                _check_tied((keys[name], key), (self.values[name], value), name, self.destinations[name])
+            else:
+                self.values[name], keys[name] = value, key
         missing = [name for name in self.destinations if name not in self.values]
         if strict and (missing or unexpected):
             problems = []
@@ -328,22 +438,38 @@ class _CheckpointValues:
     def __init__(self, model: nn.Module, path: str | os.PathLike) -> None:
         self.model = model
         self.checkpoint = Checkpoint.open(path)
+        self.reader: TensorReader | None = None
         try:
-            self.keymap = map_keys(model, self.checkpoint)  # checks names, shapes, missing and unexpected keys
-            self.destinations = self.keymap.model_tensors
-            for name, pieces in self.keymap.streamed.items():
-                for entry, _ in pieces:
-                    _check_dtype(entry.key, entry.dtype, name, self.destinations[name])
-            for _, _, sources, outputs in self.keymap.converted:
-                name = next(iter(outputs.values()))
-                for _, entry in sources:
-                    _check_dtype(entry.key, entry.dtype, name, self.destinations[name])
+            with _plain_state_dict(model):
+                self.keymap = map_keys(model, self.checkpoint)  # checks names, shapes and unexpected keys
+            self.destinations, _ = _destinations(model)
+            converted = [name for *_, outputs in self.keymap.converted for name in outputs.values()]
+            self.names = [*self.keymap.streamed, *converted]
+            _check_covered(model, self.checkpoint, list(self.destinations), set(self.names))
+            self._check_dtypes()
             self.reader = TensorReader(self.checkpoint)
+            self._check_tied_values()
         except BaseException:
-            self.checkpoint.close()
+            self.__exit__()
             raise
-        converted = [name for *_, outputs in self.keymap.converted for name in outputs.values()]
-        self.names = [*self.keymap.streamed, *converted]
+
+    def _check_dtypes(self) -> None:
+        # (checkpoint tensor, the model tensor it fills); a conversion's sources are checked against its first output.
+        pairs = [(entry, name) for name, pieces in self.keymap.streamed.items() for entry, _ in pieces]
+        for *_, sources, outputs in self.keymap.converted:
+            pairs += [(entry, next(iter(outputs.values()))) for _, entry in sources]
+        for entry, name in [*pairs, *self.keymap.duplicates]:
+            _check_dtype(entry.key, entry.dtype, name, self.destinations[name])
+
+    def _check_tied_values(self) -> None:
+        # A tied tensor stored twice must hold one value, as the loader requires (see loader._read_all).
+        for entry, name in self.keymap.duplicates:
+            first, dtype = self.keymap.streamed[name][0][0], self.destinations[name].dtype
+            if not torch.equal(self.reader.read_tensor(entry).to(dtype), self.reader.read_tensor(first).to(dtype)):
+                raise ValueError(
+                    f"{entry.path}: {entry.key!r} and {first.key!r} fill one tensor ({name}: the config ties them) "
+                    "but hold different values. Set tie_word_embeddings=False in config.json."
+                )
 
     @property
     def nbytes(self) -> int:
@@ -373,11 +499,71 @@ class _CheckpointValues:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.reader.close()
+        if self.reader is not None:
+            self.reader.close()
         self.checkpoint.close()
 
 
-def _process(model: nn.Module, state: dispatch.OffloadState, layer: _Layer, process: Callable) -> None:
+@contextmanager
+def _plain_state_dict(model: nn.Module) -> Iterator[None]:
+    """Inside the block, `model.state_dict()` holds plain tensors (a tied tensor's names still share one).
+
+    `map_keys` refuses a checkpoint that lacks a parameter, but a streamed parameter's state-dict value is its plain
+    host tensor: it would refuse the missing resident parameters only and silently keep the streamed ones. Shown no
+    parameters, it keeps whatever is missing, and `_check_covered` names all of it at once.
+    """
+
+    def unflag(module: nn.Module, state_dict: dict, prefix: str, local_metadata: object) -> None:
+        plain = {id(value): value.detach() for value in state_dict.values()}
+        for key, value in state_dict.items():
+            state_dict[key] = plain[id(value)]
+
+    handle = model.register_state_dict_post_hook(unflag)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+_SHARD = re.compile(r"(?P<prefix>.+)-(?P<index>\d+)-of-(?P<count>\d+)\.safetensors")
+
+
+def _check_covered(model: nn.Module, checkpoint: Checkpoint, names: list[str], filled: set[str]) -> None:
+    # Every parameter, streamed or resident, as from_pretrained requires; a persistent buffer keeps its value there.
+    parameters = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    missing = [name for name in names if name in parameters and name not in filled]
+    if not missing:
+        return
+    shards = _shards_left_out(checkpoint)
+    if shards:
+        cause = (
+            f"Its index names no tensor of {', '.join(shards)}, which would fill them: download the missing "
+            "shard(s) and an index that names every shard, or re-save the checkpoint."
+        )
+    else:
+        cause = "It was saved from another architecture or configuration (check config.json), or lost tensors."
+    listed = missing if len(missing) <= 100 else [*missing[:100], f"and {len(missing) - 100} more"]
+    raise ValueError(
+        f"The checkpoint at {checkpoint.folder} has no tensor for {len(missing)} "
+        f"parameter{'s' if len(missing) > 1 else ''} of {type(model).__name__}: {listed}. {cause} Nothing was "
+        "written."
+    )
+
+
+def _shards_left_out(checkpoint: Checkpoint) -> list[str]:
+    # Numbered shards (model-00002-of-00004.safetensors) of the series the checkpoint's files belong to, that hold
+    # none of its tensors: the index leaves them out.
+    files = {checkpoint[key].path.name for key in checkpoint.keys()}
+    series = {(m["prefix"], len(m["index"]), m["count"]) for m in map(_SHARD.fullmatch, files) if m}
+    expected = {
+        f"{prefix}-{i:0{width}d}-of-{count}.safetensors"
+        for prefix, width, count in series
+        for i in range(1, int(count) + 1)
+    }
+    return sorted(expected - files)
+
+
+def _process(model: nn.Module, state: OffloadState, layer: _Layer, process: Callable) -> None:
     module = model.get_submodule(layer.path)
     if layer.position is not None:
         state.engine.load(layer.ring, layer.position)  # its new values into its slot, where its parameters point

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from .dispatch import get_state
+from .state import get_state
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -138,7 +138,7 @@ class TransferStats:
         >>> import hf_prefetch
         >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
         ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=64)).eval()
-        >>> model = hf_prefetch.dispatch_model(model, device="cpu", timing=True, group_size=2, num_in_group=1)
+        >>> model = hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(prefetch_step=1), device="cpu", timing=True)
         >>> _ = model(torch.tensor([[1, 2, 3]]))
         >>> ax = hf_prefetch.stats(model).plot()
         >>> [bars.get_label() for bars in ax.containers], [label.get_text() for label in ax.get_xticklabels()]
@@ -226,7 +226,7 @@ def stats(model: nn.Module) -> TransferStats:
     >>> import hf_prefetch
     >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
     ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=64)).eval()
-    >>> model = hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=1)
+    >>> model = hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(prefetch_step=1), device="cpu")
     >>> _ = model(torch.tensor([[1, 2, 3]]))
     >>> s = hf_prefetch.stats(model)
     >>> s.copies, s.misses, [layer.path for layer in s.layers]

@@ -14,7 +14,7 @@ from models import prompt, tiny_llama
 from zoo import ARCHS_BY_NAME
 
 import hf_prefetch
-from hf_prefetch import PrefetchConfig, make_plan
+from hf_prefetch import PrefetchConfig
 from hf_prefetch import budget as budget_module
 from hf_prefetch.budget import (
     DEFAULT_RESERVE_BYTES,
@@ -25,7 +25,8 @@ from hf_prefetch.budget import (
     resolve_budget,
     spread,
 )
-from hf_prefetch.plan import format_bytes
+from hf_prefetch.planner import make_plan
+from hf_prefetch.render import format_bytes
 
 GiB, MiB = 2**30, 2**20
 RESERVE = 10_000  # bytes kept free in the tests' budgets: the tiny models' layers take 147,968 bytes each
@@ -93,21 +94,21 @@ def test_bad_max_memory_names_the_value_and_the_fix(kwargs, match):
 
 
 @pytest.mark.parametrize(
-    "config, fields",
+    "config",
     [
-        (PrefetchConfig(group_size=2, num_in_group=1), ["group_size", "num_in_group"]),
-        (PrefetchConfig(), ["num_in_group"]),
-        (PrefetchConfig(group_size=4, num_in_group=2), []),
+        PrefetchConfig(group_size=4, num_in_group=1),
+        PrefetchConfig(num_in_group=2),
+        PrefetchConfig(group_size=4, num_in_group=2),
     ],
 )
-def test_budget_and_group_pattern_are_exclusive(config, fields):
+def test_budget_and_group_pattern_are_exclusive(config):
     with pytest.raises(ValueError, match=r"max_memory chooses the streamed layers itself.*prefetch_step"):
-        parse_max_memory({0: "1GiB"}, None, config, fields)
+        parse_max_memory({0: "1GiB"}, None, config)
 
 
 def test_prefetch_step_and_offload_params_go_with_a_budget():
     config = PrefetchConfig(prefetch_step=3, offload_params={"mlp"})
-    assert parse_max_memory({0: "1GiB"}, None, config, ["prefetch_step", "offload_params"]) is not None
+    assert parse_max_memory({0: "1GiB"}, None, config) is not None
 
 
 # --- the device budget ---------------------------------------------------------------------------------------------
@@ -132,7 +133,7 @@ def test_resolve_budget_picks_the_execution_device(max_memory, device, device_by
         ({1: "1GiB"}, torch.device("cuda", 0), r"names the GPUs \[1\] but the model executes on cuda:0"),
         ({0: "1GiB", 1: "1GiB"}, torch.device("cpu"), r"names the GPUs \[0, 1\] but the model executes on cpu"),
         ("auto", torch.device("cpu"), r"'auto' measures a CUDA device's free memory, but the model executes on cpu"),
-        ({"cpu": "1GiB"}, torch.device("cpu"), r"'auto' measures a CUDA device's free memory"),
+        ({"cpu": "1GiB"}, torch.device("cpu"), r"only a 'cpu' entry, so it has no budget for the execution device"),
     ],
 )
 def test_resolve_budget_errors(max_memory, device, match):
@@ -235,7 +236,7 @@ def test_plan_fits_streams_the_fewest_bytes_and_is_strided(every_subset, num_lay
         assert plan.longest_run == math.ceil(num_streamed / (num_layers - num_streamed + 1))
         if num_streamed <= prefetch_step * (num_layers - num_streamed + 1):
             assert plan.longest_run <= prefetch_step
-        assert plan.explicit and plan.budget is budget
+        assert plan.source is hf_prefetch.Source.BUDGET and plan.budget is budget
         # The same selection through the public explicit path gives the same plan.
         again = make_plan(model, config, streamed=_indices(plan))
         assert again.rings == plan.rings and again.resident_bytes == plan.resident_bytes
@@ -340,7 +341,7 @@ def test_offload_params_with_a_budget_streams_only_those():
     model = tiny_llama(8)
     plan = plan_for_budget(model, MemoryBudget(900_000, RESERVE), PrefetchConfig(offload_params={"mlp"}))
     assert plan.rings[0].streamed and plan.device_bytes + RESERVE <= 900_000
-    assert {spec.name.split(".")[0] for layer in plan.rings[0].streamed for spec in layer.params} == {"mlp"}
+    assert {spec.name.split(".")[0] for layer in plan.rings[0].streamed for spec in layer.offloaded} == {"mlp"}
 
 
 # --- the public entry points ---------------------------------------------------------------------------------------
@@ -363,7 +364,11 @@ def test_dispatch_with_max_memory_is_bitwise_equal(reference, num_streamed, pref
     need = make_plan(model, PrefetchConfig(prefetch_step=prefetch_step), streamed=spread(8, num_streamed)).device_bytes
     max_memory = {0: need + RESERVE, "cpu": "1GiB"}
     hf_prefetch.dispatch_model(
-        model, device="cpu", max_memory=max_memory, reserve_bytes=RESERVE, prefetch_step=prefetch_step
+        model,
+        hf_prefetch.PrefetchConfig(prefetch_step=prefetch_step),
+        device="cpu",
+        max_memory=max_memory,
+        reserve_bytes=RESERVE,
     )
     try:
         plan = hf_prefetch.get_state(model).plan
@@ -382,7 +387,9 @@ def test_dispatch_with_max_memory_is_bitwise_equal(reference, num_streamed, pref
 def test_dispatch_with_max_memory_errors_before_touching_the_model(reference):
     model, ids, logits, _ = reference
     with pytest.raises(ValueError, match="max_memory chooses the streamed layers itself"):
-        hf_prefetch.dispatch_model(model, device="cpu", max_memory={0: "1GiB"}, group_size=2)
+        hf_prefetch.dispatch_model(
+            model, hf_prefetch.PrefetchConfig(group_size=4), device="cpu", max_memory={0: "1GiB"}
+        )
     with pytest.raises(ValueError, match="even streaming every layer"):
         hf_prefetch.dispatch_model(model, device="cpu", max_memory={0: 300_000}, reserve_bytes=RESERVE)
     assert hf_prefetch.get_state(model) is None
@@ -416,7 +423,12 @@ def test_load_checkpoint_and_dispatch_with_max_memory(reference, checkpoint):
     with init_empty_weights():
         model = tiny_llama(8)
     model = hf_prefetch.load_checkpoint_and_dispatch(
-        model, checkpoint, device="cpu", max_memory={0: 1_200_000}, reserve_bytes=RESERVE, prefetch_step=1
+        model,
+        checkpoint,
+        hf_prefetch.PrefetchConfig(prefetch_step=1),
+        device="cpu",
+        max_memory={0: 1_200_000},
+        reserve_bytes=RESERVE,
     )
     assert _indices(hf_prefetch.get_state(model).plan) == spread(8, 2)
     with torch.no_grad():

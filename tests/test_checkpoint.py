@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 import os
 import struct
+from collections.abc import Callable
 
 import numpy as np
 import pytest
 import torch
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from hf_prefetch import checkpoint as checkpoint_module
@@ -48,7 +50,7 @@ BAD_FILES = [
         {"a": entry(), "b": entry(begin=8, end=24)},
         ZEROS + ZEROS,
         None,
-        r"bytes of 'b' overlap those of 'a'",
+        r"bytes of 'b' \[8, 24\) overlap those of 'a' \[0, 16\)",
     ),
     ("bad_metadata", {"__metadata__": [1], "w": entry()}, ZEROS, None, r"__metadata__ must be a JSON object"),
 ]
@@ -65,6 +67,132 @@ def test_bad_file_is_rejected_with_its_name(tmp_path, name, header, data, header
         Checkpoint.open(tmp_path)
     assert str(path) in str(info.value)
     assert "Re-" in str(info.value) or "Convert" in str(info.value)  # every message says how to fix it
+
+
+def saved_file(folder) -> tuple[str, bytes]:
+    """The header text (JSON and the spaces padding it) and the data section of a file written by save_file."""
+    path = folder / "saved.safetensors"
+    tensors = {"first": torch.arange(4.0), "second": torch.arange(6.0).reshape(2, 3) + 10}
+    save_file(tensors, str(path), metadata={"note": "seven"})  # this metadata makes save_file pad with 7 spaces
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    text, data = raw[8 : 8 + length].decode(), raw[8 + length :]
+    assert len(text) - len(text.rstrip(" ")) == 7 and len(data) == 40  # "first" is bytes [0, 16), "second" [16, 40)
+    return text, data
+
+
+def pack(text: str, data: bytes, length_change: int = 0) -> bytes:
+    raw = text.encode()
+    return struct.pack("<Q", len(raw) + length_change) + raw + data
+
+
+def padded(header: dict) -> str:
+    raw = json.dumps(header, separators=(",", ":"))
+    return raw + " " * (-len(raw) % 8)  # as save_file pads
+
+
+Make = Callable[[str, bytes], bytes]  # (saved header text, saved data) -> the bytes of the file to test
+
+
+def rewrite(text=lambda t: t, data=lambda d: d, length_change: int = 0) -> Make:
+    """The saved file with its header text and data section changed, and its length field off by `length_change`."""
+    return lambda t, d: pack(text(t), data(d), length_change)
+
+
+def edited(change: Callable[[dict], dict]) -> Make:
+    """The saved file with its header JSON replaced by `change(header)`."""
+    return lambda t, d: pack(padded(change(json.loads(t))), d)
+
+
+def shifted(key: str, by: int) -> Make:
+    """`by` zero bytes inserted before tensor `key` (`-by` bytes removed if negative); it and those after it moved."""
+
+    def make(text: str, data: bytes) -> bytes:
+        header = json.loads(text)
+        begin = header[key]["data_offsets"][0]
+        for info in header.values():
+            if "data_offsets" in info and info["data_offsets"][0] >= begin:
+                info["data_offsets"] = [offset + by for offset in info["data_offsets"]]
+        data = data[:begin] + bytes(by) + data[begin:] if by >= 0 else data[: begin + by] + data[begin:]
+        return pack(padded(header), data)
+
+    return make
+
+
+def with_metadata(**metadata) -> Make:
+    return edited(lambda header: {**header, "__metadata__": metadata})
+
+
+def with_entries(**entries) -> Make:
+    return edited(lambda header: {**header, **entries})
+
+
+# (name, how the saved file is changed, expected message; None: safetensors and hf_prefetch both accept the file)
+HEADER_CASES = [
+    # A length field short by k <= 7 leaves the JSON whole (it ends in 7 spaces of padding): the data section then
+    # starts k bytes early, and only the bytes left after the last tensor tell.
+    *[(f"length_short_by_{k}", rewrite(length_change=-k), rf"the last {k} bytes belong to no") for k in range(1, 8)],
+    ("length_short_by_8", rewrite(length_change=-8), r"invalid JSON header"),  # cuts the closing brace
+    ("length_long_by_4", rewrite(length_change=4), r"invalid JSON header"),  # the header takes 4 NUL data bytes
+    (
+        "length_long_by_4_into_spaces",
+        rewrite(data=lambda d: b"    " + d[4:], length_change=4),
+        r"'second' has data_offsets \[16, 40\] outside the file's 36-byte data section",
+    ),
+    ("gap_before_first", shifted("first", 4), r"bytes \[0, 4\) of the data section, before 'first', belong to no"),
+    ("gap_between", shifted("second", 4), r"bytes \[16, 20\) of the data section, between 'first' and 'second'"),
+    ("overlap", shifted("second", -4), r"bytes of 'second' \[12, 36\) overlap those of 'first' \[0, 16\)"),
+    (
+        "empty_tensor_inside_another",
+        with_entries(empty=entry(shape=(0,), begin=8, end=8)),
+        r"bytes of 'empty' \[8, 8\) overlap those of 'first'",
+    ),
+    ("trailing_bytes", rewrite(data=lambda d: d + bytes(4)), r"the last 4 bytes belong to no tensor"),
+    ("data_too_short", rewrite(data=lambda d: d[:-4]), r"'second' has data_offsets \[16, 40\] outside the file's 36"),
+    ("metadata_not_string", with_metadata(note="seven", step=3), r"__metadata__ 'step' is 3, not a string"),
+    (
+        "shape_overflows",
+        with_entries(empty=entry(shape=(2**32, 2**32, 0), begin=40, end=40)),
+        r"'empty' has shape \[4294967296, 4294967296, 0\].*overflows",
+    ),
+    ("nan_in_header", rewrite(text=lambda t: t.replace('"F32"', '"F32","x":NaN', 1)), r"invalid JSON header"),
+    ("lone_surrogate", rewrite(text=lambda t: t.replace('"first"', '"first\\ud800"')), r"invalid JSON header"),
+    ("as_saved", rewrite(), None),
+    ("other_whitespace_padding", rewrite(text=lambda t: t.rstrip() + " \t\r\n \n\t"), None),
+    ("leading_whitespace", rewrite(text=lambda t: "\n" + t[:-1]), None),
+    ("metadata_null", edited(lambda header: {**header, "__metadata__": None}), None),
+    ("metadata_empty", with_metadata(), None),
+    (
+        "empty_tensors",
+        with_entries(at_start=entry(shape=(0,), begin=0, end=0), at_end=entry(shape=(3, 0), begin=40, end=40)),
+        None,
+    ),
+    ("no_tensors", rewrite(text=lambda t: "{}      ", data=lambda d: b""), None),  # what save_file({}) writes
+]
+
+
+def read_with_safetensors(path) -> dict[str, torch.Tensor]:
+    with safe_open(str(path), framework="pt") as file:
+        return {key: file.get_tensor(key) for key in file.keys()}
+
+
+@pytest.mark.parametrize("name, make, message", HEADER_CASES, ids=[c[0] for c in HEADER_CASES])
+def test_header_is_checked_as_strictly_as_safetensors(tmp_path, name, make, message):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(make(*saved_file(tmp_path)))
+    if message is not None:
+        with pytest.raises(SafetensorError):
+            read_with_safetensors(path)
+        with pytest.raises(ValueError, match=message) as info:
+            Checkpoint.open(path)
+        assert str(path) in str(info.value) and "Re-" in str(info.value)
+        return
+    expected = read_with_safetensors(path)
+    with Checkpoint.open(path) as checkpoint, TensorReader(checkpoint) as reader:
+        got = {key: reader.read_tensor(checkpoint[key]) for key in checkpoint.keys()}
+    assert got.keys() == expected.keys()
+    for key, tensor in expected.items():
+        assert got[key].dtype == tensor.dtype and torch.equal(got[key], tensor), key
 
 
 def write_sharded(folder, weight_map: dict[str, str], shards: dict[str, dict[str, torch.Tensor]]) -> None:

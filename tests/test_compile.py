@@ -70,7 +70,9 @@ class GraphRecorder:
 
 @pytest.mark.parametrize("pattern", [dict(group_size=2, num_in_group=1), dict(group_size=1, num_in_group=1)])
 def test_the_decoder_stack_compiles_into_one_graph_with_the_ops_in_it(pattern):
-    model = hf_prefetch.dispatch_model(tiny_llama(), device="cpu", prefetch_step=2, **pattern)
+    model = hf_prefetch.dispatch_model(
+        tiny_llama(), hf_prefetch.PrefetchConfig(prefetch_step=2, **pattern), device="cpu"
+    )
     streamed = len(hf_prefetch.get_state(model).plan.rings[0].streamed)
     recorder = GraphRecorder()
     with torch.no_grad():
@@ -86,7 +88,9 @@ def test_the_model_entry_and_exit_run_outside_the_graph_on_every_call():
     # `prepare` and `finish` (what must happen before and after a CUDA-graph replay) run as graph breaks at the model's
     # entry and exit, so they run again on every call of a compiled __call__, not once while tracing; the decoder
     # stack between them is still one graph.
-    model = hf_prefetch.dispatch_model(tiny_llama(), device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
+    model = hf_prefetch.dispatch_model(
+        tiny_llama(), hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2), device="cpu"
+    )
     engine = hf_prefetch.get_state(model).engine
     calls = []
     engine.prepare = lambda: calls.append("prepare")
@@ -103,7 +107,9 @@ def test_the_model_entry_and_exit_run_outside_the_graph_on_every_call():
 
 
 def _dispatched(model, prefetch_step: int, device: str = "cpu"):
-    return hf_prefetch.dispatch_model(model, device=device, group_size=2, num_in_group=1, prefetch_step=prefetch_step)
+    return hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=prefetch_step), device=device
+    )
 
 
 # With as many slots as streamed layers, every layer keeps its own slot and nothing is copied after dispatch: the
@@ -133,7 +139,9 @@ def test_compiled_static_cache_decoding_matches_on_cpu(backend, prefetch_step):
 
 def test_a_layer_called_without_tensor_inputs_still_waits_when_compiled():
     # No anchor to order an op by: the step runs outside the graph instead, and the weights are still right.
-    model = hf_prefetch.dispatch_model(tiny_llama(), device="cpu", group_size=2, num_in_group=1, prefetch_step=1)
+    model = hf_prefetch.dispatch_model(
+        tiny_llama(), hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1), device="cpu"
+    )
     layer = model.model.layers[1]
     engine = hf_prefetch.get_state(model).engine
     hook = layer._hf_hook
@@ -291,25 +299,6 @@ def test_reload_between_graph_replays_on_cuda(cuda_reference):
         hf_prefetch.remove_offload(model, device="cpu")
 
 
-def test_a_replay_that_never_finished_is_settled_before_the_slots_are_trusted():
-    # A CUDA-graph replay leaves its ring's last layers in the slots and runs no Python; only `finish` (after it) or
-    # the next `prepare` records that. If neither ran (an interrupt between a replay and the model's forward hook),
-    # every use of the owner table first forgets the slots of a ring a capture recorded. Simulated on the CPU.
-    reference = tiny_llama()
-    model = _dispatched(copy.deepcopy(reference), 2)
-    engine = hf_prefetch.get_state(model).engine
-    ring = engine.rings[0]
-    engine.load(0, 2)
-    engine.load(0, 3)  # what a replay leaves: its last layers in the slots...
-    ring.pool.owners[:] = [0, 1]  # ...while the table still names the first layers
-    engine._recorded.add(0)
-    engine._exact[0] = False  # a recorded ring whose last layer did not release in Python since `prepare`
-    assert hf_prefetch.sync_from_device(model) == []  # it would store layers 2 and 3 as layers 0 and 1
-    assert ring.pool.owners == [None, None]
-    for (name, want), got in zip(reference.state_dict().items(), model.state_dict().values(), strict=True):
-        assert torch.equal(got, want), name
-
-
 @pytest.mark.parametrize(
     "make, dense",
     [
@@ -324,23 +313,3 @@ def test_a_captured_copy_needs_a_dense_layout(make, dense):
     from hf_prefetch.driver import _dense
 
     assert _dense(make()) is dense
-
-
-def test_state_of_a_capture_that_never_joined_is_forgotten():
-    # A capture aborted while recording (an exception) leaves recorded copies, its steady flag and slots claimed by
-    # copies that were only recorded. The engine forgets them (here called directly: the triggers need CUDA).
-    model = hf_prefetch.dispatch_model(tiny_llama(), device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
-    engine = hf_prefetch.get_state(model).engine
-    ring = engine.rings[0]
-    recorded = ring.layers[2]  # as if release(0) had recorded the copy of layer 2 into slot 0
-    ring.pool.owners[recorded.slot] = 2
-    recorded.done_in_capture = True
-    engine._captured.add((0, 2))
-    engine._steady_at_capture[0] = True
-    assert not engine.holds(0, 2) and engine.holds(0, 1)
-    engine._forget_capture()
-    assert ring.pool.owners[recorded.slot] is None and ring.pool.owners[ring.layers[1].slot] == 1
-    assert not engine._captured and not engine._steady_at_capture
-    with torch.no_grad():
-        model(prompt(1, 7))  # layer 0 of the ring misses and loads itself
-    assert hf_prefetch.stats(model).misses == 1

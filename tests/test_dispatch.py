@@ -34,7 +34,9 @@ def _counters(model):
 def test_logits_and_tokens_are_bitwise_equal(reference, group_size, num_in_group, prefetch_step):
     model, ids, logits, tokens, state = reference
     hf_prefetch.dispatch_model(
-        model, device="cpu", group_size=group_size, num_in_group=num_in_group, prefetch_step=prefetch_step
+        model,
+        hf_prefetch.PrefetchConfig(group_size=group_size, num_in_group=num_in_group, prefetch_step=prefetch_step),
+        device="cpu",
     )
     try:
         with torch.no_grad():
@@ -54,7 +56,9 @@ def test_logits_and_tokens_are_bitwise_equal(reference, group_size, num_in_group
 
 def test_streamed_parameters_point_at_pool_slots(reference):
     model = reference[0]
-    hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2), device="cpu"
+    )
     try:
         layers = model.model.layers
         # layers 1 and 5 are the 1st and 3rd streamed layers: both use slot 0
@@ -73,7 +77,9 @@ def test_streamed_parameters_point_at_pool_slots(reference):
 
 def test_state_dict_holds_true_values_not_slot_contents(reference):
     model, *_, state = reference
-    hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=1)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1), device="cpu"
+    )
     try:
         current = model.state_dict()
         assert current.keys() == state.keys()
@@ -90,7 +96,9 @@ class _Boom(RuntimeError):
 @pytest.mark.parametrize("failing_layer", [1, 2, 5])
 def test_forward_interrupted_in_a_layer_stays_correct(reference, failing_layer):
     model, ids, logits, tokens, _ = reference
-    hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2), device="cpu"
+    )
     mlp = model.model.layers[failing_layer].mlp
     original = mlp.forward
 
@@ -119,7 +127,9 @@ def test_unusual_call_order_is_a_counted_miss_not_wrong_weights(reference):
     position_embeddings = model.model.rotary_emb(hidden, torch.arange(4)[None])
     with torch.no_grad():
         expected = [layers[i](hidden, position_embeddings=position_embeddings) for i in (5, 1, 1, 7, 3)]
-    hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2), device="cpu"
+    )
     try:
         with torch.no_grad():
             got = [layers[i](hidden, position_embeddings=position_embeddings) for i in (5, 1, 1, 7, 3)]
@@ -132,13 +142,22 @@ def test_unusual_call_order_is_a_counted_miss_not_wrong_weights(reference):
 
 def test_dispatch_twice_needs_remove_or_replace(reference):
     model, ids, logits, *_ = reference
-    hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=1)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1), device="cpu"
+    )
     try:
         with pytest.raises(
             ValueError, match=r"already dispatched.*remove_offload\(model\) first, or pass replace=True"
         ):
-            hf_prefetch.dispatch_model(model, device="cpu", group_size=4, num_in_group=2, prefetch_step=2)
-        hf_prefetch.dispatch_model(model, device="cpu", replace=True, group_size=4, num_in_group=2, prefetch_step=2)
+            hf_prefetch.dispatch_model(
+                model, hf_prefetch.PrefetchConfig(group_size=4, num_in_group=2, prefetch_step=2), device="cpu"
+            )
+        hf_prefetch.dispatch_model(
+            model,
+            hf_prefetch.PrefetchConfig(group_size=4, num_in_group=2, prefetch_step=2),
+            device="cpu",
+            replace=True,
+        )
         plan = hf_prefetch.get_state(model).plan
         assert [layer.index for layer in plan.rings[0].streamed] == [2, 3, 6, 7]
         with torch.no_grad():
@@ -146,7 +165,9 @@ def test_dispatch_twice_needs_remove_or_replace(reference):
         assert sum(isinstance(getattr(m, "_hf_hook", None), ModelHook) for m in model.modules()) == 4
     finally:
         hf_prefetch.remove_offload(model)
-    hf_prefetch.dispatch_model(model, device="cpu", group_size=1, num_in_group=1, prefetch_step=3)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=3), device="cpu"
+    )
     try:
         with torch.no_grad():
             assert torch.equal(model(ids).logits, logits)
@@ -168,7 +189,9 @@ def test_existing_hook_is_chained_and_restored(reference):
     counting = _CountingHook()
     add_hook_to_module(model.model.layers[1], counting)
     try:
-        hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
+        hf_prefetch.dispatch_model(
+            model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2), device="cpu"
+        )
         with torch.no_grad():
             assert torch.equal(model(ids).logits, logits)
         assert counting.calls == 1
@@ -188,12 +211,14 @@ def test_existing_hook_is_chained_and_restored(reference):
     [
         ({"device": "cuda"}, ValueError, r"device='cuda' but CUDA is not available.*device='cpu'"),
         ({"device": "mps:0"}, ValueError, r"executes on 'cuda' or 'cpu' devices only"),
-        ({"device": "cpu", "group_sise": 2}, ValueError, r"Unknown PrefetchConfig field\(s\) \['group_sise'\]"),
-        ({"device": "cpu", "config": PrefetchConfig(), "group_size": 2}, ValueError, r"either config= or config"),
+        ({"device": "cpu", "group_sise": 2}, TypeError, r"unexpected keyword argument\(s\) \['group_sise'\]"),
+        ({"device": "cpu", "group_size": 2}, TypeError, r"hf_prefetch.PrefetchConfig\(group_size=2\)"),
+        ({"device": "cpu", "config": PrefetchConfig()}, TypeError, r"config= is called offload="),
+        ({"device": "cpu", "device_map": "auto"}, TypeError, r"device_map= is called device="),
         ({"device": "cpu", "offload": "disk"}, ValueError, r"offload='disk' is not supported"),
-        ({"device": "cpu", "offload_params": {"w2"}}, ValueError, r"matched no parameter"),
+        ({"device": "cpu", "offload": PrefetchConfig(offload_params={"w2"})}, ValueError, r"matched no parameter"),
         ({"device": "cpu", "layers": "model.nope"}, ValueError, r"layers='model.nope' is not a ModuleList"),
-        ({"device": "cpu", "num_in_group": 5}, ValueError, r"num_in_group=5 must be between 1 and group_size=2"),
+        ({"device": "cpu", "max_memory": {"cpu": "1GiB"}}, ValueError, r"only a 'cpu' entry"),
     ],
 )
 def test_bad_input_leaves_nothing_behind(reference, kwargs, error, match):
@@ -221,7 +246,7 @@ def test_failure_during_execution_rolls_back(reference, monkeypatch):
     def broken_hook(*args, **kwargs):
         raise RuntimeError("hook failed")
 
-    monkeypatch.setattr("hf_prefetch.dispatch.add_hook_to_module", broken_hook)
+    monkeypatch.setattr("hf_prefetch.changes.add_hook_to_module", broken_hook)
     with pytest.raises(RuntimeError, match="hook failed"):
         hf_prefetch.dispatch_model(model, device="cpu")
     monkeypatch.undo()
@@ -234,7 +259,9 @@ def test_failure_during_execution_rolls_back(reference, monkeypatch):
 @pytest.mark.parametrize("convert", [lambda m: m.half(), lambda m: m.to("cpu"), lambda m: m.model.layers.float()])
 def test_moving_a_dispatched_model_is_refused_before_anything_changes(reference, convert):
     model, ids, logits, *_ = reference
-    hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2), device="cpu"
+    )
     try:
         with pytest.raises(RuntimeError, match=r"remove_offload\(model\) first"):
             convert(model)
@@ -256,10 +283,14 @@ def test_import_does_not_initialise_cuda_or_dynamo():
 
 def test_replace_with_a_bad_config_keeps_the_current_dispatch(reference):
     model, ids, logits, *_ = reference
-    hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=1)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1), device="cpu"
+    )
     try:
         with pytest.raises(ValueError, match="matched no parameter"):
-            hf_prefetch.dispatch_model(model, device="cpu", replace=True, offload_params={"nonexistent"})
+            hf_prefetch.dispatch_model(
+                model, hf_prefetch.PrefetchConfig(offload_params={"nonexistent"}), device="cpu", replace=True
+            )
         assert hf_prefetch.get_state(model).plan.config.prefetch_step == 1
         with torch.no_grad():
             assert torch.equal(model(ids).logits, logits)
@@ -271,7 +302,9 @@ def test_remove_offload_to_an_unavailable_device_changes_nothing(reference):
     if torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     model, ids, logits, *_ = reference
-    hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2), device="cpu"
+    )
     try:
         with pytest.raises(ValueError, match="CUDA is not available"):
             hf_prefetch.remove_offload(model, device="cuda")
@@ -284,7 +317,9 @@ def test_remove_offload_to_an_unavailable_device_changes_nothing(reference):
 
 def test_interrupt_while_a_copy_is_issued_is_a_miss_not_stale_weights(reference, monkeypatch):
     model, ids, logits, *_ = reference
-    hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2), device="cpu"
+    )
     engine = hf_prefetch.get_state(model).engine
     try:
         calls = {"n": 0}
@@ -314,7 +349,8 @@ def _dispatch_objects(model) -> dict[str, weakref.ref]:
     state = hf_prefetch.get_state(model)
     objects = {"state": state, "engine": state.engine, "arena": state.arena}
     objects |= {f"pool {i}": ring.pool for i, ring in enumerate(state.engine.rings)}
-    objects |= {f"hook on {type(module).__name__} {i}": hook for i, (module, hook) in enumerate(state.hooks)}
+    hooks = [m._hf_hook for m in model.modules() if hasattr(m, "_hf_hook")]
+    objects |= {f"hook {i}": hook for i, hook in enumerate(hooks)}
     return {name: weakref.ref(obj) for name, obj in objects.items()}
 
 
@@ -324,9 +360,13 @@ def test_remove_offload_and_replace_leave_no_engine_pool_or_arena_alive(tmp_path
     ids = prompt(1)
     if load == "from_pretrained":
         model.save_pretrained(tmp_path)
-        model = hf_prefetch.from_pretrained(tmp_path, device="cpu", timing=True, group_size=2, num_in_group=1)
+        model = hf_prefetch.from_pretrained(
+            tmp_path, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1), device="cpu", timing=True
+        )
     else:
-        hf_prefetch.dispatch_model(model, device="cpu", timing=True, group_size=2, num_in_group=1)
+        hf_prefetch.dispatch_model(
+            model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1), device="cpu", timing=True
+        )
     # Freed by reference counting, not by a later garbage collection: on a GPU the pool's memory is reused by the
     # moves of remove_offload itself.
     gc.disable()
@@ -335,7 +375,12 @@ def test_remove_offload_and_replace_leave_no_engine_pool_or_arena_alive(tmp_path
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
         first = _dispatch_objects(model)
         hf_prefetch.stats(model)
-        hf_prefetch.dispatch_model(model, device="cpu", replace=True, group_size=3, num_in_group=2, prefetch_step=2)
+        hf_prefetch.dispatch_model(
+            model,
+            hf_prefetch.PrefetchConfig(group_size=3, num_in_group=2, prefetch_step=2),
+            device="cpu",
+            replace=True,
+        )
         assert [name for name, ref in first.items() if ref() is not None] == []
         with torch.no_grad():
             model(ids)

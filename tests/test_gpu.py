@@ -67,7 +67,9 @@ def gpu_reference():
 @pytest.mark.parametrize("prefetch_step", [1, 2, 3])
 def test_200_decode_steps_bitwise_equal_on_cuda(gpu_reference, prefetch_step):
     model, ids, long_ids, expected, prefill = gpu_reference
-    hf_prefetch.dispatch_model(model, device="cuda", group_size=2, num_in_group=1, prefetch_step=prefetch_step)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=prefetch_step), device="cuda"
+    )
     try:
         _check_generate(model, ids, long_ids, expected, prefill)
         assert hf_prefetch.stats(model).misses == 0
@@ -77,7 +79,9 @@ def test_200_decode_steps_bitwise_equal_on_cuda(gpu_reference, prefetch_step):
 
 def test_all_layers_streamed_bitwise_equal_on_cuda(gpu_reference):
     model, ids, long_ids, expected, prefill = gpu_reference
-    hf_prefetch.dispatch_model(model, device="cuda", group_size=1, num_in_group=1, prefetch_step=2)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=2), device="cuda"
+    )
     try:
         with torch.no_grad():
             out = model.generate(
@@ -98,7 +102,9 @@ def test_memory_accounting_on_cuda(gpu_reference):
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
-    hf_prefetch.dispatch_model(model, device="cuda", group_size=2, num_in_group=1, prefetch_step=2)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2), device="cuda"
+    )
     try:
         state = hf_prefetch.get_state(model)
         plan = state.plan
@@ -119,7 +125,9 @@ def test_memory_accounting_on_cuda(gpu_reference):
 
 def test_interrupted_forward_on_cuda(gpu_reference):
     model, ids, long_ids, _, prefill = gpu_reference
-    hf_prefetch.dispatch_model(model, device="cuda", group_size=2, num_in_group=1, prefetch_step=2)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2), device="cuda"
+    )
     mlp = model.model.layers[3].mlp
     try:
         mlp.forward = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt())
@@ -181,7 +189,7 @@ def test_uva_200_decode_steps_bitwise_equal_on_cuda(gpu_reference, cpu_offload_p
     model, ids, long_ids, expected, prefill = gpu_reference
     gb = _layers_gb(model, 4)  # half the layers' bytes, as the half-streamed prefetch rows keep on the host
     hf_prefetch.dispatch_model(
-        model, offload="uva", device="cuda", cpu_offload_gb=gb, cpu_offload_params=cpu_offload_params
+        model, hf_prefetch.UVAConfig(cpu_offload_gb=gb, cpu_offload_params=cpu_offload_params), device="cuda"
     )
     try:
         plan = hf_prefetch.get_state(model).plan
@@ -198,7 +206,7 @@ def test_uva_parameters_alias_pinned_host_memory_on_cuda(gpu_reference):
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated()
-    hf_prefetch.dispatch_model(model, offload="uva", device="cuda", cpu_offload_gb=_layers_gb(model, 4))
+    hf_prefetch.dispatch_model(model, hf_prefetch.UVAConfig(cpu_offload_gb=_layers_gb(model, 4)), device="cuda")
     try:
         state = hf_prefetch.get_state(model)
         plan, arena = state.plan, state.arena
@@ -209,7 +217,7 @@ def test_uva_parameters_alias_pinned_host_memory_on_cuda(gpu_reference):
         # Each parameter is a CUDA tensor at the device address of its pinned host bytes.
         host_base = arena.bytes_view(0, 1).data_ptr()
         device_base = _device_pointer(host_base, state.device)
-        assert len(state.offloaded) == sum(len(layer.params) for layer in plan.rings[0].layers)
+        assert len(state.offloaded) == sum(len(layer.offloaded) for layer in plan.rings[0].layers)
         for index, offloaded in enumerate(state.offloaded):
             assert offloaded.param.device == state.device
             assert offloaded.host.data_ptr() == host_base + arena.offsets[index]
@@ -237,7 +245,7 @@ def test_uva_remove_offload_restores_device_tensors_on_cuda(gpu_reference):
 
     model, _, long_ids, _, prefill = gpu_reference
     pinned_before = pinned_bytes()
-    hf_prefetch.dispatch_model(model, offload="uva", device="cuda", cpu_offload_gb=_layers_gb(model, 4))
+    hf_prefetch.dispatch_model(model, hf_prefetch.UVAConfig(cpu_offload_gb=_layers_gb(model, 4)), device="cuda")
     state = hf_prefetch.get_state(model)
     host_range = range(
         state.arena.bytes_view(0, 1).data_ptr(), state.arena.bytes_view(0, 1).data_ptr() + state.arena.nbytes
@@ -271,14 +279,21 @@ def test_uva_remove_offload_restores_device_tensors_on_cuda(gpu_reference):
 
 def test_replace_switches_between_backends_on_cuda(gpu_reference):
     model, _, long_ids, _, prefill = gpu_reference
-    hf_prefetch.dispatch_model(model, device="cuda", group_size=2, num_in_group=1, prefetch_step=2)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2), device="cuda"
+    )
     try:
         hf_prefetch.dispatch_model(
-            model, offload="uva", device="cuda", replace=True, cpu_offload_gb=_layers_gb(model, 4)
+            model, hf_prefetch.UVAConfig(cpu_offload_gb=_layers_gb(model, 4)), device="cuda", replace=True
         )
         with torch.no_grad():
             assert torch.equal(model(long_ids).logits, prefill)
-        hf_prefetch.dispatch_model(model, device="cuda", replace=True, group_size=2, num_in_group=1, prefetch_step=2)
+        hf_prefetch.dispatch_model(
+            model,
+            hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2),
+            device="cuda",
+            replace=True,
+        )
         with torch.no_grad():
             assert torch.equal(model(long_ids).logits, prefill)
         assert hf_prefetch.stats(model).misses == 0
@@ -308,14 +323,21 @@ def test_remove_offload_and_redispatch_return_device_and_pinned_memory_on_cuda(g
     settle()
     device_before = torch.cuda.memory_allocated()
     pinned_before, torch_pinned_before = pinned_bytes(), torch_pinned_bytes()
-    hf_prefetch.dispatch_model(model, device="cuda", timing=True, group_size=2, num_in_group=1, prefetch_step=2)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2), device="cuda", timing=True
+    )
     try:
         first = hf_prefetch.get_state(model)
         assert first.arena.pinned and pinned_bytes() - pinned_before == first.arena.nbytes
         assert torch.equal(generate(), expected.sequences[:, : ids.shape[1] + 50])
         del first
 
-        hf_prefetch.dispatch_model(model, device="cuda", replace=True, group_size=4, num_in_group=3, prefetch_step=3)
+        hf_prefetch.dispatch_model(
+            model,
+            hf_prefetch.PrefetchConfig(group_size=4, num_in_group=3, prefetch_step=3),
+            device="cuda",
+            replace=True,
+        )
         settle()
         state = hf_prefetch.get_state(model)
         # Only the new arena is registered and only the new pool and resident weights are on the device: the first
@@ -351,7 +373,9 @@ def test_timing_after_load_state_dict_on_cuda(gpu_reference):
     # load_state_dict reloads the layers that hold their slots; their stall is then measured against the event of
     # that load, which must be a timing event too.
     model, ids, long_ids, _, prefill = gpu_reference
-    hf_prefetch.dispatch_model(model, device="cuda", timing=True, group_size=2, num_in_group=1, prefetch_step=4)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=4), device="cuda", timing=True
+    )
     try:
         model.load_state_dict(model.state_dict())
         with torch.no_grad():

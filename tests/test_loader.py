@@ -94,7 +94,9 @@ def reference(folder, dtype=None) -> torch.nn.Module:
 @pytest.mark.parametrize("name, pattern", CASES, ids=[f"{n}-{p}" for n, p in CASES])
 def test_from_pretrained_matches_transformers(saved, name, pattern):
     folder = saved(name)
-    model = hf_prefetch.from_pretrained(folder, device="cpu", **PATTERNS.get(pattern, MOE_PATTERN))
+    model = hf_prefetch.from_pretrained(
+        folder, device="cpu", offload=hf_prefetch.PrefetchConfig(**PATTERNS.get(pattern, MOE_PATTERN))
+    )
     expected = reference(folder)
     assert torch.equal(logits(model), logits(expected))
     state = hf_prefetch.get_state(model)
@@ -108,7 +110,9 @@ def test_from_pretrained_matches_transformers(saved, name, pattern):
 @pytest.mark.parametrize("name", ["llama-sharded", "qwen2_moe-sharded", "gpt2-tied-sharded"])
 def test_dtype_cast_matches_transformers(saved, name):
     folder = saved(name)
-    model = hf_prefetch.from_pretrained(folder, device="cpu", dtype=torch.bfloat16, **PATTERNS["three-of-four"])
+    model = hf_prefetch.from_pretrained(
+        folder, device="cpu", dtype=torch.bfloat16, offload=hf_prefetch.PrefetchConfig(**PATTERNS["three-of-four"])
+    )
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert {o.host.dtype for o in hf_prefetch.get_state(model).offloaded} == {torch.bfloat16}
     assert torch.equal(logits(model), logits(reference(folder, dtype=torch.bfloat16)))
@@ -120,7 +124,9 @@ def test_load_checkpoint_and_dispatch_matches_transformers(saved, target):
     path = {"folder": folder, "index": folder / "model.safetensors.index.json", "file": folder / "model.safetensors"}
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
-    loaded = hf_prefetch.load_checkpoint_and_dispatch(model, path[target], device="cpu", **PATTERNS["every-second"])
+    loaded = hf_prefetch.load_checkpoint_and_dispatch(
+        model, path[target], device="cpu", offload=hf_prefetch.PrefetchConfig(**PATTERNS["every-second"])
+    )
     expected = reference(folder)
     assert loaded is model and torch.equal(logits(model), logits(expected))
     hf_prefetch.remove_offload(model)
@@ -131,7 +137,9 @@ def test_load_checkpoint_and_dispatch_casts_on_request(saved):
     folder = saved("qwen2_moe-sharded")
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
-    hf_prefetch.load_checkpoint_and_dispatch(model, folder, device="cpu", dtype=torch.bfloat16, **MOE_PATTERN)
+    hf_prefetch.load_checkpoint_and_dispatch(
+        model, folder, device="cpu", dtype=torch.bfloat16, offload=hf_prefetch.PrefetchConfig(**MOE_PATTERN)
+    )
     assert torch.equal(logits(model), logits(reference(folder, dtype=torch.bfloat16)))
 
 
@@ -139,7 +147,9 @@ def test_base_model_checkpoint_gets_the_prefix(tmp_path):
     # A checkpoint of the bare LlamaModel ("layers.0...") loads into LlamaForCausalLM ("model.layers.0...").
     torch.manual_seed(0)
     LlamaModel(CONFIGS["llama-tied"]()).save_pretrained(tmp_path)
-    model = hf_prefetch.from_pretrained(tmp_path, device="cpu", **PATTERNS["every-second"])
+    model = hf_prefetch.from_pretrained(
+        tmp_path, device="cpu", offload=hf_prefetch.PrefetchConfig(**PATTERNS["every-second"])
+    )
     assert torch.equal(logits(model), logits(reference(tmp_path)))
 
 
@@ -148,7 +158,9 @@ def test_generation_config_and_generate(tmp_path):
     source = LlamaForCausalLM(CONFIGS["llama"]())
     source.generation_config.max_new_tokens = 3
     source.save_pretrained(tmp_path)
-    model = hf_prefetch.from_pretrained(tmp_path, device="cpu", timing=True, **PATTERNS["every-second"])
+    model = hf_prefetch.from_pretrained(
+        tmp_path, device="cpu", timing=True, offload=hf_prefetch.PrefetchConfig(**PATTERNS["every-second"])
+    )
     assert model.generation_config.max_new_tokens == 3
     ids = prompt(batch=1)
     assert torch.equal(model.generate(ids, do_sample=False), reference(tmp_path).generate(ids, do_sample=False))
@@ -178,7 +190,9 @@ def test_conversion_that_cannot_stream_goes_through_transformers(tmp_path, caplo
     config.save_pretrained(tmp_path)
 
     with caplog.at_level(logging.INFO, logger="hf_prefetch.loader"):
-        model = hf_prefetch.from_pretrained(tmp_path, device="cpu", model_class=FusedQKVLlamaForCausalLM, group_size=2)
+        model = hf_prefetch.from_pretrained(
+            tmp_path, hf_prefetch.PrefetchConfig(group_size=2), device="cpu", model_class=FusedQKVLlamaForCausalLM
+        )
     assert "Not streamed (converted through transformers)" in caplog.text
     assert "model.layers.1.self_attn.q_proj.weight" in caplog.text
     assert torch.equal(logits(model), logits(source))
@@ -189,7 +203,9 @@ def test_conversion_that_cannot_stream_goes_through_transformers(tmp_path, caplo
 @pytest.mark.parametrize("name", ["llama-sharded", "qwen2_moe-sharded", "gpt2-tied-sharded"])
 def test_cuda_load_matches_transformers(saved, monkeypatch, name, dtype):
     monkeypatch.setattr(checkpoint_module, "_STAGING_BYTES", 4096)  # many pieces through the staging ring
-    model = hf_prefetch.from_pretrained(saved(name), device="cuda", dtype=dtype, **PATTERNS["every-second"])
+    model = hf_prefetch.from_pretrained(
+        saved(name), device="cuda", dtype=dtype, offload=hf_prefetch.PrefetchConfig(**PATTERNS["every-second"])
+    )
     assert hf_prefetch.get_state(model).arena.pinned
     expected = AutoModelForCausalLM.from_pretrained(saved(name), dtype=dtype, device_map="cuda").eval()
     ids = prompt().cuda()
@@ -345,7 +361,9 @@ def test_failed_read_releases_everything(saved, monkeypatch, arenas):
 
     monkeypatch.setattr(Checkpoint, "read", failing_read)
     with pytest.raises(OSError, match="Input/output error"):
-        hf_prefetch.load_checkpoint_and_dispatch(model, folder, device="cpu", **PATTERNS["every-second"])
+        hf_prefetch.load_checkpoint_and_dispatch(
+            model, folder, device="cpu", offload=hf_prefetch.PrefetchConfig(**PATTERNS["every-second"])
+        )
     assert len(arenas) == 1 and arenas[0]._buffer.numel() == 0  # released
     assert_left_as_given(model)
     assert all(b is buffers[name] for name, b in model.named_buffers())
@@ -363,7 +381,9 @@ def test_failed_attach_is_rolled_back(saved, monkeypatch, arenas):
 
     monkeypatch.setattr(dispatch, "attach", attach_then_fail)
     with pytest.raises(RuntimeError, match="late failure"):
-        hf_prefetch.load_checkpoint_and_dispatch(model, folder, device="cpu", **PATTERNS["every-second"])
+        hf_prefetch.load_checkpoint_and_dispatch(
+            model, folder, device="cpu", offload=hf_prefetch.PrefetchConfig(**PATTERNS["every-second"])
+        )
     assert len(arenas) == 1 and arenas[0]._buffer.numel() == 0
     assert_left_as_given(model)
     assert all(b is buffers[name] for name, b in model.named_buffers())
@@ -379,6 +399,8 @@ def test_argument_errors(saved):
         hf_prefetch.load_checkpoint_and_dispatch(model, folder, device="cpu")
     with pytest.raises(ValueError, match=r"dtype='half' must be a floating-point torch.dtype"):
         hf_prefetch.load_checkpoint_and_dispatch(empty_model(folder), folder, device="cpu", dtype="half")
-    with pytest.raises(ValueError, match=r"Unknown PrefetchConfig field\(s\) \['group'\]"):
+    with pytest.raises(TypeError, match=r"unexpected keyword argument\(s\) \['group'\]"):
         hf_prefetch.from_pretrained(folder, device="cpu", group=2)
+    with pytest.raises(TypeError, match=r"device_map= is called device=.*torch_dtype= is called dtype="):
+        hf_prefetch.from_pretrained(folder, device_map="auto", torch_dtype=torch.bfloat16)
     json.loads((folder / "config.json").read_text())  # untouched

@@ -9,7 +9,8 @@ import torch
 from models import tiny_llama
 
 import hf_prefetch
-from hf_prefetch import PrefetchConfig, make_plan
+from hf_prefetch import PrefetchConfig
+from hf_prefetch.planner import make_plan
 
 RESERVE = 10_000
 
@@ -24,9 +25,9 @@ def test_plan_previews_dispatch():
     finally:
         hf_prefetch.remove_offload(model)
     assert hf_prefetch.plan(model, device="cpu") == make_plan(model, PrefetchConfig())  # no budget: the pattern
-    assert hf_prefetch.plan(model, device="cpu", group_size=4, num_in_group=2) == make_plan(
-        model, PrefetchConfig(group_size=4, num_in_group=2, prefetch_step=2)
-    )
+    assert hf_prefetch.plan(
+        model, hf_prefetch.PrefetchConfig(group_size=4, num_in_group=2), device="cpu"
+    ) == make_plan(model, PrefetchConfig(group_size=4, num_in_group=2, prefetch_step=2))
 
 
 def test_plan_of_a_checkpoint_folder_builds_the_model_as_the_loader_does(tmp_path):
@@ -65,9 +66,16 @@ def test_plan_table_and_html_show_the_budget_and_the_transfer_time():
         (dict(link_gbps=0), r"link_gbps=0 must be > 0"),
         (dict(link_gbps="fast"), r"link_gbps='fast' must be a number of GB/s"),
         (dict(dtype=torch.bfloat16), r"dtype= and model_class= describe how a checkpoint folder is built"),
-        (dict(max_memory={0: "1GiB"}, num_in_group=1), r"max_memory chooses the streamed layers itself"),
+        (
+            dict(max_memory={0: "1GiB"}, offload=PrefetchConfig(group_size=4)),
+            r"max_memory chooses the streamed layers",
+        ),
+        (dict(max_memory={}), r"max_memory=\{\} gives no budget"),
+        (dict(max_memory={"cpu": "64GiB"}), r"only a 'cpu' entry, so it has no budget for the execution device"),
+        (dict(max_memory={0: "1e400GB"}), r"max_memory\[0\]='1e400GB' is not a size"),
+        (dict(group_size=2), r"pass the configuration as an object"),
     ],
 )
 def test_plan_argument_errors(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         hf_prefetch.plan(tiny_llama(2), device="cpu", **kwargs)

@@ -6,9 +6,12 @@ tensors, its host storage and its pool.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from models import prompt, tiny_llama
+from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MixtralConfig, Qwen2MoeConfig
 
@@ -68,7 +71,13 @@ def identities(model: nn.Module) -> tuple:
 
 
 def dispatched(seed: int = 0, **pattern) -> nn.Module:
-    return hf_prefetch.dispatch_model(tiny_llama(8, seed=seed), device="cpu", **pattern)
+    return hf_prefetch.dispatch_model(
+        tiny_llama(8, seed=seed), offload=hf_prefetch.PrefetchConfig(**pattern), device="cpu"
+    )
+
+
+def loaded(folder, pattern: str) -> nn.Module:
+    return hf_prefetch.from_pretrained(folder, offload=hf_prefetch.PrefetchConfig(**PATTERNS[pattern]), device="cpu")
 
 
 # reload_weights
@@ -76,7 +85,7 @@ def dispatched(seed: int = 0, **pattern) -> nn.Module:
 
 @pytest.mark.parametrize("name, pattern", CASES, ids=[f"{n}-{p}" for n, p in CASES])
 def test_reload_from_a_checkpoint_matches_a_fresh_load(saved, name, pattern):
-    model = hf_prefetch.from_pretrained(saved(name, 0), device="cpu", **PATTERNS[pattern])
+    model = loaded(saved(name, 0), pattern)
     logits(model)  # the slots now hold whatever the forward left in them
     before = identities(model)
     assert hf_prefetch.reload_weights(model, saved(name, 1)) is model
@@ -162,7 +171,7 @@ def test_a_source_that_does_not_fit_writes_nothing(change, match):
 
 
 def test_a_checkpoint_of_another_shape_writes_nothing(saved, tmp_path):
-    model = hf_prefetch.from_pretrained(saved("llama", 0), device="cpu", **PATTERNS["every-second"])
+    model = loaded(saved("llama", 0), "every-second")
     expected = logits(model)
     torch.manual_seed(1)
     AutoModelForCausalLM.from_config(
@@ -171,6 +180,219 @@ def test_a_checkpoint_of_another_shape_writes_nothing(saved, tmp_path):
     with pytest.raises(ValueError, match=r"mlp.down_proj.weight' has shape \[64, 96\] .* has shape \[64, 128\]"):
         hf_prefetch.reload_weights(model, tmp_path)
     assert torch.equal(logits(model), expected)
+
+
+def _snapshot(model: nn.Module) -> tuple:
+    """What a refused reload must leave as it was: every state-dict value, the logits, the dispatch's identities."""
+    with torch.no_grad():
+        return {k: v.clone() for k, v in model.state_dict().items()}, logits(model), identities(model)
+
+
+def _assert_unchanged(model: nn.Module, snapshot: tuple) -> None:
+    values, expected, before = snapshot
+    now = model.state_dict()
+    assert now.keys() == values.keys()
+    for key, value in values.items():
+        assert torch.equal(now[key], value), key
+    assert torch.equal(logits(model), expected)
+    assert identities(model) == before
+
+
+def _save(folder, name: str, seed: int, change=lambda tensors: None):
+    """A single-file checkpoint of CONFIGS[name] with random weights from `seed`, its tensors edited by `change`."""
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(CONFIGS[name]()).save_pretrained(folder)
+    tensors = load_file(folder / "model.safetensors")
+    change(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize(
+    "dropped",
+    [
+        ["model.layers.1.mlp.up_proj.weight"],
+        ["model.layers.3.self_attn.o_proj.weight", "model.layers.0.mlp.up_proj.weight"],
+    ],
+    ids=["streamed", "streamed-and-resident"],
+)
+def test_a_checkpoint_without_a_parameter_writes_nothing(saved, tmp_path, dropped):
+    # Layers 1 and 3 stream: their parameters' state-dict values are host tensors, not parameters.
+    model = loaded(saved("llama", 0), "every-second")
+    before = _snapshot(model)
+    _save(tmp_path, "llama", 1, lambda tensors: [tensors.pop(key) for key in dropped])
+    with pytest.raises(ValueError, match=rf"has no tensor for {len(dropped)} parameter.*Nothing was written") as error:
+        hf_prefetch.reload_weights(model, tmp_path)
+    assert all(key in str(error.value) for key in dropped)
+    _assert_unchanged(model, before)
+
+
+def test_a_shard_missing_from_the_index_is_named_with_every_tensor_it_fills(saved, tmp_path):
+    model = loaded(saved("llama", 0), "every-second")
+    before = _snapshot(model)
+    folder = tmp_path / "checkpoint"
+    torch.manual_seed(1)
+    AutoModelForCausalLM.from_config(CONFIGS["llama"]()).save_pretrained(folder, max_shard_size="200KB")
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shards = {}
+    for key, shard in index["weight_map"].items():
+        shards.setdefault(shard, []).append(key)
+    # A shard with tensors of a streamed layer (1, 3) and of a resident one (0, 2).
+    shard, lost = next(
+        (shard, keys)
+        for shard, keys in shards.items()
+        if any(k.startswith(("model.layers.1.", "model.layers.3.")) for k in keys)
+        and any(k.startswith(("model.layers.0.", "model.layers.2.")) for k in keys)
+    )
+    (folder / shard).unlink()
+    index["weight_map"] = {key: name for key, name in index["weight_map"].items() if name != shard}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(ValueError, match=rf"has no tensor for {len(lost)} parameters") as error:
+        hf_prefetch.reload_weights(model, folder)
+    message = str(error.value)
+    assert shard in message and "Nothing was written" in message
+    assert [key for key in lost if key not in message] == []
+    _assert_unchanged(model, before)
+
+
+def _tie_differently(tensors):
+    tensors["lm_head.weight"] = tensors["transformer.wte.weight"] + 1
+
+
+def _tie_as_int8(tensors):
+    # Keys sort "lm_head.weight" first: the int8 copy is the second of the two, which reload used to skip unread.
+    tensors["lm_head.weight"] = tensors["transformer.wte.weight"].clone()
+    tensors["transformer.wte.weight"] = tensors["transformer.wte.weight"].to(torch.int8)
+
+
+TIED = r"'(lm_head|transformer.wte).weight' and '(transformer.wte|lm_head).weight' fill one tensor .*different values"
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (_tie_differently, TIED),
+        (_tie_as_int8, r"'transformer.wte.weight' holds torch.int8 values but transformer.wte.weight is torch.float"),
+    ],
+    ids=["different-values", "int8"],
+)
+def test_tied_tensors_stored_twice_must_agree_as_for_from_pretrained(saved, tmp_path, change, match):
+    model = loaded(saved("gpt2-tied", 0), "every-second")
+    before = _snapshot(model)
+    _save(tmp_path / "bad", "gpt2-tied", 1, change)
+    with pytest.raises(ValueError, match=TIED):  # the int8 copy holds other values once cast
+        loaded(tmp_path / "bad", "every-second")
+    with pytest.raises(ValueError, match=match):
+        hf_prefetch.reload_weights(model, tmp_path / "bad")
+    _assert_unchanged(model, before)
+    # Stored twice with one value: accepted.
+    same = lambda tensors: tensors.update({"lm_head.weight": tensors["transformer.wte.weight"].clone()})  # noqa: E731
+    _save(tmp_path / "good", "gpt2-tied", 1, same)
+    hf_prefetch.reload_weights(model, tmp_path / "good")
+    assert torch.equal(logits(model), logits(AutoModelForCausalLM.from_pretrained(tmp_path / "good").eval()))
+
+
+def test_tied_tensors_given_two_values_in_a_state_dict_are_refused():
+    torch.manual_seed(0)
+    model = hf_prefetch.dispatch_model(
+        AutoModelForCausalLM.from_config(CONFIGS["gpt2-tied"]()).eval(),
+        offload=hf_prefetch.PrefetchConfig(**PATTERNS["every-second"]),
+        device="cpu",
+    )
+    before = _snapshot(model)
+    torch.manual_seed(1)
+    state_dict = AutoModelForCausalLM.from_config(CONFIGS["gpt2-tied"]()).state_dict()
+    state_dict["lm_head.weight"] = state_dict["lm_head.weight"] + 1
+    match = r"state_dict\['transformer.wte.weight'\] and state_dict\['lm_head.weight'\] fill one tensor"
+    with pytest.raises(ValueError, match=match):
+        hf_prefetch.reload_weights(model, state_dict)
+    _assert_unchanged(model, before)
+
+
+class _Wrapped(torch.Tensor):
+    """A tensor subclass that runs its own ops (as DTensor or a quantized tensor does): copy_ cannot read it."""
+
+    @staticmethod
+    def __new__(cls, value: torch.Tensor):
+        return torch.Tensor._make_wrapper_subclass(cls, value.shape, dtype=value.dtype, device=value.device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"_Wrapped does not implement {func}")
+
+
+BAD_VALUES = {
+    "meta": (lambda v: v.to("meta"), r"is on the meta device"),
+    "sparse": (lambda v: v.to_sparse(), r"has layout torch.sparse_coo.*to_dense\(\)"),
+    "sparse-csr": (lambda v: v.to_sparse_csr(), r"has layout torch.sparse_csr.*to_dense\(\)"),
+    "nested": (lambda v: torch.nested.nested_tensor(list(v)), r"is a nested tensor"),
+    "subclass": (_Wrapped, r"is a _Wrapped, a tensor subclass"),
+}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")  # sparse CSR and nested tensors are in beta
+@pytest.mark.parametrize("key", ["model.layers.5.mlp.up_proj.weight", "lm_head.weight"], ids=["streamed", "resident"])
+@pytest.mark.parametrize("kind", list(BAD_VALUES))
+def test_a_state_dict_value_that_cannot_be_copied_writes_nothing(kind, key):
+    model = dispatched(group_size=2, num_in_group=1, prefetch_step=2)
+    before = _snapshot(model)
+    make, match = BAD_VALUES[kind]
+    state_dict = tiny_llama(8, seed=1).state_dict()
+    state_dict[key] = make(state_dict[key])
+    with pytest.raises(ValueError, match=rf"state_dict\['{key}'\] {match}"):
+        hf_prefetch.reload_weights(model, state_dict)
+    _assert_unchanged(model, before)
+
+
+def _parameters(model):
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}  # streamed ones point at slots
+
+
+def _swapped(model):
+    current = model.state_dict()
+    a, b = "model.layers.0.mlp.up_proj.weight", "model.layers.2.mlp.up_proj.weight"
+    return {a: current[b], b: current[a]}
+
+
+def _transposed(model):
+    state_dict = tiny_llama(8, seed=1).state_dict()
+    key = "model.layers.4.self_attn.o_proj.weight"  # square
+    state_dict[key] = model.state_dict()[key].t()
+    return state_dict
+
+
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (_parameters, r"'model.layers.1.self_attn.q_proj.weight'\] shares memory with the buffer slot"),
+        (_swapped, r"'model.layers.0.mlp.up_proj.weight'\] shares memory with model.layers.2.mlp.up_proj.weight"),
+        (_transposed, r"'model.layers.4.self_attn.o_proj.weight'\] shares memory with model.layers.4"),
+    ],
+    ids=["slots", "swapped", "transposed"],
+)
+def test_a_state_dict_value_that_shares_memory_with_what_is_written_writes_nothing(make, match):
+    model = dispatched(group_size=2, num_in_group=1, prefetch_step=1)
+    logits(model)  # slot 0 now holds layer 1, not layer 3
+    before = _snapshot(model)
+    with pytest.raises(ValueError, match=rf"state_dict\[{match}.*clone\(\)"):
+        hf_prefetch.reload_weights(model, make(model), strict=False)
+    _assert_unchanged(model, before)
+    hf_prefetch.reload_weights(model, model.state_dict())  # each value is its own destination: nothing to do
+    _assert_unchanged(model, before)
+
+
+def test_a_model_dispatched_under_inference_mode_is_reloaded_inside_it():
+    with torch.inference_mode():
+        model = dispatched(group_size=2, num_in_group=1, prefetch_step=2)
+        before = _snapshot(model)
+    new = tiny_llama(8, seed=1)
+    with pytest.raises(ValueError, match=r"inference tensor.*under torch.inference_mode\(\)"):
+        hf_prefetch.reload_weights(model, new.state_dict())
+    with torch.inference_mode():
+        _assert_unchanged(model, before)
+        hf_prefetch.reload_weights(model, new.state_dict())
+        assert torch.equal(logits(model), logits(new))
+        hf_prefetch.remove_offload(model)  # its tensors are inference tensors: undone inside inference_mode too
 
 
 def test_reload_needs_a_dispatched_model_and_a_source():
@@ -216,7 +438,7 @@ def test_process_runs_once_per_layer_and_its_result_is_stored(style, pattern):
 
 
 def test_process_sees_each_layers_new_weights_on_the_execution_device(saved):
-    model = hf_prefetch.from_pretrained(saved("llama", 0), device="cpu", **PATTERNS["all-streamed"])
+    model = loaded(saved("llama", 0), "all-streamed")
     seen = []
     hf_prefetch.reload_weights(model, saved("llama", 1), process=lambda layer: seen.append(_weights(layer)))
     expected = AutoModelForCausalLM.from_pretrained(saved("llama", 1))
@@ -427,7 +649,9 @@ def test_reload_on_cuda_matches_a_fresh_load(tmp_path, monkeypatch):
     for seed in (0, 1):
         _cuda_llama(seed).save_pretrained(tmp_path / str(seed), max_shard_size="1MB")
     pattern = dict(group_size=2, num_in_group=1, prefetch_step=2)
-    model = hf_prefetch.from_pretrained(tmp_path / "0", device="cuda", dtype=torch.bfloat16, **pattern)
+    model = hf_prefetch.from_pretrained(
+        tmp_path / "0", offload=hf_prefetch.PrefetchConfig(**pattern), device="cuda", dtype=torch.bfloat16
+    )
     ids = torch.randint(3, 512, (2, 16), generator=torch.Generator().manual_seed(1)).cuda()
     kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False)
     model.generate(ids, **kwargs)

@@ -12,7 +12,9 @@ from hf_prefetch.stats import LayerStats, TransferStats
 def test_counts_follow_the_slot_plan():
     model = tiny_llama(8)
     ids = prompt()
-    hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2), device="cpu"
+    )
     try:
         layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[1].parameters())
         s = hf_prefetch.stats(model)
@@ -34,7 +36,9 @@ def test_counts_follow_the_slot_plan():
 
 def test_timing_on_cpu_counts_copy_and_stall_seconds():
     model = tiny_llama(4)
-    hf_prefetch.dispatch_model(model, device="cpu", group_size=1, num_in_group=1, prefetch_step=1, timing=True)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=1), device="cpu", timing=True
+    )
     try:
         with torch.no_grad():
             model(prompt())
@@ -60,7 +64,9 @@ def test_timing_on_cuda_matches_untimed_tokens():
     ids = prompt().cuda()
     with torch.no_grad():
         expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
-    hf_prefetch.dispatch_model(model, group_size=2, num_in_group=1, prefetch_step=2, timing=True)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2), timing=True
+    )
     try:
         with torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=32, do_sample=False)
@@ -85,7 +91,9 @@ def pyplot():
 @pytest.fixture
 def timed_stats():
     model = tiny_llama(6)
-    hf_prefetch.dispatch_model(model, device="cpu", timing=True, group_size=2, num_in_group=1, prefetch_step=2)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2), device="cpu", timing=True
+    )
     try:
         with torch.no_grad():
             model(prompt())
@@ -145,7 +153,9 @@ def test_plot_of_a_plan_that_streams_nothing(pyplot):
 
 def test_plot_without_timing_says_to_dispatch_with_timing():
     model = tiny_llama(4)
-    hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=1)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1), device="cpu"
+    )
     try:
         with pytest.raises(ValueError, match=r"dispatched without timing=True.*timing=True"):
             hf_prefetch.stats(model).plot()
@@ -168,7 +178,7 @@ def test_stats_and_import_do_not_import_matplotlib():
         "from transformers import LlamaConfig, LlamaForCausalLM\n"
         "config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,\n"
         "                     num_key_value_heads=2, vocab_size=64)\n"
-        "model = hf_prefetch.dispatch_model(LlamaForCausalLM(config), device='cpu', timing=True, group_size=1)\n"
+        "model = hf_prefetch.dispatch_model(LlamaForCausalLM(config), hf_prefetch.PrefetchConfig(group_size=1), device='cpu', timing=True)\n"
         "model(torch.tensor([[1, 2]]))\n"
         "s = hf_prefetch.stats(model)\n"
         "str(s), s._repr_html_()\n"

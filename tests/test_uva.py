@@ -13,9 +13,9 @@ from models import prompt, tiny_llama
 from torch import nn
 
 import hf_prefetch
-from hf_prefetch import OffloadConfig, PrefetchConfig, UVAConfig, host, uva
+from hf_prefetch import OffloadConfig, OffloadPlan, PrefetchConfig, UVAConfig, dispatch, host
 from hf_prefetch.host import HostArena
-from hf_prefetch.uva import UVAPlan, make_uva_plan
+from hf_prefetch.planner import make_uva_plan
 
 # tiny_llama: every layer has, in named_parameters order, q (16 KiB), k (8 KiB), v (8 KiB), o (16 KiB), gate, up,
 # down (32 KiB each) and two norms (256 B each) in float32: 147,968 bytes.
@@ -45,15 +45,15 @@ def reference():
 
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(uva, "_warned_on_cpu", False)
+    monkeypatch.setattr(dispatch, "_warned_on_cpu", False)
 
 
-def _taken(plan: UVAPlan) -> list[str]:
+def _taken(plan: OffloadPlan) -> list[str]:
     return [
         f"{layer.index}.{spec.name.split('.')[-2]}"
         for ring in plan.rings
         for layer in ring.layers
-        for spec in layer.params
+        for spec in layer.offloaded
     ]
 
 
@@ -84,7 +84,7 @@ def test_plan_takes_parameters_in_layer_order_until_the_limit(gb, segments, expe
         params[f"{layer.path}.{spec.name}"].nbytes
         for ring in plan.rings
         for layer in ring.layers
-        for spec in layer.params
+        for spec in layer.offloaded
     )
     assert plan.offloaded_bytes == host_bytes
     assert plan.resident_bytes + plan.offloaded_bytes == sum(p.nbytes for p in model.parameters()) + sum(
@@ -98,11 +98,11 @@ def test_plan_is_pure_and_prints_a_table():
         model = tiny_llama(4)
     plan = make_uva_plan(model, UVAConfig(cpu_offload_gb=(LAYER_BYTES + 20_000) / GIB))
     lines = str(plan).splitlines()
-    assert lines[0].split() == ["layer", "placement", "resident", "host"]
-    assert lines[1].split() == ["model.layers.0", "host", "0", "B", "144.5", "KiB"]
-    assert lines[2].split() == ["model.layers.1", "partly", "120.5", "KiB", "24.0", "KiB"]  # q (16 KiB), k (8 KiB)
-    assert lines[3].split() == ["model.layers.2", "resident", "144.5", "KiB", "-"]
-    assert "host layers            2 of 4 (cpu_offload_gb=" in str(plan)
+    assert lines[0].split() == ["layer", "placement", "resident", "host", "slot", "next"]
+    assert lines[1].split() == ["model.layers.0", "mapped", "0", "B", "144.5", "KiB", "-", "-"]
+    assert lines[2].split() == ["model.layers.1", "partly", "mapped", "120.5", "KiB", "24.0", "KiB", "-", "-"]  # q, k
+    assert lines[3].split() == ["model.layers.2", "resident", "144.5", "KiB", "-", "-", "-"]
+    assert "mapped layers          2 of 4 (cpu_offload_gb=" in str(plan)
     assert "read per forward       168.5 KiB over the bus, at least" in str(plan)
     assert plan._repr_html_().startswith("<table>")
 
@@ -117,7 +117,7 @@ def test_plan_of_several_layer_lists_goes_through_them_in_order():
     model = TwoStacks()
     linear_bytes = (8 * 8 + 8) * 4
     plan = make_uva_plan(model, UVAConfig(cpu_offload_gb=3 * linear_bytes / GIB), layers=["encoder", "decoder"])
-    taken = [f"{layer.path}.{spec.name}" for ring in plan.rings for layer in ring.layers for spec in layer.params]
+    taken = [f"{layer.path}.{spec.name}" for ring in plan.rings for layer in ring.layers for spec in layer.offloaded]
     assert taken == [
         "encoder.0.weight",
         "encoder.0.bias",
@@ -137,7 +137,7 @@ def test_a_shared_parameter_is_taken_once():
 
     model = Shared()
     plan = make_uva_plan(model, UVAConfig(cpu_offload_gb=math.inf), layers="layers")
-    assert [len(layer.params) for layer in plan.rings[0].layers] == [2, 0, 2]
+    assert [len(layer.offloaded) for layer in plan.rings[0].layers] == [2, 0, 2]
     assert plan.offloaded_bytes == sum(p.nbytes for p in model.parameters())
 
 
@@ -153,22 +153,23 @@ def test_dispatch_on_the_cpu_changes_nothing_and_warns_once(reference):
     before = {name: (param, param.data_ptr()) for name, param in model.named_parameters()}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        hf_prefetch.dispatch_model(model, offload="uva", device="cpu", cpu_offload_gb=2 * LAYER_BYTES / GIB)
+        hf_prefetch.dispatch_model(model, hf_prefetch.UVAConfig(cpu_offload_gb=2 * LAYER_BYTES / GIB), device="cpu")
         state = hf_prefetch.get_state(model)
-        hf_prefetch.dispatch_model(model, offload="uva", device="cpu", replace=True, cpu_offload_gb=1)
+        hf_prefetch.dispatch_model(model, hf_prefetch.UVAConfig(cpu_offload_gb=1), device="cpu", replace=True)
     try:
         messages = [str(w.message) for w in caught]
-        assert len(messages) == 1 and "offload='uva' on the CPU keeps every weight where it is" in messages[0]
+        assert len(messages) == 1 and "The UVA backend on the CPU keeps every weight where it is" in messages[0]
         assert "289.0 KiB would stay in host memory" in messages[0]
         assert caught[0].filename == __file__
-        assert isinstance(state.plan, UVAPlan) and state.plan.offloaded_bytes == 2 * LAYER_BYTES
-        assert state.offloaded == [] and state.engine is None and state.hooks == []
+        assert isinstance(state.plan, OffloadPlan) and state.plan.offloaded_bytes == 2 * LAYER_BYTES
+        assert state.offloaded == [] and state.engine is None
+        assert not any(hasattr(module, "_hf_hook") for module in model.modules())
         assert {name: (p, p.data_ptr()) for name, p in model.named_parameters()} == before
         assert model.hf_device_map == {"": "cpu"}
         with torch.no_grad():
             assert torch.equal(model(ids).logits, logits)
         with pytest.raises(ValueError, match="already dispatched with UVAConfig"):
-            hf_prefetch.dispatch_model(model, offload="uva", device="cpu", cpu_offload_gb=1)
+            hf_prefetch.dispatch_model(model, hf_prefetch.UVAConfig(cpu_offload_gb=1), device="cpu")
         with pytest.raises(ValueError, match="UVA backend, which makes no copies"):
             hf_prefetch.stats(model)
     finally:
@@ -182,10 +183,10 @@ def test_dispatch_on_the_cpu_changes_nothing_and_warns_once(reference):
 @pytest.mark.parametrize(
     "offload, expected_plan",
     [
-        (OffloadConfig(uva=UVAConfig(cpu_offload_gb=1)), UVAPlan),
-        (UVAConfig(cpu_offload_gb=1), UVAPlan),
-        (OffloadConfig(prefetch=PrefetchConfig(group_size=4, num_in_group=1)), hf_prefetch.OffloadPlan),
-        (OffloadConfig(backend="prefetch"), hf_prefetch.OffloadPlan),
+        (OffloadConfig(uva=UVAConfig(cpu_offload_gb=1)), "uva"),
+        (UVAConfig(cpu_offload_gb=1), "uva"),
+        (OffloadConfig(prefetch=PrefetchConfig(group_size=4, num_in_group=1)), "prefetch"),
+        (OffloadConfig(backend="prefetch"), "prefetch"),
     ],
 )
 def test_dispatch_with_a_config_runs_the_selected_backend(reference, offload, expected_plan):
@@ -195,8 +196,8 @@ def test_dispatch_with_a_config_runs_the_selected_backend(reference, offload, ex
         hf_prefetch.dispatch_model(model, offload, device="cpu")
     try:
         state = hf_prefetch.get_state(model)
-        assert type(state.plan) is expected_plan
-        assert (state.engine is not None) == (expected_plan is hf_prefetch.OffloadPlan)
+        assert state.plan.backend == expected_plan
+        assert (state.engine is not None) == (expected_plan == "prefetch")
         with torch.no_grad():
             assert torch.equal(model(ids).logits, logits)
     finally:
@@ -205,16 +206,23 @@ def test_dispatch_with_a_config_runs_the_selected_backend(reference, offload, ex
 
 def test_replace_switches_between_backends(reference):
     model, ids, logits = reference
-    hf_prefetch.dispatch_model(model, device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2), device="cpu"
+    )
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            hf_prefetch.dispatch_model(model, offload="uva", device="cpu", replace=True, cpu_offload_gb=1)
-        assert isinstance(hf_prefetch.get_state(model).plan, UVAPlan)
+            hf_prefetch.dispatch_model(model, hf_prefetch.UVAConfig(cpu_offload_gb=1), device="cpu", replace=True)
+        assert isinstance(hf_prefetch.get_state(model).plan, OffloadPlan)
         assert not any(hasattr(m, "_hf_hook") for m in model.modules())  # the prefetch hooks are gone
         with torch.no_grad():
             assert torch.equal(model(ids).logits, logits)
-        hf_prefetch.dispatch_model(model, device="cpu", replace=True, group_size=2, num_in_group=1, prefetch_step=2)
+        hf_prefetch.dispatch_model(
+            model,
+            hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2),
+            device="cpu",
+            replace=True,
+        )
         assert hf_prefetch.get_state(model).engine is not None
         with torch.no_grad():
             assert torch.equal(model(ids).logits, logits)
@@ -225,21 +233,21 @@ def test_replace_switches_between_backends(reference):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        ({"offload": "uva"}, r"offload='uva' with cpu_offload_gb=0 keeps nothing in host memory"),
-        ({"offload": "uva", "cpu_offload_gb": -2}, r"cpu_offload_gb=-2 must be a number of GiB >= 0"),
-        ({"offload": "uva", "cpu_offload_gb": 1, "group_size": 2}, r"\['group_size'\] belong to offload='prefetch'"),
-        ({"offload": "uva", "cpu_offload_gb": 1, "timing": True}, r"timing, max_memory and reserve_bytes work with"),
-        ({"offload": "uva", "cpu_offload_gb": 1, "max_memory": "auto"}, r"work with offload='prefetch' only"),
-        ({"offload": "uva", "config": PrefetchConfig()}, r"must be a hf_prefetch.UVAConfig with offload='uva'"),
+        ({"offload": "uva"}, r"UVA backend with cpu_offload_gb=0 keeps nothing in host memory"),
+        (
+            {"offload": UVAConfig(cpu_offload_gb=1), "group_size": 2},
+            r"\['group_size'\].*PrefetchConfig\(group_size=2\)",
+        ),
+        ({"offload": UVAConfig(cpu_offload_gb=1), "timing": True}, r"timing, max_memory and reserve_bytes work with"),
+        ({"offload": UVAConfig(cpu_offload_gb=1), "max_memory": "auto"}, r"work with the prefetch backend only"),
         ({"offload": OffloadConfig()}, r"selects no backend"),
-        ({"offload": OffloadConfig(backend="prefetch"), "cpu_offload_gb": 1}, r"is already a config"),
-        ({"offload": "uva", "cpu_offload_gb": 1, "cpu_offload_params": {"w2"}}, r"\{'w2'\} matched no parameter"),
-        ({"offload": "uva", "cpu_offload_gb": 1, "layers": "model.nope"}, r"layers='model.nope' is not a ModuleList"),
+        ({"offload": UVAConfig(cpu_offload_gb=1, cpu_offload_params={"w2"})}, r"\{'w2'\} matched no parameter"),
+        ({"offload": UVAConfig(cpu_offload_gb=1), "layers": "model.nope"}, r"layers='model.nope' is not a ModuleList"),
     ],
 )
 def test_bad_uva_input_leaves_nothing_behind(reference, kwargs, match):
     model, ids, logits = reference
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises((ValueError, TypeError), match=match):
         hf_prefetch.dispatch_model(model, device="cpu", **kwargs)
     assert hf_prefetch.get_state(model) is None
     with torch.no_grad():
@@ -252,9 +260,9 @@ def test_failure_while_attaching_rolls_back(reference, monkeypatch):
     def broken(plan):
         raise RuntimeError("attach failed")
 
-    monkeypatch.setattr("hf_prefetch.dispatch.warn_on_cpu", broken)
+    monkeypatch.setattr("hf_prefetch.dispatch._warn_uva_on_cpu", broken)
     with pytest.raises(RuntimeError, match="attach failed"):
-        hf_prefetch.dispatch_model(model, offload="uva", device="cpu", cpu_offload_gb=1)
+        hf_prefetch.dispatch_model(model, hf_prefetch.UVAConfig(cpu_offload_gb=1), device="cpu")
     assert hf_prefetch.get_state(model) is None and not hasattr(model, "hf_device_map")
     with torch.no_grad():
         assert torch.equal(model(ids).logits, logits)
@@ -263,13 +271,14 @@ def test_failure_while_attaching_rolls_back(reference, monkeypatch):
 @pytest.mark.parametrize(
     "load",
     [
-        lambda: hf_prefetch.from_pretrained("/nonexistent", offload="uva", cpu_offload_gb=1),
+        lambda: hf_prefetch.from_pretrained("/nonexistent", hf_prefetch.UVAConfig(cpu_offload_gb=1)),
         lambda: hf_prefetch.from_pretrained("/nonexistent", offload=OffloadConfig(uva=UVAConfig(cpu_offload_gb=1))),
-        lambda: hf_prefetch.plan(tiny_llama(2), offload="uva", cpu_offload_gb=1),
     ],
 )
-def test_loaders_and_plan_refuse_uva_before_reading_anything(load):
-    with pytest.raises(ValueError, match=r"offload='uva' works with hf_prefetch.dispatch_model only.*make_uva_plan"):
+def test_loaders_refuse_uva_before_reading_anything(load):
+    with pytest.raises(
+        ValueError, match=r"offload='uva' works with hf_prefetch.dispatch_model only.*hf_prefetch.plan"
+    ):
         load()
 
 
@@ -350,7 +359,7 @@ def test_prefetch_only_calls_on_a_uva_model_say_so(reference, call, match):
     model = reference[0]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        hf_prefetch.dispatch_model(model, offload="uva", device="cpu", cpu_offload_gb=1)
+        hf_prefetch.dispatch_model(model, hf_prefetch.UVAConfig(cpu_offload_gb=1), device="cpu")
     try:
         with pytest.raises(ValueError, match=match):
             call(model)

@@ -20,11 +20,11 @@ from transformers.utils import ModelOutput
 from zoo import ARCHS, ARCHS_BY_NAME, Arch, left_padded, prompt
 
 import hf_prefetch
-from hf_prefetch.plan import segment_matches
+from hf_prefetch.layers import segment_matches
 
 NEW_TOKENS = 8
 # 8 layers -> layers 1, 3, 5, 7 stream through 2 slots, so every forward copies into reused slots.
-DISPATCH = dict(device="cpu", group_size=2, num_in_group=1, prefetch_step=2)
+CONFIG = dict(group_size=2, num_in_group=1, prefetch_step=2)
 PAD_TOKEN_ID = 0
 # The whole table runs on the GPU with HF_PREFETCH_ZOO_DEVICE=cuda (rows that need CUDA always run there).
 ZOO_DEVICE = os.environ.get("HF_PREFETCH_ZOO_DEVICE", "cpu")
@@ -167,7 +167,7 @@ def _assert_plan(model: nn.Module, arch: Arch) -> None:
             # Exactly the parameters matching `offload_params` stream (all of them when it is empty): for MoE rows
             # the experts stream and attention, router and shared experts stay resident.
             expected = {name for name in names if segment_matches(arch.offload_params, name)}
-            assert {spec.name for spec in layer.params} == expected, layer.path
+            assert {spec.name for spec in layer.offloaded} == expected, layer.path
             if arch.offload_params:
                 assert len(expected) < len(names)
 
@@ -188,7 +188,7 @@ def test_zoo(case: Case):
     tied = _tied(model)
 
     model = hf_prefetch.dispatch_model(
-        model, **{**DISPATCH, "device": case.device}, offload_params=arch.offload_params
+        model, hf_prefetch.PrefetchConfig(offload_params=arch.offload_params, **CONFIG), device=case.device
     )
     _assert_plan(model, arch)
     assert _tied(model) == tied  # GPT-2's lm_head stays tied to its (resident) input embedding
@@ -232,7 +232,7 @@ def test_conversion_refused(convert):
     model = arch.build()
     inputs = _inputs(arch, Case("llama"), "cpu")
     expected = _forward(model, arch, inputs)
-    model = hf_prefetch.dispatch_model(model, **DISPATCH)
+    model = hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**CONFIG), device="cpu")
     before = [(name, p.dtype, p.device, p.data_ptr()) for name, p in model.named_parameters()]
 
     with pytest.raises(RuntimeError, match=r"remove_offload\(model\)"):
@@ -252,16 +252,15 @@ def test_convert_after_remove_offload():
     converted = copy.deepcopy(model).half()
     expected_logits = _forward(converted, arch, inputs)
     expected = _generate(converted, inputs, {})
-    model = hf_prefetch.dispatch_model(model, **DISPATCH)
+    model = hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**CONFIG), device="cpu")
     with pytest.raises(RuntimeError, match="remove_offload"):
         model.half()
 
     # The fix the error gives: remove the offload, convert, dispatch again.
     model = hf_prefetch.remove_offload(model).half()
-    model = hf_prefetch.dispatch_model(model, **DISPATCH)
-    assert {spec.dtype for layer in hf_prefetch.get_state(model).plan.rings[0].streamed for spec in layer.params} == {
-        torch.float16
-    }
+    model = hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**CONFIG), device="cpu")
+    streamed = hf_prefetch.get_state(model).plan.rings[0].streamed
+    assert {spec.dtype for layer in streamed for spec in layer.offloaded} == {torch.float16}
     assert_bitwise(_forward(model, arch, inputs), expected_logits, "float16 logits")
     assert_bitwise(_generate(model, inputs, {}), expected, "float16 generate()")
     assert hf_prefetch.remove_offload(model) is model
@@ -288,7 +287,7 @@ def test_peft_lora_on_dispatched_model():
     expected = _generate(reference, inputs, {})
     assert not torch.equal(expected_logits, base_logits)
 
-    model = hf_prefetch.dispatch_model(model, **DISPATCH)
+    model = hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**CONFIG), device="cpu")
     peft_model = _lora(model)
     state = hf_prefetch.get_state(model)
     # The LoRA wrappers sit inside streamed layers; their base layers still read the pool slots.

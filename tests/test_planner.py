@@ -5,8 +5,10 @@ import torch
 from models import tiny_llama
 from torch import nn
 
-from hf_prefetch import PrefetchConfig, find_layer_lists, make_plan
-from hf_prefetch.plan import format_bytes, segment_matches
+from hf_prefetch import PrefetchConfig, Source, find_layer_lists
+from hf_prefetch.layers import segment_matches
+from hf_prefetch.planner import make_plan
+from hf_prefetch.render import format_bytes
 
 
 @pytest.mark.parametrize(
@@ -103,7 +105,7 @@ def test_offload_params_whitelist_keeps_other_parameters_resident():
     model = tiny_llama(4)
     plan = make_plan(model, PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=1, offload_params={"mlp"}))
     for layer in plan.rings[0].streamed:
-        assert {spec.name for spec in layer.params} == {
+        assert {spec.name for spec in layer.offloaded} == {
             "mlp.gate_proj.weight",
             "mlp.up_proj.weight",
             "mlp.down_proj.weight",
@@ -166,7 +168,7 @@ def test_shared_parameters_stay_resident():
     model = tiny_llama(4)
     model.model.layers[3].mlp.down_proj.weight = model.model.layers[1].mlp.down_proj.weight
     plan = make_plan(model, PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1))
-    names = {spec.name for layer in plan.rings[0].streamed for spec in layer.params}
+    names = {spec.name for layer in plan.rings[0].streamed for spec in layer.offloaded}
     assert "mlp.down_proj.weight" not in names
     assert "mlp.up_proj.weight" in names
 
@@ -174,7 +176,7 @@ def test_shared_parameters_stay_resident():
 def test_explicit_selection_replaces_the_group_pattern():
     model = tiny_llama(8)
     plan = make_plan(model, PrefetchConfig(group_size=4, num_in_group=2, prefetch_step=2), streamed=[5, 0, 5])
-    assert [layer.index for layer in plan.rings[0].streamed] == [0, 5] and plan.explicit
+    assert [layer.index for layer in plan.rings[0].streamed] == [0, 5] and plan.source is Source.EXPLICIT
     assert "(chosen layers, prefetch_step=2)" in str(plan)
     assert (
         make_plan(model, PrefetchConfig(), streamed={"model.layers": [1, 3, 5, 7]}).rings

@@ -1,0 +1,164 @@
+"""The layer lists of a model and the one walk over their parameters that every planner starts from.
+
+`find_layer_lists` finds the `ModuleList`s of decoder blocks; `candidate_layers` lists each layer's parameters with
+their exact layout, whether the name segments select them, and whether they are shared. Pure: reads names, shapes and
+dtypes (a meta model is fine); knows nothing about placements, budgets or devices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from .placements import LayerPlan, ParamSpec, Placement
+
+__all__ = ["find_layer_lists", "resolve_layer_lists", "segment_matches", "candidate_layers", "model_bytes"]
+
+
+def find_layer_lists(model: nn.Module) -> list[str]:
+    """Paths of the `ModuleList`s whose items are all instances of the model's `_no_split_modules` classes.
+
+    Example:
+
+    ```python
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=64))
+    >>> find_layer_lists(model)
+    ['model.layers']
+
+    ```
+    """
+    block_classes = set(getattr(model, "_no_split_modules", None) or ())
+    found: list[str] = []
+    for path, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) == 0:
+            continue
+        if any(path.startswith(f"{outer}.") for outer in found):
+            continue
+        if all(type(item).__name__ in block_classes for item in module):
+            found.append(path)
+    if not found:
+        raise ValueError(
+            f"Found no layer list in {type(model).__name__}: no ModuleList holds only its _no_split_modules "
+            f"classes {sorted(block_classes)}. Pass layers='path.to.list' (or a list of paths). "
+            f"ModuleLists in this model: {_describe_module_lists(model)}"
+        )
+    return found
+
+
+def _describe_module_lists(model: nn.Module) -> str:
+    lists = [
+        f"{path!r} ({len(m)} x {type(m[0]).__name__})"
+        for path, m in model.named_modules()
+        if isinstance(m, nn.ModuleList) and len(m) > 0
+    ]
+    return ", ".join(lists) or "none"
+
+
+def resolve_layer_lists(model: nn.Module, layers: str | Sequence[str] | None) -> list[str]:
+    """The layer-list paths to plan: the given ones (checked), or those `find_layer_lists` finds."""
+    if layers is None:
+        return find_layer_lists(model)
+    paths = [layers] if isinstance(layers, str) else list(layers)
+    if not paths:
+        raise ValueError("layers=[] names no layer list; pass None to find them, or e.g. layers='model.layers'.")
+    for path in paths:
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            module = None
+        if not isinstance(module, nn.ModuleList):
+            raise ValueError(
+                f"layers={path!r} is not a ModuleList of {type(model).__name__}. "
+                f"ModuleLists in this model: {_describe_module_lists(model)}"
+            )
+    return paths
+
+
+def segment_matches(segments: frozenset[str], name: str) -> bool:
+    """Whether a parameter name matches one of the segments on whole dotted parts (empty segments: everything)."""
+    if not segments:
+        return True
+    dotted = f".{name}."
+    return any(f".{segment}." in dotted for segment in segments)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One parameter of a layer as the walk found it: its spec (resident) and whether it can leave the device."""
+
+    spec: ParamSpec
+    matched: bool  # the segments (offload_params / cpu_offload_params) match its name
+    shared: bool  # reachable under more than one name (tied, or a module reused): it cannot live in one slot
+    param: Any  # the tensor itself (its identity tells one shared tensor from another)
+
+
+@dataclass(frozen=True)
+class CandidateLayer:
+    path: str
+    index: int
+    params: tuple[Candidate, ...]
+
+    @property
+    def matched(self) -> bool:
+        return any(c.matched for c in self.params)
+
+    def streamable(self) -> set[int]:
+        """Ids of the parameters that can stream: matched, and used under this one name only."""
+        return {id(c.param) for c in self.params if c.matched and not c.shared}
+
+    def placed(self, placement: Placement, chosen: set[int]) -> LayerPlan:
+        """The layer with the parameters whose ids are in `chosen` given `placement`, the others resident."""
+        specs = tuple(replace(c.spec, placement=placement) if id(c.param) in chosen else c.spec for c in self.params)
+        return LayerPlan(self.path, self.index, specs)
+
+    def resident(self) -> LayerPlan:
+        return LayerPlan(self.path, self.index, tuple(c.spec for c in self.params))
+
+
+def candidate_layers(
+    model: nn.Module, segments: frozenset[str], layers: str | Sequence[str] | None
+) -> dict[str, list[CandidateLayer]]:
+    """Every layer of every layer list with its parameters, as every planner sees them (layer list path -> layers)."""
+    paths = resolve_layer_lists(model, layers)
+    # A parameter reachable under two names (tied, or a module reused) cannot live in one slot: keep it resident.
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    found: dict[str, list[CandidateLayer]] = {}
+    for path in paths:
+        found[path] = []
+        for index, layer in enumerate(model.get_submodule(path)):
+            params = []
+            for name, param in layer.named_parameters():
+                spec = ParamSpec(name, tuple(param.shape), _dense_stride(param), param.dtype, _param_bytes(param))
+                matched = segment_matches(segments, name)
+                params.append(Candidate(spec, matched, uses[id(param)] > 1, param))
+            found[path].append(CandidateLayer(f"{path}.{index}", index, tuple(params)))
+    return found
+
+
+def _dense_stride(tensor: torch.Tensor) -> tuple[int, ...]:
+    # Keep the parameter's own layout when it is dense (a permuted layout changes which kernels run, and so the
+    # bits); anything with gaps or overlaps is stored contiguously.
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True), key=lambda dim: dim[1]):
+        if size != 1 and stride != expected:
+            return tuple(torch.empty(tensor.shape, device="meta").stride())
+        expected *= size
+    return tuple(tensor.stride())
+
+
+def _param_bytes(tensor: torch.Tensor) -> int:
+    return math.prod(tensor.shape) * tensor.element_size()
+
+
+def model_bytes(model: nn.Module) -> int:
+    """All parameters and buffers, each counted once."""
+    return sum(_param_bytes(p) for p in model.parameters()) + sum(_param_bytes(b) for b in model.buffers())

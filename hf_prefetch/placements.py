@@ -1,0 +1,219 @@
+"""The plan's types: every parameter of the layer lists with its `Placement`, layers, rings and the `OffloadPlan`.
+
+A placement says where a parameter lives while the model is dispatched: resident on the execution device, streamed
+through a slot of its layer list's buffer pool, or mapped (read in place from pinned host memory, the UVA backend).
+The plan also says where the choice came from (`Source`). New ways of placing weights are new `Placement` kinds, not
+new plan types. These are frozen values: choosing them is `planner`'s job, printing them `render`'s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
+
+import torch
+
+from .config import PrefetchConfig
+from .offload_config import UVAConfig
+
+if TYPE_CHECKING:
+    from .budget import MemoryBudget
+
+__all__ = ["OffloadPlan", "RingPlan", "LayerPlan", "ParamSpec", "Placement", "Source", "PoolKey"]
+
+PoolKey = tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype]
+
+
+class Placement(Enum):
+    """Where a parameter lives while the model is dispatched."""
+
+    RESIDENT = "resident"  # on the execution device, for good
+    STREAMED = "streamed"  # in pinned host memory, copied into a slot of its ring's buffer pool before each use
+    MAPPED = "mapped"  # in pinned host memory, read in place by the kernels over the bus (UVA zero-copy)
+
+
+class Source(Enum):
+    """Where the choice of offloaded parameters came from."""
+
+    STRIDE = "stride"  # PrefetchConfig's group pattern (group_size, num_in_group)
+    BUDGET = "budget"  # the streamed layers that fit a memory budget (max_memory)
+    EXPLICIT = "explicit"  # layers named by the caller (make_plan(streamed=...))
+    SIZE = "size"  # UVAConfig.cpu_offload_gb: parameters in layer order until that many GiB
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter of a layer: its name inside the layer, the exact layout of its host storage and slot buffers, and
+    its placement."""
+
+    name: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    nbytes: int
+    placement: Placement = Placement.RESIDENT
+
+    @property
+    def key(self) -> PoolKey:
+        # The name is part of the key so that two same-shaped parameters of one layer never share a buffer.
+        return (self.name, self.shape, self.stride, self.dtype)
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """One layer of a layer list: every parameter with its placement, and for a streamed layer its slot.
+
+    A streamed layer is the `position`-th streamed layer of its ring; it uses `slot`, and after it ran the copy of
+    `next_in_slot` (a position) starts into that slot. A layer that is alone in its slot (`owns_slot`) is copied once
+    and keeps it. See [Note: slot reuse] in hf_prefetch/ring.py.
+    """
+
+    path: str
+    index: int
+    params: tuple[ParamSpec, ...]
+    position: int | None = None
+    slot: int | None = None
+    next_in_slot: int | None = None
+
+    @property
+    def offloaded(self) -> tuple[ParamSpec, ...]:
+        """The parameters kept in pinned host memory (streamed or mapped), in host-arena order."""
+        return tuple(p for p in self.params if p.placement is not Placement.RESIDENT)
+
+    @property
+    def streamed(self) -> bool:
+        return any(p.placement is Placement.STREAMED for p in self.params)
+
+    @property
+    def mapped(self) -> bool:
+        return any(p.placement is Placement.MAPPED for p in self.params)
+
+    @property
+    def owns_slot(self) -> bool:
+        """A streamed layer that no other layer shares its slot with: copied once, never again."""
+        return self.streamed and self.next_in_slot == self.position
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(p.nbytes for p in self.offloaded)
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(p.nbytes for p in self.params if p.placement is Placement.RESIDENT)
+
+
+@dataclass(frozen=True)
+class RingPlan:
+    """The layers of one layer list (`model.layers`, or the encoder's and the decoder's of a seq2seq model).
+
+    Each ring prefetches cyclically through its own streamed layers with its own `num_slots` buffer slots.
+    """
+
+    path: str
+    layers: tuple[LayerPlan, ...]
+    num_slots: int
+
+    @property
+    def streamed(self) -> tuple[LayerPlan, ...]:
+        """The streamed layers in forward order; a layer's `position` is its index here."""
+        return tuple(layer for layer in self.layers if layer.streamed)
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(layer.offloaded_bytes for layer in self.layers)
+
+    @property
+    def pool_bytes(self) -> int:
+        sizes: dict[PoolKey, int] = {}
+        for layer in self.streamed:
+            for spec in layer.offloaded:
+                sizes[spec.key] = spec.nbytes
+        return sum(sizes.values()) * self.num_slots
+
+    @property
+    def bytes_per_forward(self) -> int:
+        """What crosses the link in a forward: the streamed layers that take turns in a slot (a layer that owns its
+        slot was copied once), and every mapped byte (read over the bus at least once)."""
+        return sum(layer.offloaded_bytes for layer in self.layers if not layer.owns_slot)
+
+    @property
+    def longest_run(self) -> int:
+        """The most consecutive streamed layers in this list (a copy hides behind the resident layers around it)."""
+        longest = run = 0
+        for layer in self.layers:
+            run = run + 1 if layer.streamed else 0
+            longest = max(longest, run)
+        return longest
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """What a dispatch does: every parameter's placement, the slots of streamed layers, and the bytes involved.
+
+    `print(plan)` shows a table; Jupyter renders it as HTML. Bytes: `offloaded_bytes` live in pinned host memory,
+    `pool_bytes` is the static device buffer pool, `resident_bytes` are the weights and buffers that stay on the
+    execution device, `streamed_bytes_per_forward` is what crosses the link in each forward.
+    """
+
+    config: PrefetchConfig | UVAConfig
+    rings: tuple[RingPlan, ...]
+    resident_bytes: int
+    source: Source = Source.STRIDE
+    # The memory budget the streamed layers were chosen to fit (Source.BUDGET).
+    budget: MemoryBudget | None = None
+    # Host-to-device link speed (GB/s) for the transfer time per forward; None leaves that line out.
+    link_gbps: float | None = None
+
+    @property
+    def backend(self) -> str:
+        """`"prefetch"` or `"uva"`."""
+        return "uva" if isinstance(self.config, UVAConfig) else "prefetch"
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(ring.offloaded_bytes for ring in self.rings)
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(ring.pool_bytes for ring in self.rings)
+
+    @property
+    def streamed_bytes_per_forward(self) -> int:
+        return sum(ring.bytes_per_forward for ring in self.rings)
+
+    @property
+    def device_bytes(self) -> int:
+        return self.resident_bytes + self.pool_bytes
+
+    @property
+    def longest_run(self) -> int:
+        return max((ring.longest_run for ring in self.rings), default=0)
+
+    @property
+    def saves_device_memory(self) -> bool:
+        """Whether the plan keeps fewer bytes on the device than the unmodified model (the pool is smaller than what
+        it offloads)."""
+        return self.pool_bytes < self.offloaded_bytes
+
+    @property
+    def transfer_seconds_per_forward(self) -> float | None:
+        """`streamed_bytes_per_forward` at `link_gbps`: the least time a forward can take; None without a link."""
+        return None if self.link_gbps is None else self.streamed_bytes_per_forward / (self.link_gbps * 1e9)
+
+    def __str__(self) -> str:
+        from .render import render_text
+
+        return render_text(self)
+
+    def _repr_html_(self) -> str:
+        from .render import render_html
+
+        return render_html(self)
+
+    def __repr__(self) -> str:
+        return (
+            f"OffloadPlan(backend={self.backend!r}, rings={[r.path for r in self.rings]}, "
+            f"resident_bytes={self.resident_bytes}, pool_bytes={self.pool_bytes}, "
+            f"offloaded_bytes={self.offloaded_bytes})"
+        )

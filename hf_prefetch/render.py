@@ -1,0 +1,123 @@
+"""The one renderer of plans: an `OffloadPlan` as a fixed-width table (`print(plan)`) or HTML (Jupyter).
+
+It reads plans; it knows nothing about models or devices.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+
+from .offload_config import UVAConfig
+from .placements import LayerPlan, OffloadPlan, RingPlan, Source
+
+__all__ = ["render_text", "render_html", "format_bytes"]
+
+_HEADER = ("layer", "placement", "resident", "host", "slot", "next")
+
+
+def _layer_row(ring: RingPlan, layer: LayerPlan) -> tuple[str, ...]:
+    resident = format_bytes(layer.resident_bytes)
+    if layer.streamed:
+        host = format_bytes(layer.offloaded_bytes)
+        if layer.owns_slot:
+            return (layer.path, "own slot", resident, host, str(layer.slot), "-")
+        return (layer.path, "streamed", resident, host, str(layer.slot), str(ring.streamed[layer.next_in_slot].index))
+    if layer.mapped:
+        placement = "mapped" if layer.resident_bytes == 0 else "partly mapped"
+        return (layer.path, placement, resident, format_bytes(layer.offloaded_bytes), "-", "-")
+    return (layer.path, "resident", resident, "-", "-", "-")
+
+
+def _choice(plan: OffloadPlan) -> str:
+    config = plan.config
+    if isinstance(config, UVAConfig):
+        chosen = f"cpu_offload_gb={config.cpu_offload_gb:g}"
+        if config.cpu_offload_params:
+            chosen += f", cpu_offload_params={sorted(config.cpu_offload_params)}"
+        return chosen
+    chosen = {
+        Source.BUDGET: "to fit the budget",
+        Source.EXPLICIT: "chosen layers",
+        Source.STRIDE: f"group_size={config.group_size}, num_in_group={config.num_in_group}",
+    }[plan.source]
+    chosen += f", prefetch_step={config.prefetch_step}"
+    if config.offload_params:
+        chosen += f", offload_params={sorted(config.offload_params)}"
+    return chosen
+
+
+def _totals(plan: OffloadPlan) -> list[tuple[str, str]]:
+    size = format_bytes
+    num_layers = sum(len(ring.layers) for ring in plan.rings)
+    if plan.backend == "uva":
+        num_mapped = sum(1 for ring in plan.rings for layer in ring.layers if layer.mapped)
+        return [
+            ("mapped layers", f"{num_mapped} of {num_layers} ({_choice(plan)})"),
+            ("device bytes", f"{size(plan.device_bytes)} (no buffer pool)"),
+            ("pinned host bytes", size(plan.offloaded_bytes)),
+            ("read per forward", f"{size(plan.streamed_bytes_per_forward)} over the bus, at least"),
+        ]
+    num_streamed = sum(len(ring.streamed) for ring in plan.rings)
+    own = sum(1 for ring in plan.rings for layer in ring.streamed if layer.owns_slot)
+    slots = "/".join(str(r.num_slots) for r in plan.rings)
+    totals = [
+        ("streamed layers", f"{num_streamed} of {num_layers}, longest run {plan.longest_run} ({_choice(plan)})"),
+        ("resident bytes", size(plan.resident_bytes)),
+        ("pool bytes", f"{size(plan.pool_bytes)} ({slots} slots)"),
+        ("device bytes", f"{size(plan.device_bytes)} (resident + pool)"),
+    ]
+    pinned = size(plan.offloaded_bytes)
+    if (budget := plan.budget) is not None:
+        spare = budget.device_bytes - budget.reserve_bytes - plan.device_bytes
+        reserve = f"{size(budget.reserve_bytes)} reserved for activations and the KV cache"
+        totals.append(
+            ("device budget", f"{size(budget.device_bytes)} ({budget.source}): {reserve}, {size(spare)} spare")
+        )
+        if budget.host_bytes is not None:
+            pinned += f" of {size(budget.host_bytes)} (max_memory['cpu'])"
+    totals.append(("pinned host bytes", pinned))
+    per_forward = size(plan.streamed_bytes_per_forward)
+    if own:
+        per_forward += f" ({own} layer{'s' if own > 1 else ''} own a slot: copied once)"
+    totals.append(("streamed per forward", per_forward))
+    if plan.link_gbps is not None:
+        seconds = plan.transfer_seconds_per_forward
+        totals.append(("transfer per forward", f"{seconds * 1e3:.2f} ms at {plan.link_gbps:.1f} GB/s"))
+    return totals
+
+
+def render_text(plan: OffloadPlan) -> str:
+    """The plan as a fixed-width table: one row per layer, then the totals."""
+    widths = (32, 13, 11, 11, 4, 5)
+    rows = [[layer_row for layer_row in (_layer_row(ring, layer) for layer in ring.layers)] for ring in plan.rings]
+
+    def line(cells: Sequence[str]) -> str:
+        first, placement, *numbers = cells
+        right = " ".join(f"{cell:>{width}}" for cell, width in zip(numbers, widths[2:], strict=True))
+        return f"{first:<{widths[0]}} {placement:<{widths[1]}} {right}".rstrip()
+
+    text = [line(_HEADER)] + [line(row) for ring_rows in rows for row in ring_rows] + [""]
+    text += [f"{label:<22} {value}" for label, value in _totals(plan)]
+    return "\n".join(text)
+
+
+def render_html(plan: OffloadPlan) -> str:
+    """The plan as two HTML tables (Jupyter's rich display)."""
+    head = "".join(f"<th>{cell}</th>" for cell in _HEADER)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(cell)}</td>" for cell in _layer_row(ring, layer)) + "</tr>"
+        for ring in plan.rings
+        for layer in ring.layers
+    )
+    totals = "".join(
+        f"<tr><th>{html.escape(label)}</th><td>{html.escape(value)}</td></tr>" for label, value in _totals(plan)
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table><table><tbody>{totals}</tbody></table>"
+
+
+def format_bytes(num_bytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if abs(num_bytes) >= scale:
+            return f"{num_bytes / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{num_bytes / 2**10:.1f} KiB" if abs(num_bytes) >= 2**10 else f"{num_bytes} B"

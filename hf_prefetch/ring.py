@@ -1,0 +1,213 @@
+"""The bookkeeping of one ring (the streamed layers of one layer list): which layer each slot holds, the ring's state
+with respect to CUDA graphs, and the capture that is recording it.
+
+Pure bookkeeping: no streams, no copies, no CUDA. The engine drives it; every transition of a ring's state is written
+once, in `RingTransfers`, and every change of the slot table goes through `SlotTable`.
+
+[Note: slot reuse]
+*When may a slot be overwritten?* Only when the layer that last used it has been queued on the compute stream, and
+the copy is ordered after it. The post-forward hook of streamed layer k starts the copy of `next_in_slot(k)`: the next
+streamed layer, in cyclic order, that uses k's slot (`k + num_slots` while it exists, else the first layer of the next
+pass with that slot). With n streamed layers and n a multiple of `prefetch_step` this is vLLM's `(k + step) % n`;
+when it is not, vLLM's rule would copy into a slot whose current layer has not run yet (a miss each forward), while
+this one never does (tests/test_planner.py checks every n <= 9, step <= 4). A layer alone in its slot is its own
+next layer: it is copied once and keeps the slot.
+
+*Who owns a slot?* The slot table names, for each slot, the layer whose weights it holds or is receiving. A copy
+clears the owner, is issued, and only then names its layer (`SlotTable.claim`): an interrupt between any two
+bytecodes (Ctrl-C in a notebook) leaves a slot that nobody owns, never a half-written slot that claims a layer. A
+layer that runs while another owns its slot is a miss (see [Note: misses] in engine.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from .pool import BufferPool
+
+__all__ = ["SlotTable", "RingState", "CopyEvent", "Capture", "LayerCounters", "LayerTransfer", "RingTransfers"]
+
+
+class SlotTable:
+    """Which streamed layer (ring position) each slot of a ring holds or is receiving; None: nobody, or unknown."""
+
+    def __init__(self, num_slots: int) -> None:
+        self._owners: list[int | None] = [None] * num_slots
+
+    @property
+    def owners(self) -> tuple[int | None, ...]:
+        return tuple(self._owners)
+
+    def holds(self, slot: int, position: int) -> bool:
+        return self._owners[slot] == position
+
+    @contextmanager
+    def claim(self, slot: int, position: int) -> Iterator[None]:
+        """Around issuing a copy of layer `position` into `slot`: nobody owns the slot until the copy is issued."""
+        self._owners[slot] = None
+        yield
+        self._owners[slot] = position
+
+    def release(self, slot: int, position: int) -> None:
+        """Forget that `slot` holds `position` (its copy belongs to a graph that was never replayed, or was aborted)."""
+        if self._owners[slot] == position:
+            self._owners[slot] = None
+
+    def forget(self) -> None:
+        """Nobody owns any slot: every layer loads (or is copied) again before it runs."""
+        self._owners = [None] * len(self._owners)
+
+
+class RingState(Enum):
+    """A ring's state with respect to CUDA graphs. See [Note: compile and CUDA graphs] in engine.py.
+
+    EAGER: no graph has recorded this ring. Its forwards run the hooks in Python, which keep the slot table true.
+    CAPTURING: a CUDA-graph capture under way is recording this ring's forward (`RingTransfers.capture` is open).
+    SETTLED: a graph recorded this ring, and the slot table is true: since the last `prepare` the ring's last layer
+        released in Python, or the table was settled (forgotten where a replay may have moved the slots).
+    IN_FLIGHT: a graph recorded this ring, and a forward began (`prepare`) that may be a replay, which runs no Python
+        and leaves the ring's last layers in the slots: the table must be settled before it is trusted.
+    """
+
+    EAGER = "eager"
+    CAPTURING = "capturing"
+    SETTLED = "settled"
+    IN_FLIGHT = "in flight"
+
+
+class CopyEvent(Enum):
+    """What a layer's `done` event is."""
+
+    ON_STREAM = "on stream"  # recorded on a stream outside any graph: the compute stream may wait on it
+    IN_GRAPH = "in graph"  # recorded inside a capture: it belongs to the graph, outside it the layer has no copy
+    LANDED = "landed"  # no event: the copy landed before a capture that kept the layer in its slot for good
+
+
+@dataclass
+class Capture:
+    """One ring's part of a CUDA-graph capture, from the ring's first `wait` in it to its join (or its abort)."""
+
+    steady: bool  # each of the ring's first layers was in its slot, copied outside any graph, when it began
+    copies: set[int] = field(default_factory=set)  # positions whose copy this capture recorded
+
+
+@dataclass
+class LayerCounters:
+    """What happened to one streamed layer. Seconds are filled only when timing is on."""
+
+    copies: int = 0
+    copied_bytes: int = 0
+    misses: int = 0
+    copy_seconds: float = 0.0
+    stall_seconds: float = 0.0
+    compute_seconds: float = 0.0  # from the end of the layer's wait to the end of its forward
+
+
+@dataclass
+class LayerTransfer:
+    """The copies that bring one streamed layer into its slot: `device[i].copy_(host[i])`."""
+
+    host: list[torch.Tensor]  # host storage (pinned when the arena is), never moved or resized
+    device: list[torch.Tensor]  # this layer's buffers in its slot of the pool
+    slot: int
+    next_in_slot: int  # the layer (ring position) that takes over `slot` after this one ran
+    nbytes: int
+    # Recorded after this layer's latest copy; the compute stream waits on it before the layer runs. With timing on,
+    # every copy gets a fresh event so that late reads see the right copy. `event` says what it is.
+    done: torch.cuda.Event | None = None
+    event: CopyEvent = CopyEvent.ON_STREAM
+    counters: LayerCounters = field(default_factory=LayerCounters)
+    # With timing on: when the layer's forward began (a CUDA event on the compute stream, or perf_counter on CPU).
+    compute_begin: torch.cuda.Event | float | None = None
+
+
+@dataclass
+class RingTransfers:
+    """The streamed layers of one layer list in forward order, the pool slots they share, and their bookkeeping."""
+
+    layers: list[LayerTransfer]
+    pool: BufferPool
+    slots: SlotTable = field(init=False)
+    state: RingState = RingState.EAGER
+    capture: Capture | None = None
+
+    def __post_init__(self) -> None:
+        self.slots = SlotTable(self.pool.num_slots)
+
+    @property
+    def shares_slots(self) -> bool:
+        """More streamed layers than slots: layers take turns in the slots, so their contents move every forward."""
+        return len(self.layers) > self.pool.num_slots
+
+    @property
+    def num_first(self) -> int:
+        """How many of the ring's layers are in their slots when a complete forward ends (its first layers)."""
+        return min(self.pool.num_slots, len(self.layers))
+
+    def holds(self, position: int, capturing: bool = False) -> bool:
+        """Whether layer `position`'s weights are in (or on their way to) its slot. A copy only recorded in a capture
+        (its event belongs to the graph) put nothing there outside it: after an aborted capture that is a miss."""
+        layer = self.layers[position]
+        return self.slots.holds(layer.slot, position) and (capturing or layer.event is not CopyEvent.IN_GRAPH)
+
+    def missing_first_layers(self) -> list[int]:
+        """The ring's first layers that are not in their slots (outside a capture)."""
+        return [p for p in range(self.num_first) if not self.holds(p)]
+
+    # --- The state's transitions: every change of `state` and `capture` is one of these ----------------------------
+
+    def begin_capture(self) -> None:
+        """The ring's forward begins in a capture. What an earlier capture left unjoined (an exception while
+        recording) is forgotten first."""
+        self.abort_capture()
+        self.capture = Capture(steady=not self.missing_first_layers())
+        self.state = RingState.CAPTURING
+
+    def join_capture(self) -> None:
+        """The ring's last layer released in the capture. Until the graph is replayed the slots hold what they held
+        when the capture began, after a replay its last layers: the table is forgotten, and `finish` copies the first
+        layers after the capture and after each replay. With no more layers than slots nothing ever moves: if each
+        layer was in its slot when the capture began it keeps it, with nothing to wait for."""
+        steady = self.capture is not None and self.capture.steady
+        self.abort_capture()
+        self.state = RingState.SETTLED
+        if steady and not self.shares_slots:
+            for layer in self.layers:
+                layer.done, layer.event = None, CopyEvent.LANDED
+        else:
+            self.slots.forget()
+
+    def abort_capture(self) -> None:
+        """Forget a capture that never reached its join: slots claimed by copies it only recorded lose their owner.
+        The ring counts as recorded from then on (a conservative guess: a graph may hold part of its forward)."""
+        if self.capture is None:
+            return
+        for position, layer in enumerate(self.layers):
+            if layer.event is CopyEvent.IN_GRAPH:
+                self.slots.release(layer.slot, position)
+        self.capture = None
+        if self.state is RingState.CAPTURING:
+            self.state = RingState.SETTLED
+
+    def begin_forward(self) -> None:
+        """`prepare` ran: a forward begins, maybe a replay."""
+        if self.state is RingState.SETTLED:
+            self.state = RingState.IN_FLIGHT
+
+    def end_forward(self) -> None:
+        """The ring's last layer released in Python: the table is true."""
+        if self.state is RingState.IN_FLIGHT:
+            self.state = RingState.SETTLED
+
+    def settle(self) -> None:
+        """Make the table true after forwards that ran no Python: a replay leaves the ring's last layers in the slots
+        that take turns, so those are forgotten. Called before every use of the table outside a forward."""
+        if self.state is RingState.IN_FLIGHT:
+            if self.shares_slots:
+                self.slots.forget()
+            self.state = RingState.SETTLED

@@ -1,0 +1,157 @@
+"""The state a dispatch leaves on a model, and the small resolutions every entry point shares.
+
+`OffloadState` is what `dispatch_model` and the loaders set up and what `remove_offload`, `stats`, `reload_weights`
+and `sync_from_device` read. It lives here, not in `dispatch`, so that nothing imports `dispatch`. This module knows
+no plans' internals, streams or hooks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from .config import PrefetchConfig
+from .offload_config import UVAConfig, resolve_offload
+
+if TYPE_CHECKING:
+    from .changes import Journal
+    from .engine import PrefetchEngine
+    from .host import HostArena
+    from .placements import OffloadPlan
+
+__all__ = ["OffloadState", "Lifecycle", "OffloadedParam", "get_state", "resolve_device", "resolve_config"]
+
+STATE_ATTR = "_hf_prefetch_state"
+
+
+class Lifecycle(Enum):
+    """Where a dispatch stands. Only ATTACHED models compute; the others are half-done and finish on the next
+    `remove_offload` (or `dispatch_model`), which resumes the journal where it stopped."""
+
+    ATTACHING = "attaching"  # dispatch_model or a loader is changing the model
+    ATTACHED = "attached"  # dispatched: hooks, pool and host storage in place
+    DETACHING = "detaching"  # remove_offload (or a re-dispatch) is undoing the changes, keeping the weights' values
+    ROLLING_BACK = "rolling back"  # a failed dispatch is undoing every change, back to the model as it was given
+
+
+@dataclass
+class OffloadedParam:
+    """A parameter kept in host memory: the `nn.Parameter` and the host tensor that holds its value."""
+
+    full_name: str
+    param: nn.Parameter
+    host: torch.Tensor
+
+
+@dataclass(eq=False)
+class OffloadState:
+    """Everything a dispatch set up on a model. The journal holds every change it made, in order, with its undo."""
+
+    plan: OffloadPlan
+    device: torch.device
+    arena: HostArena
+    journal: Journal
+    offloaded: list[OffloadedParam] = field(default_factory=list)
+    engine: PrefetchEngine | None = None  # None with the UVA backend (no pool, no copies)
+    timing: bool = False
+    lifecycle: Lifecycle = Lifecycle.ATTACHING
+    target: torch.device | None = None  # where a removal moves the weights (kept while it is DETACHING)
+    finalizer: Any = None  # weakref.finalize that replays the journal when the model is collected while dispatched
+
+    def __deepcopy__(self, memo: dict) -> Any:
+        raise TypeError(
+            "copy.deepcopy of a model dispatched by hf_prefetch is not supported: its streamed parameters share "
+            "buffer slots and host storage with the original. Call hf_prefetch.remove_offload(model) (or "
+            "remove_offload(model, device='cpu')) first, copy, then dispatch each model."
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise TypeError(
+            "A model dispatched by hf_prefetch cannot be pickled (torch.save(model), pickle.dumps(model), "
+            "multiprocessing): its streamed parameters point at buffer slots shared between layers. Save the weights "
+            "with model.save_pretrained(folder) or torch.save(model.state_dict(), path) (both read host storage), or "
+            "call hf_prefetch.remove_offload(model, device='cpu') first."
+        )
+
+
+def get_state(model: nn.Module) -> OffloadState | None:
+    """The offload state of a dispatched model, or None.
+
+    Example:
+
+    ```python
+    >>> from torch import nn
+    >>> import hf_prefetch
+    >>> print(hf_prefetch.get_state(nn.Linear(2, 2)))
+    None
+
+    ```
+    """
+    return model.__dict__.get(STATE_ATTR)
+
+
+def resolve_device(device: str | int | torch.device | None) -> torch.device:
+    """The execution device: CUDA when available and not told otherwise, else the CPU."""
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device={device!r} is not a device; use 'cuda', 'cuda:0', 0 or 'cpu'.") from err
+    if resolved.type == "cpu":
+        return resolved
+    if resolved.type != "cuda":
+        raise ValueError(f"device={device!r}: hf_prefetch executes on 'cuda' or 'cpu' devices only.")
+    if not torch.cuda.is_available():
+        reason = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA driver or GPU was found"
+        raise ValueError(f"device={device!r} but CUDA is not available ({reason}). Pass device='cpu'.")
+    index = torch.cuda.current_device() if resolved.index is None else resolved.index
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}: there are only {torch.cuda.device_count()} CUDA device(s).")
+    return torch.device("cuda", index)
+
+
+def resolve_config(offload: Any, verb: str) -> PrefetchConfig:
+    """The prefetch config of a verb that runs prefetch only (the loaders, `plan` of a folder)."""
+    resolved = resolve_offload(offload)
+    if isinstance(resolved, UVAConfig):
+        raise ValueError(
+            f"offload='uva' works with hf_prefetch.dispatch_model only ({verb} runs prefetch): load the model in host "
+            "memory (e.g. with transformers), then call hf_prefetch.dispatch_model(model, UVAConfig(cpu_offload_gb="
+            "...)); hf_prefetch.plan(model, UVAConfig(...)) shows the plan."
+        )
+    return resolved
+
+
+_TAKES_DTYPE = {"from_pretrained", "load_checkpoint_and_dispatch", "plan"}
+
+
+def refuse_unknown_keywords(verb: str, keywords: dict[str, Any]) -> None:
+    """A clear error for keywords a verb does not take: config fields, and accelerate's and transformers' names."""
+    if not keywords:
+        return
+    from dataclasses import fields
+
+    given = sorted(keywords)
+    hints = []
+    for config_class in (PrefetchConfig, UVAConfig):
+        names = {f.name for f in fields(config_class)}
+        if chosen := [k for k in given if k in names]:
+            values = ", ".join(f"{k}={keywords[k]!r}" for k in chosen)
+            hints.append(
+                f"pass the configuration as an object: {verb}(..., hf_prefetch.{config_class.__name__}({values}))"
+            )
+    dtype = "dtype=" if verb in _TAKES_DTYPE else f"nothing: {verb} keeps the model's dtypes (convert it before)"
+    renames = {
+        "device_map": "device= (one execution device; hf_prefetch chooses what streams: max_memory= gives a budget)",
+        "torch_dtype": dtype,
+        "config": "offload= (a PrefetchConfig or UVAConfig)",
+        "low_cpu_mem_usage": "nothing: hf_prefetch always reads each tensor once into its final place",
+    }
+    hints += [f"{k}= is called {renames[k]} here" for k in given if k in renames]
+    hint = "; ".join(hints) or f"see help(hf_prefetch.{verb}) for the arguments it takes"
+    raise TypeError(f"{verb}() got unexpected keyword argument(s) {given}: {hint}.")
