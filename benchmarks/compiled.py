@@ -91,7 +91,7 @@ def main() -> None:
     peaks = []
     for pair in range(args.pairs):
         peaks.append(h2d_peak_gbps())
-        print(f"pair {pair} pinned H2D peak (1 GiB): {peaks[-1]:.1f} GB/s", flush=True)
+        print(f"pair {pair} pinned H2D peak: {peaks[-1]:.1f} GB/s", flush=True)
         for name, (model, cache, compiled) in systems.items():
             seconds, out = seconds_per_token(model, ids, cache, compiled)
             runs[name].append(seconds)

@@ -44,7 +44,9 @@ BUDGET_GIB = 9  # the GPU budget of the peer comparison (ANCHORS.md)
 
 def measure_system(model, ids, fields, prefill_lengths) -> dict:
     if fields is not None:
-        hf_prefetch.dispatch_model(model, device="cuda", offload=hf_prefetch.PrefetchConfig(**fields))
+        fields = dict(fields)
+        timing = fields.pop("timing", False)
+        hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**fields), device="cuda", timing=timing)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     state = hf_prefetch.get_state(model)
@@ -125,7 +127,7 @@ def main() -> None:
 
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  shape {args.shape}")
     peak = h2d_peak_gbps()
-    print(f"pinned H2D peak (1 GiB): {peak:.1f} GB/s")
+    print(f"pinned H2D peak: {peak:.1f} GB/s")
     model = build_model(shape=args.shape)
     ids = torch.randint(3, 1000, (1, 16), device="cuda")
     runs: dict[str, list[dict]] = {}

@@ -111,7 +111,7 @@ def main() -> None:
     args = parser.parse_args()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     peak = h2d_peak_gbps()
-    print(f"pinned H2D peak (1 GiB): {peak:.1f} GB/s")
+    print(f"pinned H2D peak: {peak:.1f} GB/s")
     model = build_model()
     runs: dict[str, list[dict]] = {system: [] for system in SYSTEMS}
     for round_index in range(args.rounds):

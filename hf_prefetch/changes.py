@@ -3,16 +3,18 @@
 [Note: the journal]
 A dispatch changes a model in many small steps: tensors moved to the device or into host storage, parameters pointed
 at buffer slots or mapped views, hooks attached, methods guarded, attributes set. Each step is made through a
-`Journal` method, which makes the change and records how to undo it. Steps are of two phases:
+`Journal` method, which records how to undo it and then makes it. Steps are of two phases:
 - PLACE steps move or recast weights (a parameter into host storage, a resident tensor onto the device, a loaded
   value swapped in). Only a failed dispatch undoes them (`Journal.unwind(Phase.PLACE)`), back to the model as given.
 - ATTACH steps wire the dispatch (pointers to slots, hooks, guards, `hf_device_map`). `remove_offload`, a
   re-dispatch, and the collection of a deleted model undo them (`Journal.unwind(Phase.ATTACH)`) and keep the weights'
   values where they are.
 Undoing runs the steps newest first, and removes a step from the journal only after its undo completed; every undo is
-idempotent. A KeyboardInterrupt (or any exception) that lands in the middle therefore leaves a journal that the next
-`remove_offload` or `dispatch_model` resumes, never a step done twice or skipped. Real Ctrl-C's are also held back
-for the length of each undo (`deferred_interrupts`).
+idempotent. Making a change follows the same rule the other way: its undo is recorded first, and is harmless on a
+change that was never made; a change of several steps in code hf_prefetch does not own (accelerate's hooks, torch's
+hook registration, `swap_tensors` and its flag) runs with Ctrl-C held back (`deferred_interrupts`), as each undo does.
+A KeyboardInterrupt (or any exception) that lands anywhere therefore leaves a journal that the next `remove_offload` or
+`dispatch_model` resumes, never a change left unrecorded, a step done twice or skipped.
 
 The journal holds modules by weak reference: the model holds its state, which holds the journal, and a strong
 reference back would keep a deleted model, its buffer pool and its pinned memory alive until the cyclic garbage
@@ -82,25 +84,33 @@ class Journal:
     def point(self, phase: Phase, param: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
         """`param.data = tensor`; undone by pointing it back at the tensor it had."""
         previous = param.data
-        param.data = tensor
         self.record(phase, what, lambda: setattr(param, "data", previous))
+        param.data = tensor
 
     def place(self, param: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
         """`param.data = tensor` for good (its old storage is dropped now); undone by copying the value back to the
         device it was on."""
         origin = param.device
-        param.data = tensor
         self.record(Phase.PLACE, what, lambda: _move(param, origin))
+        param.data = tensor
 
     def swap(self, tensor: torch.Tensor, value: torch.Tensor, what: str) -> None:
         """`torch.utils.swap_tensors(tensor, value)`: every name of a tied tensor sees the new contents."""
-        torch.utils.swap_tensors(tensor, value)
-        self.record(Phase.PLACE, what, lambda: torch.utils.swap_tensors(tensor, value))
+        swapped = [False]  # a second swap would redo the change: the undo swaps back only what was swapped
+
+        def undo() -> None:
+            if swapped[0]:
+                torch.utils.swap_tensors(tensor, value)
+                swapped[0] = False
+
+        self.record(Phase.PLACE, what, undo)
+        with deferred_interrupts():
+            torch.utils.swap_tensors(tensor, value)
+            swapped[0] = True
 
     def freeze(self, param: nn.Parameter, what: str) -> None:
         """`requires_grad=False` while dispatched (slot storage is shared between layers)."""
         flag = param.requires_grad
-        param.requires_grad_(False)
 
         def undo() -> None:
             # An inference tensor (a model built under torch.inference_mode) takes requires_grad only inside one.
@@ -108,6 +118,7 @@ class Journal:
                 param.requires_grad_(flag)
 
         self.record(Phase.ATTACH, what, undo)
+        param.requires_grad_(False)
 
     def move_tensors(self, model: nn.Module, device: torch.device, skip: set[int]) -> None:
         """Every parameter (but those in `skip`, by id) and buffer onto `device`; undone by moving them back."""
@@ -121,34 +132,39 @@ class Journal:
 
     def _set_buffer(self, module: nn.Module, name: str, value: torch.Tensor, what: str) -> None:
         previous, ref = module._buffers[name], weakref.ref(module)
-        module._buffers[name] = value
 
         def undo() -> None:
             if (owner := ref()) is not None:
                 owner._buffers[name] = previous
 
         self.record(Phase.PLACE, what, undo)
+        module._buffers[name] = value
 
     # --- Modules ----------------------------------------------------------------------------------------------------
 
     def hook(self, module: nn.Module, hook: ModelHook, what: str) -> None:
         """Attach an accelerate hook (chained after one already there); undone by detaching it alone."""
-        add_hook_to_module(module, hook, append=True)
         ref = weakref.ref(module)
         self.record(Phase.ATTACH, what, lambda: _remove_hook(ref(), hook))
+        with deferred_interrupts():  # add_hook_to_module sets several attributes
+            add_hook_to_module(module, hook, append=True)
 
-    def handle(self, handle: Any, what: str) -> None:
-        """A torch hook handle (`register_*_hook`); undone by `handle.remove()` (idempotent)."""
-        self.record(Phase.ATTACH, what, handle.remove)
+    def handle(self, register: Callable[[], Any], what: str) -> None:
+        """A torch hook that `register()` adds (`register_*_hook`, returning a handle); undone by `handle.remove()`
+        (idempotent). The journal registers it, so that no hook is ever added without the step that removes it."""
+        handles: list[Any] = []
+        self.record(Phase.ATTACH, what, lambda: [handle.remove() for handle in handles])
+        with deferred_interrupts():
+            handles.append(register())
 
     def set_attribute(self, module: nn.Module, name: str, value: Any, what: str) -> None:
-        """`module.<name> = value` in the instance's dict; undone by restoring what was there, or nothing."""
+        """`module.<name> = value` in the instance's dict; undone by restoring what was there, or nothing. A value set
+        since (`model.forward = torch.compile(model.forward)`) is someone else's: it is kept."""
         missing = object()
         previous, ref = module.__dict__.get(name, missing), weakref.ref(module)
-        module.__dict__[name] = value
 
         def undo() -> None:
-            if (owner := ref()) is None:
+            if (owner := ref()) is None or owner.__dict__.get(name, missing) is not value:
                 return
             if previous is missing:
                 owner.__dict__.pop(name, None)
@@ -156,6 +172,7 @@ class Journal:
                 owner.__dict__[name] = previous
 
         self.record(Phase.ATTACH, what, undo)
+        module.__dict__[name] = value
 
 
 def _move(param: torch.Tensor, device: torch.device) -> None:
@@ -169,6 +186,12 @@ def _remove_hook(module: nn.Module | None, hook: ModelHook) -> None:
     current = getattr(module, "_hf_hook", None)
     if current is hook:
         remove_hook_from_module(module)
+        # accelerate puts the class's forward back as the instance attribute `module.forward`, a bound method of the
+        # module: a reference cycle that keeps the layer (and its weights) alive after the model is deleted, until the
+        # cyclic garbage collector runs. The class's forward needs no attribute.
+        forward = module.__dict__.get("forward")
+        if getattr(forward, "__self__", None) is module and forward.__func__ is type(module).forward:
+            del module.__dict__["forward"]
     elif isinstance(current, SequentialHook) and hook in current.hooks:
         # accelerate has no call that removes one hook of a chain: `remove_hook_from_module` would detach the others
         # too (an AlignDevicesHook moves weights when detached). Keep the rest of the chain as it was.

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .budget import choose_plan, device_argument, parse_max_memory
-from .changes import Journal, Phase, move_tensors
+from .changes import Journal, Phase, deferred_interrupts, move_tensors
 from .config import PrefetchConfig, warn_at_caller
 from .engine import PrefetchEngine
 from .hooks import (
@@ -43,6 +43,8 @@ from .state import (
     OffloadedParam,
     OffloadState,
     get_state,
+    refuse_deepcopy,
+    refuse_pickle,
     refuse_unknown_keywords,
     resolve_device,
 )
@@ -176,7 +178,18 @@ def begin(
     """The first change of every dispatch: the model gets its state (lifecycle ATTACHING), so that from here on an
     interrupt leaves something `remove_offload` can finish. `journal`: changes made before (the loader's casts)."""
     state = OffloadState(plan, device, arena, journal if journal is not None else Journal(), timing=timing)
-    model.__dict__[STATE_ATTR] = state
+    gate, hooks = ForwardGate(state), state.gate_hooks
+    # The state arrives with its forward gate and leaves with it (`_end`), after everything else was undone: from the
+    # first change of a dispatch to the last step of its removal, a forward on the half-done model refuses to run.
+    with deferred_interrupts():
+        model.__dict__[STATE_ATTR] = state
+        # A deleted model is freed by reference counting, dispatched or half-way: its journal is replayed then, which
+        # detaches the hooks (an accelerate hook is a reference cycle through its module) and unpins the host
+        # storage. See [Note: the journal].
+        state.finalizer = weakref.finalize(model, _collected, state)
+        hooks.handle(partial(model.register_forward_pre_hook, gate.before), "forward gate (before)")
+        hooks.handle(partial(model.register_forward_hook, gate.after, always_call=True), "forward gate (after)")
+        hooks.set_attribute(model, "forward", gate.guard(model), "forward gate (interrupts)")
     return state
 
 
@@ -192,9 +205,6 @@ def attach(model: nn.Module, state: OffloadState) -> None:
     if state.engine is not None:
         state.engine.start()
     state.lifecycle = Lifecycle.ATTACHED
-    # A deleted model is freed by reference counting: its journal is replayed then, which detaches the hooks (an
-    # accelerate hook is a reference cycle through its module) and unpins the host storage. See [Note: the journal].
-    state.finalizer = weakref.finalize(model, _collected, journal, state.engine, state.arena)
     if not state.plan.saves_device_memory and state.plan.offloaded_bytes:
         warn_at_caller(
             f"This dispatch saves no device memory: its buffer pool ({format_bytes(state.plan.pool_bytes)}) is as "
@@ -231,9 +241,10 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
         for position, layer in enumerate(ring.streamed):
             hook = PrefetchHook(engine, engine_id, ring_index, position, layer.path)
             journal.hook(model.get_submodule(layer.path), hook, f"hook on {layer.path}")
-    write_throughs = _write_through_load_state_dict(model, state)
-    _gate_forwards(model, state, write_throughs)
-    journal.handle(model._register_state_dict_hook(host_values_in_state_dict), "state_dict reports host values")
+    state.write_throughs = _write_through_load_state_dict(model, state)
+    journal.handle(
+        partial(model._register_state_dict_hook, host_values_in_state_dict), "state_dict reports host values"
+    )
     _guard_moves(model, state)
 
 
@@ -250,23 +261,21 @@ def _attach_uva(model: nn.Module, state: OffloadState) -> None:
             journal.point(Phase.ATTACH, offloaded.param, view, f"{offloaded.full_name} mapped")
         _guard_moves(model, state)
     journal.move_tensors(model, state.device, skip=set())  # the views are on the device already
-    _gate_forwards(model, state, [])
-
-
-def _gate_forwards(model: nn.Module, state: OffloadState, write_throughs: list[WriteThrough]) -> None:
-    gate = ForwardGate(state, write_throughs)
-    state.journal.handle(model.register_forward_pre_hook(gate.before), "forward gate (before)")
-    state.journal.handle(model.register_forward_hook(gate.after, always_call=True), "forward gate (after)")
 
 
 def _guard_moves(model: nn.Module, state: OffloadState) -> None:
-    # `.to()`, `.half()` ... are refused on every module that owns or contains an offloaded parameter (`refuse_apply`).
+    # `.to()`, `.half()` ... (`refuse_apply`), `copy.deepcopy` and pickling are refused on every module that owns or
+    # contains an offloaded parameter: a copy of `model.model` would hold whatever the slots held, and hooks that copy
+    # into buffers it no longer points at.
     paths = {""}
     for offloaded in state.offloaded:
         parts = offloaded.full_name.split(".")[:-1]
         paths.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
     for path in sorted(paths):
-        state.journal.set_attribute(model.get_submodule(path), "_apply", refuse_apply, f"guard on {path or 'model'}")
+        module, where = model.get_submodule(path), path or "model"
+        state.journal.set_attribute(module, "_apply", refuse_apply, f"guard on {where}")
+        state.journal.set_attribute(module, "__deepcopy__", refuse_deepcopy, f"deepcopy refused on {where}")
+        state.journal.set_attribute(module, "__reduce_ex__", refuse_pickle, f"pickling refused on {where}")
 
 
 def _write_through_load_state_dict(model: nn.Module, state: OffloadState) -> list[WriteThrough]:
@@ -278,8 +287,8 @@ def _write_through_load_state_dict(model: nn.Module, state: OffloadState) -> lis
             under.setdefault(".".join(parts[:depth]), []).append(".".join(parts[depth:]))
     for path, names in under.items():
         refuse = partial(refuse_assign, names)
-        handle = model.get_submodule(path)._register_load_state_dict_pre_hook(refuse, with_module=True)
-        journal.handle(handle, f"assign refused on {path or 'model'}")
+        register = partial(model.get_submodule(path)._register_load_state_dict_pre_hook, refuse, with_module=True)
+        journal.handle(register, f"assign refused on {path or 'model'}")
 
     by_name = {o.full_name: o for o in state.offloaded}
     owned: dict[nn.Module, list[Streamed]] = {}
@@ -293,8 +302,9 @@ def _write_through_load_state_dict(model: nn.Module, state: OffloadState) -> lis
     write_throughs = []
     for module, streamed in owned.items():
         write_through = WriteThrough(state.engine, streamed)
-        journal.handle(module._register_load_state_dict_pre_hook(write_through.before, with_module=True), "write")
-        journal.handle(module.register_load_state_dict_post_hook(write_through.after), "write-through done")
+        register = partial(module._register_load_state_dict_pre_hook, write_through.before, with_module=True)
+        journal.handle(register, "write")
+        journal.handle(partial(module.register_load_state_dict_post_hook, write_through.after), "write-through done")
         write_throughs.append(write_through)
     return write_throughs
 
@@ -365,8 +375,6 @@ def _finish_interrupted(model: nn.Module, state: OffloadState) -> None:
 
 def _quiesce(state: OffloadState) -> None:
     # No copy may still read host storage about to be released, and (UVA) no kernel may still read host memory.
-    if state.finalizer is not None:
-        state.finalizer.detach()
     if state.engine is not None:
         state.engine.synchronize()
     elif state.device.type == "cuda":
@@ -374,18 +382,22 @@ def _quiesce(state: OffloadState) -> None:
 
 
 def _end(model: nn.Module, state: OffloadState) -> None:
+    with deferred_interrupts():  # the state leaves with its forward gate and its finalizer (see `begin`)
+        state.finalizer.detach()
+        state.arena.release()
+        state.offloaded = []
+        state.gate_hooks.unwind(Phase.ATTACH)
+        if model.__dict__.get(STATE_ATTR) is state:
+            del model.__dict__[STATE_ATTR]
+
+
+def _collected(state: OffloadState) -> None:
+    # The model was deleted while dispatched, or half-way (see `begin`): nothing may read host storage once it is
+    # released.
+    if state.engine is not None:
+        state.engine.synchronize()
+    state.journal.unwind(Phase.ATTACH)
     state.arena.release()
-    state.offloaded = []
-    if model.__dict__.get(STATE_ATTR) is state:
-        del model.__dict__[STATE_ATTR]
-
-
-def _collected(journal: Journal, engine: PrefetchEngine | None, arena: HostArena) -> None:
-    # The model was deleted while dispatched (see `attach`): nothing may read host storage once it is released.
-    if engine is not None:
-        engine.synchronize()
-    journal.unwind(Phase.ATTACH)
-    arena.release()
 
 
 def _check_materialized(model: nn.Module) -> None:

@@ -12,7 +12,10 @@ Policy lives in the plan and the engine, not here.
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -60,7 +63,8 @@ class PrefetchHook(ModelHook):
 
 class ForwardGate:
     """The model's forward pre-hook and forward hook (registered with `always_call=True`, so the hook runs when the
-    forward raises too).
+    forward raises too), and a `forward` that releases the gate when a KeyboardInterrupt leaves the forward (`guard`).
+    They live as long as the dispatch's state, from its first change to the last step of its removal.
 
     - One forward at a time: a second thread's forward waits for the first to end (the slots hold one forward's
       layers at a time, so interleaved forwards would compute with each other's weights). Re-entrant in one thread.
@@ -70,9 +74,8 @@ class ForwardGate:
       replay); pending write-throughs of an interrupted `load_state_dict` are completed first.
     """
 
-    def __init__(self, state: OffloadState, write_throughs: list[WriteThrough]) -> None:
+    def __init__(self, state: OffloadState) -> None:
         self._state = state
-        self._write_throughs = write_throughs
         self._lock = threading.RLock()
         self._depth = threading.local()
 
@@ -81,6 +84,32 @@ class ForwardGate:
 
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
         _outside_any_graph(self._exit)
+
+    def guard(self, module: nn.Module) -> Callable[..., Any]:
+        """A `forward` for the module's instance dict that releases the gate when a BaseException that is not an
+        Exception (a KeyboardInterrupt) leaves the forward: torch runs an `always_call` hook for an Exception only, and
+        a gate left held by one thread would block every other thread's forward for good."""
+        inner = module.__dict__.get("forward")  # a forward set on the instance before, else the class's
+        # Weak references: the module holds this function, and so does the journal that removes it (through the state,
+        # which the gate holds): strong ones would be cycles that keep a deleted model alive.
+        module_ref, close = weakref.ref(module), weakref.WeakMethod(self._exit)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            try:
+                if inner is not None:
+                    return inner(*args, **kwargs)
+                owner = module_ref()
+                return type(owner).forward(owner, *args, **kwargs)
+            except Exception:
+                raise  # the forward hook releases the gate
+            except BaseException:
+                if (exit_gate := close()) is not None:  # else the dispatch was removed, with its gate
+                    _outside_any_graph(exit_gate)
+                raise
+
+        functools.update_wrapper(forward, inner if inner is not None else type(module).forward)
+        forward.__signature__ = inspect.signature(module.forward)  # without `self`: generate() reads the arguments
+        return forward
 
     def _enter(self) -> None:
         state = self._state
@@ -92,7 +121,7 @@ class ForwardGate:
         self._lock.acquire()
         self._depth.value = getattr(self._depth, "value", 0) + 1
         try:
-            for write_through in self._write_throughs:
+            for write_through in state.write_throughs:
                 write_through.complete()
             if state.engine is not None:
                 state.engine.prepare()

@@ -8,6 +8,17 @@ byte offsets and layouts; it knows nothing about models or streams.
 Before allocating, the arena checks the host's limits (`host_limits`): an arena larger than what the container's memory
 cgroup still allows is refused with a ValueError that says so, instead of the process being killed for memory midway
 through the load; one larger than MemAvailable gets a warning.
+
+[Note: UVA lifetime]
+With the UVA backend every kernel reads offloaded weights from the arena's pages over the bus: `map` asks the runtime
+for the device address of the registered range (`cudaHostGetDevicePointer`) and wraps it as one uint8 CUDA tensor;
+parameters are dtype views of it at the arena's offsets. The pages are registered under the execution device (the
+pointer's attributes name the device current at registration), so `pin` runs under `torch.cuda.device(device)`.
+*When may the pages be unregistered?* Only when no kernel can read them any more: a read of an unregistered address is
+an illegal-address fault that poisons the CUDA context, not a stale value. So the mapped tensor's storage holds the
+arena, and with it the registration (its finalizer unregisters) lives as long as any view, including one a user took
+from `param.data`; `release()` on an arena whose views are alive does nothing; and a removal first synchronizes the
+device, points the parameters back at their host tensors, then releases the arena.
 """
 
 from __future__ import annotations
@@ -334,7 +345,7 @@ class HostArena:
         `torch.cuda.device(device)`: registered memory belongs to the device current when it was registered.
 
         The tensor's storage keeps the arena alive, so the pages stay registered while any view of it lives; a
-        `release()` meanwhile leaves them to the arena's finalizer. See [Note: UVA lifetime] in docs/design.md.
+        `release()` meanwhile leaves them to the arena's finalizer. See [Note: UVA lifetime].
         """
         if not self.pinned:
             raise RuntimeError(

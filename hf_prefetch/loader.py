@@ -283,9 +283,34 @@ def _build_empty(model_class: type, config: Any, dtype: torch.dtype) -> nn.Modul
     # Parameters on the meta device, buffers real: non-persistent buffers (rotary tables, ...) are computed by the
     # modules' own __init__, under the same default dtype as transformers' from_pretrained uses.
     with init_empty_weights(include_buffers=False):
-        if hasattr(model_class, "from_config"):  # an Auto class
+        if not hasattr(model_class, "from_config"):
+            return model_class._from_config(config, dtype=dtype)
+        try:  # an Auto class
             return model_class.from_config(config, dtype=dtype)
-        return model_class._from_config(config, dtype=dtype)
+        except ValueError as err:
+            if "Unrecognized configuration class" not in str(err):
+                raise
+            raise ValueError(_auto_class_hint(model_class, config)) from None
+
+
+def _auto_class_hint(model_class: type, config: Any) -> str:
+    # transformers' own message lists every model type the Auto class knows (thousands of characters): name the
+    # Auto classes that do know this config instead.
+    import transformers
+
+    fitting = [
+        name
+        for name in ("AutoModelForSeq2SeqLM", "AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoModel")
+        if type(config) in getattr(transformers, name)._model_mapping
+    ]
+    architectures = getattr(config, "architectures", None) or []
+    hint = f"pass model_class=transformers.{fitting[0]}" if fitting else "pass its model class as model_class="
+    if architectures:
+        hint += f" (its config.json names {architectures})"
+    return (
+        f"{model_class.__name__} cannot build a {type(config).__name__} (model_type={config.model_type!r}): {hint}, "
+        f"e.g. hf_prefetch.from_pretrained(path, model_class=transformers.{fitting[0] if fitting else 'AutoModel'})."
+    )
 
 
 def _auto_dtype(dtype: Any, config: Any, checkpoint: Checkpoint) -> torch.dtype:

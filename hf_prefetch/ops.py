@@ -6,7 +6,7 @@ compiler, run with their real arguments each time the compiled code runs, and or
 declares that it mutates an anchor tensor (the layer's input for `wait`, its output for `release`), so every kernel
 that reads the anchor afterwards runs after the op, and the op runs after every kernel that wrote it. Under CUDA-graph
 capture the ops run once, while the graph is recorded; their copies and event waits become part of the graph. See
-[Note: compile and CUDA graphs] in docs/design.md.
+[Note: compile and CUDA graphs] in engine.py.
 
 This module only maps an engine id to its engine; it knows nothing about models or hooks.
 """

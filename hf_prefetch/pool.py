@@ -1,7 +1,7 @@
 """The static device buffer pool: `num_slots` buffers for each distinct (name, shape, stride, dtype).
 
-Allocated once; offloaded parameters point at their slot's buffers for good. Each slot records which layer's weights
-it holds or is receiving (its owner). The pool knows nothing about models, streams or copies.
+Allocated once; offloaded parameters point at their slot's buffers for good. Which layer a slot holds is the ring's
+`SlotTable` (ring.py). The pool knows nothing about models, streams or copies.
 """
 
 from __future__ import annotations
@@ -38,8 +38,6 @@ class BufferPool:
             self._buffers[key] = [
                 torch.empty_strided(shape, stride, dtype=dtype, device=device) for _ in range(num_slots)
             ]
-        # owners[s]: the layer whose weights slot s holds or is receiving; None before the first copy.
-        self.owners: list[int | None] = [None] * num_slots
 
     def buffer(self, key: PoolKey, slot: int) -> torch.Tensor:
         return self._buffers[key][slot]

@@ -79,7 +79,7 @@ def _totals(plan: OffloadPlan) -> list[tuple[str, str]]:
     totals.append(("pinned host bytes", pinned))
     per_forward = size(plan.streamed_bytes_per_forward)
     if own:
-        per_forward += f" ({own} layer{'s' if own > 1 else ''} own a slot: copied once)"
+        per_forward += f" ({own} layer{'s own' if own > 1 else ' owns'} a slot: copied once)"
     totals.append(("streamed per forward", per_forward))
     if plan.link_gbps is not None:
         seconds = plan.transfer_seconds_per_forward

@@ -14,16 +14,26 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .changes import Journal
 from .config import PrefetchConfig
 from .offload_config import UVAConfig, resolve_offload
 
 if TYPE_CHECKING:
-    from .changes import Journal
     from .engine import PrefetchEngine
+    from .hooks import WriteThrough
     from .host import HostArena
     from .placements import OffloadPlan
 
-__all__ = ["OffloadState", "Lifecycle", "OffloadedParam", "get_state", "resolve_device", "resolve_config"]
+__all__ = [
+    "OffloadState",
+    "Lifecycle",
+    "OffloadedParam",
+    "get_state",
+    "resolve_device",
+    "resolve_config",
+    "refuse_deepcopy",
+    "refuse_pickle",
+]
 
 STATE_ATTR = "_hf_prefetch_state"
 
@@ -60,22 +70,39 @@ class OffloadState:
     timing: bool = False
     lifecycle: Lifecycle = Lifecycle.ATTACHING
     target: torch.device | None = None  # where a removal moves the weights (kept while it is DETACHING)
-    finalizer: Any = None  # weakref.finalize that replays the journal when the model is collected while dispatched
+    finalizer: Any = None  # weakref.finalize that replays the journal when the model is collected (set by `begin`)
+    # The forward gate's hooks (hooks.py): they arrive with the state and leave with it, after everything else was
+    # undone (see `dispatch.begin`), so that a half-done model refuses to compute until the end of its removal.
+    gate_hooks: Journal = field(default_factory=Journal)
+    write_throughs: list[WriteThrough] = field(default_factory=list)  # completed by the gate before each forward
 
     def __deepcopy__(self, memo: dict) -> Any:
-        raise TypeError(
-            "copy.deepcopy of a model dispatched by hf_prefetch is not supported: its streamed parameters share "
-            "buffer slots and host storage with the original. Call hf_prefetch.remove_offload(model) (or "
-            "remove_offload(model, device='cpu')) first, copy, then dispatch each model."
-        )
+        refuse_deepcopy(memo)
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise TypeError(
-            "A model dispatched by hf_prefetch cannot be pickled (torch.save(model), pickle.dumps(model), "
-            "multiprocessing): its streamed parameters point at buffer slots shared between layers. Save the weights "
-            "with model.save_pretrained(folder) or torch.save(model.state_dict(), path) (both read host storage), or "
-            "call hf_prefetch.remove_offload(model, device='cpu') first."
-        )
+        refuse_pickle(protocol)
+
+
+# Also set as `__deepcopy__` and `__reduce_ex__` on every module that owns or contains an offloaded parameter (both are
+# looked up on the instance), so that copying a part of a dispatched model (`model.model`, a streamed layer) refuses
+# too: its copy would hold the slots' current contents and hooks that copy into buffers it no longer points at.
+def refuse_deepcopy(memo: Any) -> Any:
+    raise TypeError(
+        "copy.deepcopy of a model dispatched by hf_prefetch, or of a module of it that holds offloaded parameters, is "
+        "not supported: its streamed parameters share buffer slots and host storage with the original. Call "
+        "hf_prefetch.remove_offload(model) (or remove_offload(model, device='cpu')) first, copy, then dispatch each "
+        "model."
+    )
+
+
+def refuse_pickle(protocol: Any) -> Any:
+    raise TypeError(
+        "A model dispatched by hf_prefetch, or a module of it that holds offloaded parameters, cannot be pickled or "
+        "copied (torch.save(model), pickle.dumps(model), copy.copy, multiprocessing): its streamed parameters point "
+        "at buffer slots shared between layers. Save the weights with model.save_pretrained(folder) or "
+        "torch.save(model.state_dict(), path) (both read host storage), or call "
+        "hf_prefetch.remove_offload(model, device='cpu') first."
+    )
 
 
 def get_state(model: nn.Module) -> OffloadState | None:
@@ -120,7 +147,8 @@ def resolve_config(offload: Any, verb: str) -> PrefetchConfig:
     resolved = resolve_offload(offload)
     if isinstance(resolved, UVAConfig):
         raise ValueError(
-            f"offload='uva' works with hf_prefetch.dispatch_model only ({verb} runs prefetch): load the model in host "
+            f"The UVA backend (offload='uva' or a UVAConfig) works with hf_prefetch.dispatch_model only ({verb} runs "
+            "prefetch): load the model in host "
             "memory (e.g. with transformers), then call hf_prefetch.dispatch_model(model, UVAConfig(cpu_offload_gb="
             "...)); hf_prefetch.plan(model, UVAConfig(...)) shows the plan."
         )
@@ -145,13 +173,13 @@ def refuse_unknown_keywords(verb: str, keywords: dict[str, Any]) -> None:
             hints.append(
                 f"pass the configuration as an object: {verb}(..., hf_prefetch.{config_class.__name__}({values}))"
             )
-    dtype = "dtype=" if verb in _TAKES_DTYPE else f"nothing: {verb} keeps the model's dtypes (convert it before)"
+    dtype = "is called dtype= here" if verb in _TAKES_DTYPE else f"has no use: {verb} keeps the model's dtypes"
     renames = {
-        "device_map": "device= (one execution device; hf_prefetch chooses what streams: max_memory= gives a budget)",
+        "device_map": "is called device= here (one execution device; max_memory= gives a budget)",
         "torch_dtype": dtype,
-        "config": "offload= (a PrefetchConfig or UVAConfig)",
-        "low_cpu_mem_usage": "nothing: hf_prefetch always reads each tensor once into its final place",
+        "config": "is called offload= here (a PrefetchConfig or UVAConfig)",
+        "low_cpu_mem_usage": "has no use: hf_prefetch always reads each tensor once into its final place",
     }
-    hints += [f"{k}= is called {renames[k]} here" for k in given if k in renames]
+    hints += [f"{k}= {renames[k]}" for k in given if k in renames]
     hint = "; ".join(hints) or f"see help(hf_prefetch.{verb}) for the arguments it takes"
     raise TypeError(f"{verb}() got unexpected keyword argument(s) {given}: {hint}.")

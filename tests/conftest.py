@@ -1,5 +1,10 @@
+from __future__ import annotations
+
+from types import SimpleNamespace
+
 import pytest
 import torch
+from models import prompt, tiny_llama
 
 
 def pytest_collection_modifyitems(config, items):
@@ -9,3 +14,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def llama_reference():
+    """A tiny 8-layer Llama, never dispatched and never changed (copy it before changing it), with its prompt, its
+    logits and a copy of its state dict: `.model`, `.ids`, `.logits`, `.state`."""
+    model = tiny_llama(8)
+    ids = prompt()
+    with torch.no_grad():
+        logits = model(ids).logits
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    return SimpleNamespace(model=model, ids=ids, logits=logits, state=state)

@@ -58,3 +58,13 @@ def test_warns_once_when_copies_have_nothing_to_hide_behind():
     assert len(messages) == 1
     assert "num_in_group=5" in messages[0]
     assert not any("prefetch_step=2" in str(w.message) for w in caught)
+
+
+def test_the_warning_points_at_the_callers_line():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        PrefetchConfig(group_size=8, num_in_group=7, prefetch_step=6)  # this line
+    (warning,) = [w for w in caught if "prefetch_step=6" in str(w.message)]
+    assert warning.filename == __file__
+    with open(__file__) as source:
+        assert "# this line" in source.readlines()[warning.lineno - 1]

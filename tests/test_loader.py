@@ -404,3 +404,16 @@ def test_argument_errors(saved):
     with pytest.raises(TypeError, match=r"device_map= is called device=.*torch_dtype= is called dtype="):
         hf_prefetch.from_pretrained(folder, device_map="auto", torch_dtype=torch.bfloat16)
     json.loads((folder / "config.json").read_text())  # untouched
+
+
+def test_a_seq2seq_checkpoint_names_the_auto_class_to_pass(tmp_path):
+    from transformers import AutoModelForSeq2SeqLM, T5Config, T5ForConditionalGeneration
+
+    config = T5Config(d_model=32, d_ff=64, num_layers=2, num_heads=2, d_kv=16, vocab_size=64)
+    T5ForConditionalGeneration(config).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"pass model_class=transformers.AutoModelForSeq2SeqLM") as caught:
+        hf_prefetch.from_pretrained(tmp_path, device="cpu")
+    assert len(str(caught.value)) < 400  # not transformers' list of every model type
+    model = hf_prefetch.from_pretrained(tmp_path, device="cpu", model_class=AutoModelForSeq2SeqLM)
+    assert type(model).__name__ == "T5ForConditionalGeneration"
+    hf_prefetch.remove_offload(model)

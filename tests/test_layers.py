@@ -1,0 +1,169 @@
+"""The walk over a model's layer lists (hf_prefetch/layers.py): what tests/test_planner.py does not check (nested and
+mixed lists, `resolve_layer_lists`, each candidate parameter's exact layout and flags, `model_bytes`)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import tiny_llama
+from torch import nn
+
+from hf_prefetch.layers import candidate_layers, find_layer_lists, model_bytes, resolve_layer_lists
+from hf_prefetch.placements import Placement
+
+
+class Block(nn.Module):
+    def __init__(self, width: int = 4, inner: int = 0) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        if inner:
+            self.inner = nn.ModuleList(Block(width) for _ in range(inner))  # a list of blocks inside a block
+
+
+class Net(nn.Module):
+    _no_split_modules = ["Block"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.ModuleList([Block(inner=2), Block()])
+        self.empty = nn.ModuleList()
+        self.mixed = nn.ModuleList([Block(), nn.Linear(4, 4)])
+        self.decoder = nn.Sequential(nn.ModuleList([Block(), Block(), Block()]))
+        self.head = nn.Linear(4, 2)
+
+
+def test_find_layer_lists_takes_the_outermost_lists_of_blocks_only():
+    # Not encoder.0.inner (inside a found list), not the empty list, not the list that mixes blocks with a Linear.
+    assert find_layer_lists(Net()) == ["encoder", "decoder.0"]
+
+
+def test_a_model_without_no_split_modules_has_no_layer_list():
+    model = nn.Sequential(nn.ModuleList([nn.Linear(2, 2)]))
+    with pytest.raises(ValueError, match=r"Found no layer list in Sequential.*classes \[\].*'0' \(1 x Linear\)"):
+        find_layer_lists(model)
+
+
+@pytest.mark.parametrize(
+    "layers, expected",
+    [
+        (None, ["encoder", "decoder.0"]),
+        ("mixed", ["mixed"]),  # named explicitly, any ModuleList is taken
+        (["decoder.0", "encoder.0.inner"], ["decoder.0", "encoder.0.inner"]),  # in the given order
+        (("encoder",), ["encoder"]),
+    ],
+)
+def test_resolve_layer_lists(layers, expected):
+    assert resolve_layer_lists(Net(), layers) == expected
+
+
+@pytest.mark.parametrize(
+    "layers, match",
+    [
+        ([], r"layers=\[\] names no layer list; pass None to find them"),
+        ("head", r"layers='head' is not a ModuleList of Net\. ModuleLists in this model: 'encoder' \(2 x Block\)"),
+        ("decoder", r"layers='decoder' is not a ModuleList"),  # a Sequential holding one
+        (["encoder", "nothing.here"], r"layers='nothing\.here' is not a ModuleList"),
+    ],
+)
+def test_resolve_layer_lists_errors(layers, match):
+    with pytest.raises(ValueError, match=match):
+        resolve_layer_lists(Net(), layers)
+
+
+def test_candidates_are_every_parameter_of_every_layer_with_its_layout(llama_reference):
+    model = llama_reference.model
+    found = candidate_layers(model, frozenset({"mlp"}), None)
+    assert list(found) == ["model.layers"]
+    layers = found["model.layers"]
+    assert [(c.path, c.index) for c in layers] == [(f"model.layers.{i}", i) for i in range(8)]
+    for candidate, layer in zip(layers, model.model.layers, strict=True):
+        params = dict(layer.named_parameters())
+        assert [c.spec.name for c in candidate.params] == list(params)
+        for c in candidate.params:
+            param = params[c.spec.name]
+            assert c.param is param and not c.shared
+            assert (c.spec.shape, c.spec.stride, c.spec.dtype) == (tuple(param.shape), param.stride(), param.dtype)
+            assert c.spec.nbytes == param.numel() * param.element_size()
+            assert c.spec.placement is Placement.RESIDENT
+            assert c.matched is c.spec.name.startswith("mlp.")
+        assert candidate.matched
+        assert candidate.streamable() == {id(p) for n, p in params.items() if n.startswith("mlp.")}
+
+
+def test_a_layer_plan_of_the_chosen_parameters(llama_reference):
+    candidate = candidate_layers(llama_reference.model, frozenset(), "model.layers")["model.layers"][2]
+    up = candidate.params[[c.spec.name for c in candidate.params].index("mlp.up_proj.weight")]
+    plan = candidate.placed(Placement.STREAMED, {id(up.param)})
+    assert (plan.path, plan.index) == ("model.layers.2", 2)
+    assert [s.name for s in plan.offloaded] == ["mlp.up_proj.weight"] and plan.streamed
+    assert plan.offloaded_bytes == up.spec.nbytes
+    assert plan.resident_bytes == sum(c.spec.nbytes for c in candidate.params) - up.spec.nbytes
+    assert candidate.resident().offloaded == () and not candidate.resident().streamed
+
+
+def test_segments_that_match_nothing_in_a_layer():
+    candidate = candidate_layers(Net(), frozenset({"attn"}), "encoder")["encoder"][1]
+    assert not candidate.matched and candidate.streamable() == set()
+
+
+def test_a_parameter_reachable_under_two_names_is_shared_and_never_streamable():
+    model = tiny_llama(4)
+    shared = model.model.layers[1].mlp.down_proj.weight
+    model.model.layers[3].mlp.down_proj.weight = shared  # tied across layers
+    model.model.layers[2].extra = model.model.layers[2].mlp.up_proj  # a module reused under a second name
+    layers = candidate_layers(model, frozenset(), None)["model.layers"]
+    flags = {(c.index, p.spec.name): p.shared for c in layers for p in c.params}
+    assert flags[1, "mlp.down_proj.weight"] and flags[3, "mlp.down_proj.weight"]
+    assert flags[2, "mlp.up_proj.weight"] and not flags[2, "mlp.gate_proj.weight"]
+    assert id(shared) not in layers[1].streamable() | layers[3].streamable()
+    assert id(model.model.layers[2].mlp.up_proj.weight) not in layers[2].streamable()
+    assert sum(not p.shared for c in layers for p in c.params) == 4 * 9 - 3
+    # The layer owns the reused module once: its parameters are listed under one name.
+    assert [p.spec.name for p in layers[2].params].count("mlp.up_proj.weight") == 1
+
+
+class Layouts(nn.Module):
+    _no_split_modules = ["Layout"]
+
+
+class Layout(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.transposed = nn.Parameter(torch.zeros(3, 5).t())  # dense, permuted: kept as it is
+        self.gaps = nn.Parameter(torch.zeros(4, 6)[:, ::2])  # every second column: stored contiguously
+        self.column = nn.Parameter(torch.zeros(6, 4)[:, 1:2])  # one column of four: gaps
+        self.row = nn.Parameter(torch.zeros(2, 6)[:1])  # one row of two: dense (a size-1 dim's stride is free)
+        self.fp16 = nn.Parameter(torch.zeros(2, 3, dtype=torch.float16))
+
+
+def test_a_dense_layout_is_kept_and_one_with_gaps_is_made_contiguous():
+    model = Layouts()
+    model.layers = nn.ModuleList([Layout()])
+    layer = candidate_layers(model, frozenset(), None)["layers"][0]
+    specs = {c.spec.name: c.spec for c in layer.params}
+    assert (specs["transposed"].shape, specs["transposed"].stride) == ((5, 3), (1, 5))
+    assert (specs["gaps"].shape, specs["gaps"].stride) == ((4, 3), (3, 1))
+    assert (specs["column"].shape, specs["column"].stride) == ((6, 1), (1, 1))
+    assert (specs["row"].shape, specs["row"].stride) == ((1, 6), (6, 1))
+    assert specs["fp16"].dtype == torch.float16
+    # Bytes of the values, not of the storage they are a view of.
+    assert [specs[n].nbytes for n in ("transposed", "gaps", "column", "row", "fp16")] == [60, 48, 24, 24, 12]
+
+
+def test_model_bytes_counts_every_parameter_and_buffer_once():
+    model = nn.Module()
+    model.a = nn.Linear(4, 3)  # 12 + 3 floats
+    model.b = nn.Linear(4, 3, bias=False)
+    model.b.weight = model.a.weight  # tied: counted once
+    model.register_buffer("persistent", torch.zeros(5, dtype=torch.float64))
+    model.register_buffer("computed", torch.zeros(2, dtype=torch.int8), persistent=False)
+    assert model_bytes(model) == (12 + 3) * 4 + 5 * 8 + 2
+
+
+def test_model_bytes_of_a_meta_model_matches_the_real_one(llama_reference):
+    with torch.device("meta"):
+        meta = tiny_llama(8)
+    real = llama_reference.model
+    expected = sum(p.numel() * p.element_size() for p in real.parameters())
+    expected += sum(b.numel() * b.element_size() for b in real.buffers())
+    assert model_bytes(meta) == model_bytes(real) == expected
