@@ -25,8 +25,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import hf_prefetch  # noqa: E402
 from common import build_model, decode_seconds_per_token, h2d_peak_gbps, prefill_seconds, save_results  # noqa: E402
+
+import hf_prefetch  # noqa: E402
 
 PREVIOUS = "hf_prefetch_prev"
 

@@ -242,10 +242,20 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
             hook = PrefetchHook(engine, engine_id, ring_index, position, layer.path)
             journal.hook(model.get_submodule(layer.path), hook, f"hook on {layer.path}")
     state.write_throughs = _write_through_load_state_dict(model, state)
-    journal.handle(
-        partial(model._register_state_dict_hook, host_values_in_state_dict), "state_dict reports host values"
-    )
+    _report_host_values(model, state)
     _guard_moves(model, state)
+
+
+def _report_host_values(model: nn.Module, state: OffloadState) -> None:
+    # A `state_dict()` hook on each module that owns a streamed parameter, so that the module's own `state_dict()`
+    # (and every module's above it) reports the host value, not the slot (which holds whichever layer ran last).
+    owned: dict[str, dict[str, torch.Tensor]] = {}
+    for offloaded in state.offloaded:
+        module_path, _, name = offloaded.full_name.rpartition(".")
+        owned.setdefault(module_path, {})[name] = offloaded.host
+    for module_path, hosts in owned.items():
+        module, hook = model.get_submodule(module_path), partial(host_values_in_state_dict, hosts)
+        state.journal.handle(partial(module._register_state_dict_hook, hook), f"state_dict of {module_path}")
 
 
 def _attach_uva(model: nn.Module, state: OffloadState) -> None:

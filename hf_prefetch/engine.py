@@ -267,12 +267,12 @@ class PrefetchEngine:
         self._settle()
 
     def invalidate(self, ring: int | None = None, position: int | None = None) -> None:
-        """Host storage is about to be rewritten: forget the slot of layer `position` of `ring` (of every layer when
-        None). Done before the write, so that an interrupt anywhere after it leaves a layer that loads its new values
+        """Host storage is about to be rewritten: forget the slot of layer `position` of `ring` (every slot of `ring`
+        when `position` is None, of every ring when `ring` is None). Done before the write, so that an interrupt anywhere after it leaves a layer that loads its new values
         (a miss), never one that computes with its old ones."""
         self._settle()
         for index, transfers in enumerate(self.rings):
-            if ring is None:
+            if ring is None or (index == ring and position is None):
                 transfers.slots.forget()
             elif index == ring:
                 transfers.slots.release(transfers.layers[position].slot, position)

@@ -25,7 +25,7 @@ from torch import nn
 
 from . import ops  # noqa: F401  (registers torch.ops.hf_prefetch)
 from .engine import PrefetchEngine
-from .state import Lifecycle, OffloadedParam, OffloadState, get_state
+from .state import Lifecycle, OffloadedParam, OffloadState
 
 __all__ = ["PrefetchHook", "ForwardGate", "WriteThrough", "refuse_assign", "refuse_apply", "host_values_in_state_dict"]
 
@@ -213,15 +213,14 @@ def _tensors(value):
 # --- state_dict and load_state_dict ------------------------------------------------------------------------------
 
 
-def host_values_in_state_dict(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
-    """`state_dict()` hook: a streamed parameter's slot holds whichever layer ran last; its value is in host storage."""
-    state = get_state(module)
-    if state is None:
-        return
-    for offloaded in state.offloaded:
-        key = prefix + offloaded.full_name
-        if key in state_dict:
-            state_dict[key] = offloaded.host
+def host_values_in_state_dict(
+    hosts: dict[str, torch.Tensor], module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any
+) -> None:
+    """`state_dict()` hook of a module that owns streamed parameters (`hosts`: their names in it -> host tensors): a
+    streamed parameter's slot holds whichever layer ran last; its value is in host storage."""
+    for name, host in hosts.items():
+        if prefix + name in state_dict:
+            state_dict[prefix + name] = host
 
 
 class Streamed(NamedTuple):

@@ -362,12 +362,6 @@ def test_state_dict_reports_host_values_even_inside_a_forward(dispatch, llama_re
     assert seen == [True]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="library bug: the state_dict hook that reports host values is registered on the root model only; "
-    "submodule.state_dict() of a streamed layer returns its buffer slot, which holds another layer's weights "
-    "(load_state_dict on a submodule does write through)",
-)
 @pytest.mark.parametrize("path", ["model.layers.3", "model"])
 def test_state_dict_of_a_submodule_reports_host_values(dispatch, llama_reference, path):
     model = dispatch(group_size=2, num_in_group=1, prefetch_step=1)
