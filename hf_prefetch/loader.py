@@ -4,7 +4,7 @@ Offloaded parameters are read into their exact-size host arena slots, resident o
 (through a small ring of pinned staging buffers on CUDA). Which checkpoint key fills which tensor, with
 transformers' own renames and conversions, is `keymap`'s job. Every header, key and shape is validated before anything
 large is allocated, and a failed load leaves the model as it was given. The loader knows checkpoints, plans and
-parameter names; building the buffer pool and hooking layers is `dispatch.attach`'s job.
+parameter names; building the buffer pool and hooking layers is `attach.attach`'s job.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import dispatch
+from . import attach
 from .budget import MaxMemory, choose_plan, device_argument, parse_max_memory
 from .changes import Journal, Phase
 from .checkpoint import Checkpoint, TensorReader
@@ -213,9 +213,9 @@ def _load(
         keymap = map_keys(model, checkpoint)
         plan = choose_plan(model, config, layers, device, max_memory)
         # Everything is validated: allocate the host arena exactly as dispatch_model does, then the resident tensors.
-        layout = dispatch.host_layout(plan)
+        layout = attach.host_layout(plan)
         arena = HostArena([spec.nbytes for _, spec in layout])
-        state = dispatch.begin(model, plan, device, arena, timing, journal)
+        state = attach.begin(model, plan, device, arena, timing, journal)
         dests = {}
         for i, (path, spec) in enumerate(layout):
             dests[f"{path}.{spec.name}"] = arena.view(i, spec.shape, spec.stride, spec.dtype)
@@ -230,10 +230,10 @@ def _load(
             arena.pin()  # after the reads: page-locking memory the readers already touched is ~10x faster
         tensors = keymap.model_tensors
         state.offloaded = [OffloadedParam(n, tensors[n], dests[n]) for n in offloaded_names]
-        dispatch.attach(model, state)
+        attach.attach(model, state)
     except BaseException:
         if state is not None:
-            dispatch.rollback(model, state)
+            attach.rollback(model, state)
         else:
             journal.unwind(Phase.PLACE)
             if arena is not None:

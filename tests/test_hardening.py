@@ -574,7 +574,7 @@ def test_a_deleted_half_done_model_is_freed_by_reference_counting(six, monkeypat
     # hooked layers (each a reference cycle until its hook is removed) and host storage that nobody released.
     model, ids, _ = six
     model = copy.deepcopy(model)
-    attach_prefetch = hf_prefetch.dispatch._attach_prefetch
+    attach_prefetch = hf_prefetch.attach._attach_prefetch
 
     def interrupted(*args):
         attach_prefetch(*args)
@@ -583,7 +583,7 @@ def test_a_deleted_half_done_model_is_freed_by_reference_counting(six, monkeypat
     def interrupted_rollback(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(hf_prefetch.dispatch, "_attach_prefetch", interrupted)
+    monkeypatch.setattr(hf_prefetch.attach, "_attach_prefetch", interrupted)
     monkeypatch.setattr(hf_prefetch.dispatch, "rollback", interrupted_rollback)
     with pytest.raises(KeyboardInterrupt):
         _dispatched(model)

@@ -24,7 +24,7 @@ from transformers import (
 
 import hf_prefetch
 from hf_prefetch import checkpoint as checkpoint_module
-from hf_prefetch import dispatch, loader
+from hf_prefetch import attach, loader
 from hf_prefetch.checkpoint import Checkpoint
 
 ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
@@ -373,13 +373,13 @@ def test_failed_attach_is_rolled_back(saved, monkeypatch, arenas):
     folder = saved("llama-sharded")
     model = empty_model(folder)
     buffers = dict(model.named_buffers())
-    real_attach = dispatch.attach
+    real_attach = attach.attach
 
     def attach_then_fail(model, state):
         real_attach(model, state)
         raise RuntimeError("late failure")
 
-    monkeypatch.setattr(dispatch, "attach", attach_then_fail)
+    monkeypatch.setattr(attach, "attach", attach_then_fail)
     with pytest.raises(RuntimeError, match="late failure"):
         hf_prefetch.load_checkpoint_and_dispatch(
             model, folder, device="cpu", offload=hf_prefetch.PrefetchConfig(**PATTERNS["every-second"])
@@ -387,7 +387,7 @@ def test_failed_attach_is_rolled_back(saved, monkeypatch, arenas):
     assert len(arenas) == 1 and arenas[0]._buffer.numel() == 0
     assert_left_as_given(model)
     assert all(b is buffers[name] for name, b in model.named_buffers())
-    monkeypatch.setattr(dispatch, "attach", real_attach)
+    monkeypatch.setattr(attach, "attach", real_attach)
     hf_prefetch.load_checkpoint_and_dispatch(model, folder, device="cpu")  # the same skeleton loads afterwards
     assert torch.equal(logits(model), logits(reference(folder)))
 

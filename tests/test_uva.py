@@ -13,7 +13,7 @@ from models import prompt, tiny_llama
 from torch import nn
 
 import hf_prefetch
-from hf_prefetch import OffloadConfig, OffloadPlan, PrefetchConfig, UVAConfig, dispatch, host
+from hf_prefetch import OffloadConfig, OffloadPlan, PrefetchConfig, UVAConfig, attach, host
 from hf_prefetch.host import HostArena
 from hf_prefetch.planner import make_uva_plan
 
@@ -45,7 +45,7 @@ def reference():
 
 @pytest.fixture(autouse=True)
 def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(dispatch, "_warned_on_cpu", False)
+    monkeypatch.setattr(attach, "_warned_on_cpu", False)
 
 
 def _taken(plan: OffloadPlan) -> list[str]:
@@ -260,7 +260,7 @@ def test_failure_while_attaching_rolls_back(reference, monkeypatch):
     def broken(plan):
         raise RuntimeError("attach failed")
 
-    monkeypatch.setattr("hf_prefetch.dispatch._warn_uva_on_cpu", broken)
+    monkeypatch.setattr("hf_prefetch.attach._warn_uva_on_cpu", broken)
     with pytest.raises(RuntimeError, match="attach failed"):
         hf_prefetch.dispatch_model(model, hf_prefetch.UVAConfig(cpu_offload_gb=1), device="cpu")
     assert hf_prefetch.get_state(model) is None and not hasattr(model, "hf_device_map")
