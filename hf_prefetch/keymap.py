@@ -4,7 +4,7 @@ Keys are renamed and converted with transformers' own mapping for the architectu
 into one tensor); names, shapes and coverage are validated against the model on the meta device, from the headers
 alone. Experts merged by stacking map to regions of the stacked tensor, so their bytes are read straight into place;
 other conversions run through transformers on tensors read whole. This module knows names, shapes and transformers'
-conversions; it reads no bytes (that is `checkpoint.TensorReader`'s job) and allocates nothing (the loader's).
+conversions; it reads no bytes (that is `reader.TensorReader`'s job) and allocates nothing (the loader's).
 """
 
 from __future__ import annotations

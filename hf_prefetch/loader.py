@@ -22,10 +22,11 @@ from torch import nn
 from . import attach
 from .budget import MaxMemory, choose_plan, device_argument, parse_max_memory
 from .changes import Journal, Phase
-from .checkpoint import Checkpoint, TensorReader
+from .checkpoint import Checkpoint
 from .config import PrefetchConfig
 from .host import HostArena
 from .keymap import KeyMap, convert, filled_names, map_keys, region_view
+from .reader import TensorReader
 from .state import OffloadedParam, get_state, refuse_unknown_keywords, resolve_config, resolve_device
 
 __all__ = ["from_pretrained", "load_checkpoint_and_dispatch"]

@@ -17,8 +17,9 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from .checkpoint import Checkpoint, TensorReader
+from .checkpoint import Checkpoint
 from .keymap import convert, map_keys, region_view
+from .reader import TensorReader
 
 __all__ = ["StateDictValues", "CheckpointValues", "check_writable", "same_memory", "REDISPATCH"]
 

@@ -13,8 +13,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from hf_prefetch import checkpoint as checkpoint_module
-from hf_prefetch.checkpoint import Checkpoint, TensorReader
+from hf_prefetch import reader as reader_module
+from hf_prefetch.checkpoint import Checkpoint
+from hf_prefetch.reader import TensorReader
 
 
 def write_raw(path, header, data: bytes = b"", header_bytes: int | None = None) -> None:
@@ -290,7 +291,7 @@ def test_file_truncated_after_open(tmp_path):
 
 
 def test_reader_fills_host_tensors_in_chunks_with_casts(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint_module, "_CHUNK_BYTES", 64)  # many reads per tensor
+    monkeypatch.setattr(reader_module, "_CHUNK_BYTES", 64)  # many reads per tensor
     tensors = {
         "f32": torch.randn(7, 33),
         "bf16": torch.randn(50).to(torch.bfloat16),
@@ -322,7 +323,7 @@ def test_reader_fills_host_tensors_in_chunks_with_casts(tmp_path, monkeypatch):
 
 def test_reader_error_propagates_and_waits_for_other_reads(tmp_path, monkeypatch):
     save_file({"a": torch.ones(1000), "b": torch.ones(1000)}, str(tmp_path / "model.safetensors"))
-    monkeypatch.setattr(checkpoint_module, "_CHUNK_BYTES", 256)
+    monkeypatch.setattr(reader_module, "_CHUNK_BYTES", 256)
     real_read = Checkpoint.read
 
     def flaky(self, entry, out, start=0):

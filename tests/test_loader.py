@@ -23,8 +23,8 @@ from transformers import (
 )
 
 import hf_prefetch
-from hf_prefetch import checkpoint as checkpoint_module
 from hf_prefetch import attach, loader
+from hf_prefetch import reader as reader_module
 from hf_prefetch.checkpoint import Checkpoint
 
 ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
@@ -202,7 +202,7 @@ def test_conversion_that_cannot_stream_goes_through_transformers(tmp_path, caplo
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
 @pytest.mark.parametrize("name", ["llama-sharded", "qwen2_moe-sharded", "gpt2-tied-sharded"])
 def test_cuda_load_matches_transformers(saved, monkeypatch, name, dtype):
-    monkeypatch.setattr(checkpoint_module, "_STAGING_BYTES", 4096)  # many pieces through the staging ring
+    monkeypatch.setattr(reader_module, "_STAGING_BYTES", 4096)  # many pieces through the staging ring
     model = hf_prefetch.from_pretrained(
         saved(name), device="cuda", dtype=dtype, offload=hf_prefetch.PrefetchConfig(**PATTERNS["every-second"])
     )

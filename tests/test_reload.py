@@ -16,7 +16,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MixtralConfig, Qwen2MoeConfig
 
 import hf_prefetch
-from hf_prefetch import checkpoint as checkpoint_module
+from hf_prefetch import reader as reader_module
 
 ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 CONFIGS = {
@@ -645,7 +645,7 @@ def _cuda_llama(seed: int):
 
 @pytest.mark.gpu
 def test_reload_on_cuda_matches_a_fresh_load(tmp_path, monkeypatch):
-    monkeypatch.setattr(checkpoint_module, "_STAGING_BYTES", 4096)  # many pieces through the staging ring
+    monkeypatch.setattr(reader_module, "_STAGING_BYTES", 4096)  # many pieces through the staging ring
     for seed in (0, 1):
         _cuda_llama(seed).save_pretrained(tmp_path / str(seed), max_shard_size="1MB")
     pattern = dict(group_size=2, num_in_group=1, prefetch_step=2)
