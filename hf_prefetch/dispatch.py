@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import host
 from .attach import attach, begin, detach, finish_interrupted, host_layout, rollback
 from .budget import choose_plan, device_argument, parse_max_memory
 from .config import PrefetchConfig
@@ -104,10 +105,11 @@ def dispatch_model(
     _check_materialized(model)
     # Validated before the old dispatch is undone.
     plan = make_uva_plan(model, config, layers) if uva else choose_plan(model, config, layers, exec_device, max_memory)
-    if state is not None:
-        detach(model, state, target=None)
     # UVA on the CPU leaves every weight where it is: host memory is the device's memory.
     layout = [] if uva and exec_device.type == "cpu" else host_layout(plan)
+    if state is not None:
+        _check_replacement_arena(model, state, layout)  # while the old dispatch still stands
+        detach(model, state, target=None)
     # Host memory the arena takes back as it fills: each offloaded parameter's original storage, if on the CPU.
     on_host = sum(
         spec.nbytes for path, spec in layout if model.get_parameter(f"{path}.{spec.name}").device.type == "cpu"
@@ -131,6 +133,19 @@ def dispatch_model(
         rollback(model, state)
         raise
     return model
+
+
+def _check_replacement_arena(model: nn.Module, state, layout) -> None:
+    # The old arena is released as its weights move into the new one; weights now resident on the CPU move in too.
+    old = {offloaded.full_name for offloaded in state.offloaded}
+    on_host = sum(
+        spec.nbytes
+        for path, spec in layout
+        if f"{path}.{spec.name}" not in old and model.get_parameter(f"{path}.{spec.name}").device.type == "cpu"
+    )
+    nbytes = HostArena.bytes_for([spec.nbytes for _, spec in layout])
+    if nbytes > 0:
+        host.check_host_memory(nbytes, host.host_limits(), freed_bytes=state.arena.nbytes + on_host)
 
 
 def remove_offload(model: nn.Module, device: str | int | torch.device | None = None) -> nn.Module:

@@ -311,6 +311,11 @@ class HostArena:
         self._unpin: weakref.finalize | None = None
         self._mapping: weakref.ref[_DeviceArray] | None = None  # alive while a device view from `map` is
 
+    @staticmethod
+    def bytes_for(sizes: Sequence[int]) -> int:
+        """The host memory an arena of `sizes` takes (for a check made before anything is allocated or undone)."""
+        return _round_up(sum(_round_up(size, ALIGN_BYTES) for size in sizes), _PAGE_BYTES)
+
     def pin(self) -> bool:
         """Page-lock the arena (once); False, with one warning, where the platform refuses."""
         if not self.pinned and self.nbytes > 0:

@@ -385,3 +385,35 @@ def test_timing_after_load_state_dict_on_cuda(gpu_reference):
         assert s.misses == 0 and s.stall_seconds >= 0 and s.compute_seconds > 0
     finally:
         hf_prefetch.remove_offload(model, device="cpu")
+
+
+def test_a_replacement_the_container_cannot_hold_keeps_the_current_dispatch(gpu_reference, tmp_path, monkeypatch):
+    from hf_prefetch import host
+
+    model, _, long_ids, _, prefill = gpu_reference
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=4, num_in_group=1, prefetch_step=1), device="cuda"
+    )
+    try:
+        # From now on the container is at its memory limit: a larger arena cannot be had.
+        cgroup = tmp_path / "sys/fs/cgroup/job"
+        cgroup.mkdir(parents=True)
+        (tmp_path / "proc/self").mkdir(parents=True)
+        (tmp_path / "proc/self/cgroup").write_text("0::/job\n")
+        (tmp_path / "proc/self/mountinfo").write_text("31 23 0:28 / /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n")
+        (cgroup / "memory.max").write_text(f"{2**30}\n")
+        (cgroup / "memory.current").write_text(f"{2**30}\n")
+        (cgroup / "memory.stat").write_text("anon 1\nfile 0\nactive_file 0\ninactive_file 0\n")
+        real = host.host_limits
+        monkeypatch.setattr(host, "host_limits", lambda root=tmp_path: real(root))
+        with pytest.raises(ValueError, match="cgroup memory limit"):
+            hf_prefetch.dispatch_model(
+                model, hf_prefetch.PrefetchConfig(group_size=1, prefetch_step=1), device="cuda", replace=True
+            )
+        assert hf_prefetch.get_state(model).plan.config.group_size == 4
+        with torch.no_grad():
+            assert torch.equal(model(long_ids).logits, prefill)
+        assert hf_prefetch.stats(model).misses == 0
+    finally:
+        hf_prefetch.remove_offload(model, device="cpu")
+        model.to("cpu")
