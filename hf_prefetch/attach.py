@@ -242,7 +242,8 @@ def _end(model: nn.Module, state: OffloadState) -> None:
     with deferred_interrupts():  # the state leaves with its forward gate and its finalizer (see `begin`)
         state.finalizer.detach()
         state.arena.release()
-        state.offloaded = []
+        # A caller may still hold the state (`get_state`): it must not keep the pool or host storage alive.
+        state.offloaded, state.write_throughs, state.engine = [], [], None
         state.gate_hooks.unwind(Phase.ATTACH)
         if model.__dict__.get(STATE_ATTR) is state:
             del model.__dict__[STATE_ATTR]

@@ -375,18 +375,27 @@ def test_remove_offload_and_replace_leave_no_engine_pool_or_arena_alive(tmp_path
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
         first = _dispatch_objects(model)
         hf_prefetch.stats(model)
+        held = hf_prefetch.get_state(model)  # a caller's reference to the state keeps nothing else alive
         hf_prefetch.dispatch_model(
             model,
             hf_prefetch.PrefetchConfig(group_size=3, num_in_group=2, prefetch_step=2),
             device="cpu",
             replace=True,
         )
-        assert [name for name, ref in first.items() if ref() is not None] == []
+        # The state keeps its released arena (an empty buffer), nothing that holds memory.
+        assert [name for name, ref in first.items() if ref() is not None] == ["state", "arena"]
+        assert held.arena.pinned is False and held.arena.bytes_view(0, 0).untyped_storage().nbytes() == 0
+        del held
+        assert first["state"]() is None
         with torch.no_grad():
             model(ids)
         second = _dispatch_objects(model)
+        held = hf_prefetch.get_state(model)
         hf_prefetch.remove_offload(model, device="cpu")
-        assert [name for name, ref in second.items() if ref() is not None] == []
+        assert [name for name, ref in second.items() if ref() is not None] == ["state", "arena"]
+        assert held.engine is None and held.offloaded == [] and held.write_throughs == []
+        del held
+        assert second["state"]() is None
     finally:
         gc.enable()
     assert hf_prefetch.get_state(model) is None and not hasattr(model.model.layers[1], "_hf_hook")
