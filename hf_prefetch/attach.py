@@ -20,6 +20,7 @@ from .engine import PrefetchEngine
 from .hooks import (
     ForwardGate,
     PrefetchHook,
+    RoutedHook,
     Streamed,
     WriteThrough,
     host_values_in_state_dict,
@@ -28,10 +29,10 @@ from .hooks import (
 )
 from .host import HostArena
 from .ops import register_engine
-from .placements import OffloadPlan, ParamSpec
+from .placements import OffloadPlan, ParamSpec, Placement
 from .pool import BufferPool
 from .render import format_bytes
-from .ring import LayerTransfer, RingTransfers
+from .ring import LayerTransfer, RingTransfers, RoutedTensor
 from .state import (
     STATE_ATTR,
     Lifecycle,
@@ -70,7 +71,7 @@ def begin(
         # detaches the hooks (an accelerate hook is a reference cycle through its module) and unpins the host
         # storage. See [Note: the journal].
         state.finalizer = weakref.finalize(model, _collected, state)
-        hooks.handle(partial(model.register_forward_pre_hook, gate.before), "forward gate (before)")
+        hooks.handle(partial(model.register_forward_pre_hook, gate.before, with_kwargs=True), "forward gate (before)")
         hooks.handle(partial(model.register_forward_hook, gate.after, always_call=True), "forward gate (after)")
         hooks.set_attribute(model, "forward", gate.guard(model), "forward gate (interrupts)")
     return state
@@ -100,13 +101,14 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
     journal, device, plan = state.journal, state.device, state.plan
     by_name = {o.full_name: o for o in state.offloaded}
     journal.move_tensors(model, device, skip={id(o.param) for o in state.offloaded})
+    routes = _routed_sources(state)
     rings: list[RingTransfers] = []
     for ring in plan.rings:
         specs = [spec.key for layer in ring.streamed for spec in layer.offloaded]
         pool = BufferPool(specs, ring.num_slots, device)
         transfers = []
         for layer in ring.streamed:
-            host, slots = [], []
+            host, slots, routed = [], [], []
             for spec in layer.offloaded:
                 offloaded = by_name[f"{layer.path}.{spec.name}"]
                 slot_buffer = pool.buffer(spec.key, layer.slot)
@@ -114,19 +116,39 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
                     Phase.ATTACH, offloaded.param, slot_buffer, f"{offloaded.full_name} to slot {layer.slot}"
                 )
                 journal.freeze(offloaded.param, f"{offloaded.full_name} frozen")
-                host.append(offloaded.host)
-                slots.append(slot_buffer)
-            transfers.append(LayerTransfer(host, slots, layer.slot, layer.next_in_slot, layer.offloaded_bytes))
+                if spec.placement is Placement.ROUTED:
+                    source = routes(offloaded.host)
+                    routed.append(RoutedTensor(offloaded.host, source, slot_buffer, spec.routing.num_experts))
+                else:
+                    host.append(offloaded.host)
+                    slots.append(slot_buffer)
+            nbytes = layer.offloaded_bytes - sum(spec.nbytes for spec in layer.routed)
+            transfers.append(LayerTransfer(host, slots, layer.slot, layer.next_in_slot, nbytes, routed))
         rings.append(RingTransfers(transfers, pool))
-    engine = state.engine = PrefetchEngine(device, rings, pinned=state.arena.pinned, timing=state.timing)
+    engine = state.engine = PrefetchEngine(
+        device, rings, pinned=state.arena.pinned, timing=state.timing, routed_max_tokens=plan.routed_max_tokens
+    )
     engine_id = register_engine(engine)
     for ring_index, ring in enumerate(plan.rings):
         for position, layer in enumerate(ring.streamed):
             hook = PrefetchHook(engine, engine_id, ring_index, position, layer.path)
             journal.hook(model.get_submodule(layer.path), hook, f"hook on {layer.path}")
+            for routing in dict.fromkeys(spec.routing for spec in layer.routed):
+                path = f"{layer.path}.{routing.module}"
+                hook = RoutedHook(engine, engine_id, ring_index, position, path, routing.index_arg)
+                journal.hook(model.get_submodule(path), hook, f"routed-experts hook on {path}")
     state.write_throughs = _write_through_load_state_dict(model, state)
     _report_host_values(model, state)
     _guard_moves(model, state)
+
+
+def _routed_sources(state: OffloadState):
+    # What routed rows are gathered from: on CUDA the arena's mapped (UVA) view, read by the GPU; else host memory.
+    if state.device.type != "cuda" or not state.arena.pinned:
+        return lambda host: host
+    with torch.cuda.device(state.device):
+        mapped = state.arena.map(state.device)
+    return lambda host: state.arena.mapped_like(host, mapped)
 
 
 def _report_host_values(model: nn.Module, state: OffloadState) -> None:
@@ -186,8 +208,9 @@ def _write_through_load_state_dict(model: nn.Module, state: OffloadState) -> lis
     by_name = {o.full_name: o for o in state.offloaded}
     owned: dict[nn.Module, list[Streamed]] = {}
     for ring_index, (ring, transfers) in enumerate(zip(state.plan.rings, state.engine.rings, strict=True)):
-        for position, (layer, transfer) in enumerate(zip(ring.streamed, transfers.layers, strict=True)):
-            for spec, slot_buffer in zip(layer.offloaded, transfer.device, strict=True):
+        for position, layer in enumerate(ring.streamed):
+            for spec in layer.offloaded:
+                slot_buffer = transfers.pool.buffer(spec.key, layer.slot)
                 full_name = f"{layer.path}.{spec.name}"
                 module_path, _, name = full_name.rpartition(".")
                 streamed = Streamed(name, by_name[full_name], slot_buffer, ring_index, position)

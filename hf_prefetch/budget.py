@@ -263,7 +263,7 @@ def spread(num_layers: int, num_streamed: int) -> list[int]:
 class _Option:
     rings: tuple[RingPlan, ...]
     device_bytes: int
-    streamed_bytes: int
+    streamed_bytes: tuple[int, int]  # per token (decoding), per forward of many tokens
     pinned_bytes: int
 
 
@@ -311,14 +311,19 @@ def plan_for_budget(
         raise offload_params_error(model, config.offload_params, list(candidates), "offload_params")
     total = model_bytes(model)
     per_ring = [
-        [ring_plan(path, ring, set(spread(len(ring), s)), config.prefetch_step) for s in range(len(ring) + 1)]
+        [
+            ring_plan(path, ring, set(spread(len(ring), s)), config.prefetch_step, config.routed_experts)
+            for s in range(len(ring) + 1)
+        ]
         for path, ring in candidates.items()
     ]
     options = []
     for rings in itertools.product(*per_ring):
         offloaded = sum(ring.offloaded_bytes for ring in rings)
         device = total - offloaded + sum(ring.pool_bytes for ring in rings)
-        options.append(_Option(rings, device, sum(r.bytes_per_forward for r in rings), offloaded))
+        # Decoding (one token, routed experts copy only the experts it uses) first, then a forward of many tokens.
+        streamed = (sum(r.bytes_per_token for r in rings), sum(r.bytes_per_forward for r in rings))
+        options.append(_Option(rings, device, streamed, offloaded))
 
     fits_device = [o for o in options if o.device_bytes <= budget.weights_bytes]
     if not fits_device:
@@ -335,7 +340,9 @@ def _device_error(model, budget, config, candidates, total, least: _Option) -> V
     pool = sum(ring.pool_bytes for ring in least.rings)
     hint = ""
     if config.prefetch_step > 1:
-        one_slot = [ring_plan(path, ring, set(range(len(ring))), 1) for path, ring in candidates.items()]
+        one_slot = [
+            ring_plan(path, ring, set(range(len(ring))), 1, config.routed_experts) for path, ring in candidates.items()
+        ]
         needs = total - sum(r.offloaded_bytes for r in one_slot) + sum(r.pool_bytes for r in one_slot)
         hint = f" (prefetch_step=1 needs {size(needs + budget.reserve_bytes)} in all)"
     return ValueError(

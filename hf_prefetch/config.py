@@ -36,6 +36,12 @@ class PrefetchConfig:
             layers. A segment matches whole dotted parts: `"experts"` matches `mlp.experts.w2_weight`, `"expert"`
             and `"w2"` do not, and `"w2_weight"` does not match `w2_weight_scale`. Empty offloads every parameter
             of a selected layer.
+        routed_experts (`bool`, defaults to True): Stream the expert tensors of a mixture-of-experts layer expert by
+            expert: a forward with few tokens copies only the experts its router picks (Placement.ROUTED), one with
+            many copies whole tensors. False streams them whole in every forward.
+        routed_max_tokens (`int`, *optional*): The most tokens a forward may have for its routed experts to be
+            copied expert by expert. Defaults to each experts module's break-even point, `num_experts // (4 *
+            top_k)` tokens (at least 1): see docs/design.md ("Routed experts").
 
     Example:
 
@@ -53,6 +59,8 @@ class PrefetchConfig:
     num_in_group: int = 1
     prefetch_step: int = 2
     offload_params: frozenset[str] = field(default_factory=frozenset)
+    routed_experts: bool = True
+    routed_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("group_size", "num_in_group", "prefetch_step"):
@@ -75,6 +83,14 @@ class PrefetchConfig:
                 "at least one offloaded layer ahead (it is also the number of buffer slots)."
             )
         object.__setattr__(self, "offload_params", _validate_segments(self.offload_params))
+        if not isinstance(self.routed_experts, bool):
+            raise ValueError(f"PrefetchConfig.routed_experts={self.routed_experts!r} must be True or False.")
+        limit = self.routed_max_tokens
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
+            raise ValueError(
+                f"PrefetchConfig.routed_max_tokens={limit!r} must be None (each experts module's break-even point) "
+                "or an int >= 0 (0 copies whole expert tensors in every forward)."
+            )
         key = (self.prefetch_step, self.num_in_group)
         if self.prefetch_step < self.num_in_group and key not in _warned_prefetch_step:
             _warned_prefetch_step.add(key)

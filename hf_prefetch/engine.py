@@ -50,6 +50,24 @@ replays run no Python. So, per ring (`RingState` in ring.py):
   that were only recorded) is forgotten when the ring's forward begins in a new capture, at `prepare` and at `drain`.
 Limits: the copy stream is joined only at a ring's last layer, so CUDA graphs need the decoder stack captured as one
 graph; a graph break inside it fails the capture (`cudaErrorStreamCaptureUnjoined`): compile with mode="default".
+
+[Note: routed experts]
+A ROUTED parameter (an expert tensor: dimension 0 indexes experts) sits in its layer's slot like any streamed one,
+but a forward of few tokens needs only the experts its router picks. Each forward is one of two kinds, chosen in
+`prepare` from its token count (`routing`: at most `routed_max_tokens` tokens, no CUDA graph recorded):
+- Routing: a layer's copy brings every tensor but the routed ones (`Fill.ROUTED`). When the experts module runs, its
+  hook calls `gather` with the router's choice: on the compute stream, after the layer's `wait`, the rows of the
+  chosen experts are read from host memory (on CUDA through the arena's mapped view, by the GPU: no host
+  synchronisation, fixed shapes) and written into the same rows of the slot. The experts' forward then runs
+  unchanged on the slot with the router's own indices: the rows it reads are exactly the host's, the rows it does
+  not read may hold another layer's experts. Repeated experts (several tokens picking one) are copied once per pick.
+- Whole: copies bring every tensor (`Fill.WHOLE`), as for STREAMED parameters; `gather` has nothing to do.
+A layer copied in one kind may run in the other (the next forward's first layers are copied at the end of the one
+before): `wait` completes a `Fill.ROUTED` layer in a whole forward by copying its routed tensors whole (a
+completion), and `gather` finds a `Fill.WHOLE` layer complete. A layer that owns its slot is always copied whole.
+Inside a CUDA-graph capture every copy is whole (a replay would reuse the capture's routing), and once a graph
+recorded a ring no forward routes. `store` writes back routed tensors only from a whole slot: the rows of a routed
+one are copies of host memory, or stale.
 """
 
 from __future__ import annotations
@@ -62,7 +80,7 @@ from dataclasses import dataclass
 import torch
 
 from .driver import captured_copy
-from .ring import CopyEvent, LayerCounters, LayerTransfer, RingState, RingTransfers
+from .ring import CopyEvent, Fill, LayerCounters, LayerTransfer, RingState, RingTransfers
 
 __all__ = ["PrefetchEngine"]
 
@@ -86,7 +104,12 @@ class PrefetchEngine:
     """
 
     def __init__(
-        self, device: torch.device, rings: Sequence[RingTransfers], pinned: bool, timing: bool = False
+        self,
+        device: torch.device,
+        rings: Sequence[RingTransfers],
+        pinned: bool,
+        timing: bool = False,
+        routed_max_tokens: int = 0,
     ) -> None:
         self.device = device
         self.rings = list(rings)
@@ -94,6 +117,11 @@ class PrefetchEngine:
         self._cuda = device.type == "cuda"
         # [Note: stream ordering]: only copies from page-locked memory are asynchronous.
         self._non_blocking = self._cuda and pinned
+        # [Note: routed experts]: the most tokens a routing forward has (0: never route), and this forward's kind.
+        has_routed = any(layer.routed for ring in self.rings for layer in ring.layers)
+        # On CUDA routed rows are read through the arena's mapped view, which needs it pinned.
+        self.routed_max_tokens = routed_max_tokens if has_routed and (pinned or not self._cuda) else 0
+        self.routing = False
         # copy_stream: runs every host-to-device weight copy. Ordered after the compute stream by a wait before each
         # copy (the slot may still be read by queued kernels); the compute stream is ordered after it by each layer's
         # `done` event.
@@ -124,6 +152,8 @@ class PrefetchEngine:
             transfers.begin_capture()
         if not transfers.holds(position, capturing):
             self._load_now(transfers, position)
+        elif layer.fill is Fill.ROUTED and (capturing or not self.routing):
+            self._complete(layer, capturing)
         elif capturing:
             if position in transfers.capture.copies:  # else copied before the capture: landed (see the Note)
                 torch.cuda.current_stream(self.device).wait_event(layer.done)
@@ -159,11 +189,13 @@ class PrefetchEngine:
         layer = transfers.layers[position]
         if transfers.slots.holds(layer.slot, position):
             return  # already there or on its way
+        whole = self._whole(layer, position, capturing)
         with transfers.slots.claim(layer.slot, position):  # [Note: slot reuse]: owned once the copy is issued
             layer.counters.copies += 1
-            layer.counters.copied_bytes += layer.nbytes
+            layer.counters.copied_bytes += _nbytes(layer, whole)
+            layer.fill = Fill.WHOLE if whole else Fill.ROUTED
             if not self._cuda:
-                self._copy_on_host(layer)
+                self._copy_on_host(layer, whole)
                 layer.event = CopyEvent.ON_STREAM
                 return
             # In a capture this fork makes the copy stream join it: its copies become nodes of the graph.
@@ -180,43 +212,124 @@ class PrefetchEngine:
                     self._pending.append(_Pending(layer.counters, begin, layer.done, "copy_seconds"))
                 elif layer.event is not CopyEvent.ON_STREAM or layer.done is None:
                     layer.done, layer.event = torch.cuda.Event(), CopyEvent.ON_STREAM
-                _copy_all(layer, self._non_blocking, self.copy_stream if capturing else None)
+                _copy_all(layer, self._non_blocking, self.copy_stream if capturing else None, whole)
                 layer.done.record()
 
     def _load_now(self, transfers: RingTransfers, position: int) -> None:
         # [Note: misses]: copy on the compute stream, after any copy into the slot still in flight.
         layer = transfers.layers[position]
+        capturing = self._capturing()
+        whole = self._whole(layer, position, capturing)
         with transfers.slots.claim(layer.slot, position):
             layer.counters.misses += 1
             layer.counters.copies += 1
-            layer.counters.copied_bytes += layer.nbytes
+            layer.counters.copied_bytes += _nbytes(layer, whole)
+            layer.fill = Fill.WHOLE if whole else Fill.ROUTED
             if not self._cuda:
-                self._copy_on_host(layer)
+                self._copy_on_host(layer, whole)
                 return
             compute = torch.cuda.current_stream(self.device)
-            capturing = self._capturing()
             if not capturing or self._copy_stream_in_capture():
                 compute.wait_stream(self.copy_stream)
             if capturing:
                 self._check_capturable()
-                _copy_all(layer, self._non_blocking, compute)
+                _copy_all(layer, self._non_blocking, compute, whole)
             elif self.timing:
                 begin, end = _timing_event(), _timing_event()
                 begin.record(compute)
-                _copy_all(layer, self._non_blocking)
+                _copy_all(layer, self._non_blocking, None, whole)
                 end.record(compute)
                 self._pending.append(_Pending(layer.counters, begin, end, "copy_seconds"))
                 self._pending.append(_Pending(layer.counters, begin, end, "stall_seconds"))
             else:
-                _copy_all(layer, self._non_blocking)
+                _copy_all(layer, self._non_blocking, None, whole)
             _loaded_on(layer, compute, capturing, self.timing)
+
+    # --- Routed experts ([Note: routed experts]) ----------------------------------------------------------------------
+
+    def gather(self, ring: int, position: int, index: torch.Tensor) -> None:
+        """Before layer `position`'s experts module runs: copy the rows of the experts `index` names (the router's
+        choice, any shape) into its slot, on the compute stream, unless the slot holds the whole layer."""
+        transfers = self.rings[ring]
+        layer = transfers.layers[position]
+        if not layer.routed:
+            return
+        capturing = self._capturing()
+        if not transfers.holds(position, capturing):  # the experts module ran without its layer's wait
+            self._load_now(transfers, position)
+        if layer.fill is Fill.WHOLE:
+            return
+        if capturing or not self.routing:
+            self._complete(layer, capturing)
+            return
+        begin = self._begin_gather()
+        for tensor in layer.routed:
+            # Out-of-range entries (an expert-parallel sentinel) read no weights in the forward: any row will do.
+            rows = index.reshape(-1).to(device=tensor.source.device, dtype=torch.long).clamp(0, tensor.num_experts - 1)
+            tensor.device.index_copy_(0, rows, tensor.source.index_select(0, rows))
+            picked = rows.numel()
+            nbytes = picked * (tensor.nbytes // tensor.num_experts)
+            layer.counters.routed_bytes += nbytes
+            layer.counters.copied_bytes += nbytes
+        layer.counters.routed_rows += index.numel()
+        self._end_gather(layer, begin)
+
+    def _complete(self, layer: LayerTransfer, capturing: bool) -> None:
+        # A layer copied without its routed tensors runs in a whole forward: copy them now, on the compute stream.
+        layer.counters.completions += 1
+        layer.counters.copied_bytes += sum(t.nbytes for t in layer.routed)
+        layer.fill = Fill.WHOLE
+        if not self._cuda:
+            for tensor in layer.routed:
+                tensor.device.copy_(tensor.host)
+            return
+        compute = torch.cuda.current_stream(self.device)
+        if capturing:
+            self._check_capturable()
+            for tensor in layer.routed:
+                captured_copy(tensor.device, tensor.host, compute)
+            return
+        compute.wait_stream(self.copy_stream)  # after any copy into the slot still in flight
+        for tensor in layer.routed:
+            tensor.device.copy_(tensor.host, non_blocking=self._non_blocking)
+
+    def _whole(self, layer: LayerTransfer, position: int, capturing: bool) -> bool:
+        # A copy brings the routed tensors too unless this forward routes; a layer alone in its slot keeps it whole.
+        return not layer.routed or capturing or not self.routing or layer.next_in_slot == position
+
+    def _begin_gather(self) -> torch.cuda.Event | float | None:
+        if not self.timing:
+            return None
+        if not self._cuda:
+            return time.perf_counter()
+        begin = _timing_event()
+        begin.record(torch.cuda.current_stream(self.device))
+        return begin
+
+    def _end_gather(self, layer: LayerTransfer, begin: torch.cuda.Event | float | None) -> None:
+        # A gather holds the compute stream for all of its time: copy time and stall time alike.
+        if begin is None:
+            return
+        if isinstance(begin, float):
+            seconds = time.perf_counter() - begin
+            layer.counters.copy_seconds += seconds
+            layer.counters.stall_seconds += seconds
+            return
+        end = _timing_event()
+        end.record(torch.cuda.current_stream(self.device))
+        self._pending.append(_Pending(layer.counters, begin, end, "copy_seconds"))
+        self._pending.append(_Pending(layer.counters, begin, end, "stall_seconds"))
 
     # --- Around each forward, once a CUDA graph recorded copies ---------------------------------------------------
 
-    def prepare(self) -> None:
-        """Before each forward: forget aborted captures, and once a CUDA graph has recorded copies, load each ring's
-        first layers that are not in their slots and order the compute stream after every copy issued so far."""
-        if not self._cuda or self._capturing():
+    def prepare(self, tokens: int | None = None) -> None:
+        """Before each forward of `tokens` tokens (None: unknown): choose whether it routes experts ([Note: routed
+        experts]); forget aborted captures, and once a CUDA graph has recorded copies, load each ring's first layers
+        that are not in their slots and order the compute stream after every copy issued so far."""
+        if self._capturing():
+            return
+        self.routing = tokens is not None and 0 < tokens <= self.routed_max_tokens and not self.graphs
+        if not self._cuda:
             return
         for transfers in self.rings:
             transfers.settle()  # the previous forward may have been replayed and stopped before its `finish`
@@ -286,13 +399,14 @@ class PrefetchEngine:
         transfers = self.rings[ring]
         layer = transfers.layers[position]
         with transfers.slots.claim(layer.slot, position):
+            layer.fill = Fill.WHOLE
             if self._cuda:
                 compute = torch.cuda.current_stream(self.device)
                 compute.wait_stream(self.copy_stream)
-                _copy_all(layer, self._non_blocking)
+                _copy_all(layer, self._non_blocking, None, whole=True)
                 _loaded_on(layer, compute, capturing=False, timing=self.timing)
             else:
-                _copy_all(layer, self._non_blocking)
+                _copy_all(layer, self._non_blocking, None, whole=True)
 
     def store(self, ring: int, position: int) -> None:
         """Copy the contents of layer `position`'s slot back into its host storage; the layer must own the slot."""
@@ -303,8 +417,13 @@ class PrefetchEngine:
             raise RuntimeError(f"Layer {position} of ring {ring} does not own slot {layer.slot}: nothing to store.")
         if self._cuda:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-        for host, device in zip(layer.host, layer.device, strict=True):
-            host.copy_(device)  # blocking: the host may read or rewrite its storage as soon as this returns
+        # Blocking: the host may read or rewrite its storage as soon as this returns. Routed tensors only from a whole
+        # slot: a routed one holds copies of host rows, or another layer's.
+        pairs = list(zip(layer.host, layer.device, strict=True))
+        if layer.fill is Fill.WHOLE:
+            pairs += [(tensor.host, tensor.device) for tensor in layer.routed]
+        for host, device in pairs:
+            host.copy_(device)
 
     def refresh(self, ring: int, position: int) -> None:
         """Layer `position`'s host storage was rewritten: copy it again if it owns its slot."""
@@ -362,10 +481,10 @@ class PrefetchEngine:
         else:
             layer.counters.compute_seconds += time.perf_counter() - begin
 
-    def _copy_on_host(self, layer: LayerTransfer) -> None:
+    def _copy_on_host(self, layer: LayerTransfer, whole: bool) -> None:
         # CPU execution: the copy is synchronous, so all of it is time the forward waits.
         begin = time.perf_counter() if self.timing else 0.0
-        _copy_all(layer, non_blocking=False)
+        _copy_all(layer, False, None, whole)
         if self.timing:
             seconds = time.perf_counter() - begin
             layer.counters.copy_seconds += seconds
@@ -405,10 +524,19 @@ def _timing_event() -> torch.cuda.Event:
     return torch.cuda.Event(enable_timing=True)
 
 
-def _copy_all(layer: LayerTransfer, non_blocking: bool, captured_on: torch.cuda.Stream | None = None) -> None:
+def _nbytes(layer: LayerTransfer, whole: bool) -> int:
+    return layer.nbytes + (sum(t.nbytes for t in layer.routed) if whole else 0)
+
+
+def _copy_all(
+    layer: LayerTransfer, non_blocking: bool, captured_on: torch.cuda.Stream | None = None, whole: bool = True
+) -> None:
+    pairs = list(zip(layer.device, layer.host, strict=True))
+    if whole:
+        pairs += [(tensor.device, tensor.host) for tensor in layer.routed]
     if captured_on is not None:
-        for dst, src in zip(layer.device, layer.host, strict=True):
+        for dst, src in pairs:
             captured_copy(dst, src, captured_on)
         return
-    for dst, src in zip(layer.device, layer.host, strict=True):
+    for dst, src in pairs:
         dst.copy_(src, non_blocking=non_blocking)

@@ -27,7 +27,15 @@ from . import ops  # noqa: F401  (registers torch.ops.hf_prefetch)
 from .engine import PrefetchEngine
 from .state import Lifecycle, OffloadedParam, OffloadState
 
-__all__ = ["PrefetchHook", "ForwardGate", "WriteThrough", "refuse_assign", "refuse_apply", "host_values_in_state_dict"]
+__all__ = [
+    "PrefetchHook",
+    "RoutedHook",
+    "ForwardGate",
+    "WriteThrough",
+    "refuse_assign",
+    "refuse_apply",
+    "host_values_in_state_dict",
+]
 
 
 class PrefetchHook(ModelHook):
@@ -61,6 +69,39 @@ class PrefetchHook(ModelHook):
         return f"PrefetchHook({self.path}, ring={self.ring}, position={self.position})"
 
 
+class RoutedHook(ModelHook):
+    """On the experts module of a layer with ROUTED parameters: before it runs, the rows of the experts its router
+    picked are copied into the layer's slot (`PrefetchEngine.gather`; see [Note: routed experts] in engine.py)."""
+
+    def __init__(self, engine: PrefetchEngine, engine_id: int, ring: int, position: int, path: str, index_arg: str):
+        self.engine = engine
+        self.engine_id = engine_id
+        self.ring = ring
+        self.position = position
+        self.path = path
+        self.index_arg = index_arg
+
+    def pre_forward(self, module, *args, **kwargs):
+        index = kwargs.get(self.index_arg, args[1] if len(args) > 1 else None)
+        if not isinstance(index, torch.Tensor):
+            raise TypeError(
+                f"hf_prefetch: the experts module {self.path} was called without the router's choice "
+                f"({self.index_arg}, a tensor of expert indices), which its routed weights need; got {type(index).__name__}."
+            )
+        if torch.compiler.is_compiling():
+            anchor = _input_anchor(args[:1], {k: v for k, v in kwargs.items() if k != self.index_arg})
+            torch.ops.hf_prefetch.gather(anchor, index, self.engine_id, self.ring, self.position)
+        elif torch.autograd._profiler_enabled():
+            with torch.profiler.record_function("hf_prefetch.gather"):
+                self.engine.gather(self.ring, self.position, index)
+        else:
+            self.engine.gather(self.ring, self.position, index)
+        return args, kwargs
+
+    def __repr__(self) -> str:
+        return f"RoutedHook({self.path}, ring={self.ring}, position={self.position})"
+
+
 class ForwardGate:
     """The model's forward pre-hook and forward hook (registered with `always_call=True`, so the hook runs when the
     forward raises too), and a `forward` that releases the gate when a KeyboardInterrupt leaves the forward (`guard`).
@@ -79,8 +120,9 @@ class ForwardGate:
         self._lock = threading.RLock()
         self._depth = threading.local()
 
-    def before(self, module: nn.Module, args: Any) -> None:
-        _outside_any_graph(self._enter)
+    def before(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        tokens = _token_count(args, kwargs)
+        _outside_any_graph(lambda: self._enter(tokens))
 
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
         _outside_any_graph(self._exit)
@@ -111,7 +153,7 @@ class ForwardGate:
         forward.__signature__ = inspect.signature(module.forward)  # without `self`: generate() reads the arguments
         return forward
 
-    def _enter(self) -> None:
+    def _enter(self, tokens: int | None = None) -> None:
         state = self._state
         if state.lifecycle is not Lifecycle.ATTACHED:
             raise RuntimeError(
@@ -124,7 +166,7 @@ class ForwardGate:
             for write_through in state.write_throughs:
                 write_through.complete()
             if state.engine is not None:
-                state.engine.prepare()
+                state.engine.prepare(tokens)
         except BaseException:
             self._exit()
             raise
@@ -185,6 +227,16 @@ def _run_outside_graph(step, *args) -> None:
 
 
 _outside_graph = None
+
+
+def _token_count(args: tuple, kwargs: dict) -> int | None:
+    # The tokens a model's forward computes on (the largest of its id and embedding inputs); None where it has none.
+    counts = []
+    for position, name in enumerate(("input_ids", "inputs_embeds", "decoder_input_ids", "decoder_inputs_embeds")):
+        value = kwargs.get(name, args[0] if position == 0 and args else None)
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            counts.append(value.numel() // (value.shape[-1] if name.endswith("embeds") else 1))
+    return max(counts) if counts else None
 
 
 def _input_anchor(args: tuple, kwargs: dict) -> torch.Tensor | None:

@@ -370,6 +370,15 @@ class HostArena:
         self._mapping = weakref.ref(holder)
         return mapped
 
+    def mapped_like(self, host: torch.Tensor, mapped: torch.Tensor) -> torch.Tensor:
+        """The view of `mapped` (this arena's `map`) with the place and layout of `host`, a view of this arena."""
+        offset = host.data_ptr() - self._buffer.data_ptr()
+        span = 1 + sum((s - 1) * st for s, st in zip(host.shape, host.stride(), strict=True)) if host.numel() else 0
+        if not 0 <= offset <= self.nbytes - span * host.element_size():
+            raise ValueError(f"mapped_like: a tensor at {host.data_ptr():#x} is not a view of this arena.")
+        flat = mapped[offset : offset + span * host.element_size()].view(host.dtype)
+        return flat.as_strided(tuple(host.shape), tuple(host.stride()))
+
     def bytes_view(self, index: int, nbytes: int) -> torch.Tensor:
         """The raw bytes at slot `index` (uint8), for readers that fill the arena directly."""
         offset = self.offsets[index]

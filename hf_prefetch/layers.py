@@ -7,6 +7,7 @@ dtypes (a meta model is fine); knows nothing about placements, budgets or device
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -15,9 +16,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from .placements import LayerPlan, ParamSpec, Placement
+from .placements import LayerPlan, ParamSpec, Placement, Routing
 
-__all__ = ["find_layer_lists", "resolve_layer_lists", "segment_matches", "candidate_layers", "model_bytes"]
+__all__ = [
+    "find_layer_lists",
+    "resolve_layer_lists",
+    "segment_matches",
+    "candidate_layers",
+    "model_bytes",
+    "experts_modules",
+]
+
+# The names transformers' experts modules give the argument that holds the router's choice (tokens, top_k).
+_INDEX_ARGS = ("top_k_index", "router_indices", "topk_indices", "selected_experts", "routing_indices")
 
 
 def find_layer_lists(model: nn.Module) -> list[str]:
@@ -97,6 +108,9 @@ class Candidate:
     matched: bool  # the segments (offload_params / cpu_offload_params) match its name
     shared: bool  # reachable under more than one name (tied, or a module reused): it cannot live in one slot
     param: Any  # the tensor itself (its identity tells one shared tensor from another)
+    # Why the module owning it looks like a mixture-of-experts experts module that cannot be routed (None: it is
+    # routable, see `spec.routing`, or no experts module)
+    unroutable: str | None = None
 
 
 @dataclass(frozen=True)
@@ -113,10 +127,26 @@ class CandidateLayer:
         """Ids of the parameters that can stream: matched, and used under this one name only."""
         return {id(c.param) for c in self.params if c.matched and not c.shared}
 
-    def placed(self, placement: Placement, chosen: set[int]) -> LayerPlan:
-        """The layer with the parameters whose ids are in `chosen` given `placement`, the others resident."""
-        specs = tuple(replace(c.spec, placement=placement) if id(c.param) in chosen else c.spec for c in self.params)
-        return LayerPlan(self.path, self.index, specs)
+    def placed(self, placement: Placement, chosen: set[int], routed: bool = False) -> LayerPlan:
+        """The layer with the parameters whose ids are in `chosen` given `placement`, the others resident. With
+        `routed`, chosen expert tensors of a routable experts module are ROUTED instead; one of an experts module
+        that cannot be routed is refused (ValueError), never streamed whole without being asked to."""
+        specs = []
+        for c in self.params:
+            if id(c.param) not in chosen:
+                specs.append(c.spec)
+                continue
+            kind = placement
+            if routed and c.spec.routing is not None:
+                kind = Placement.ROUTED
+            elif routed and c.unroutable is not None:
+                raise ValueError(
+                    f"{self.path}.{c.spec.name}: {c.unroutable} hf_prefetch streams an experts module expert by "
+                    "expert only when it is recognised. Pass PrefetchConfig(routed_experts=False) to stream its "
+                    "tensors whole in every forward, or leave it out of offload_params."
+                )
+            specs.append(replace(c.spec, placement=kind))
+        return LayerPlan(self.path, self.index, tuple(specs))
 
     def resident(self) -> LayerPlan:
         return LayerPlan(self.path, self.index, tuple(c.spec for c in self.params))
@@ -131,17 +161,101 @@ def candidate_layers(
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
         uses[id(param)] = uses.get(id(param), 0) + 1
+    top_k = _experts_per_token(model)
     found: dict[str, list[CandidateLayer]] = {}
     for path in paths:
         found[path] = []
         for index, layer in enumerate(model.get_submodule(path)):
+            experts = experts_modules(layer, top_k)
             params = []
             for name, param in layer.named_parameters():
                 spec = ParamSpec(name, tuple(param.shape), _dense_stride(param), param.dtype, _param_bytes(param))
+                owner = _owner(name, experts)
+                routing = experts[owner] if owner is not None and isinstance(experts[owner], Routing) else None
+                unroutable = experts[owner] if owner is not None and isinstance(experts[owner], str) else None
+                spec = replace(spec, routing=routing)
                 matched = segment_matches(segments, name)
-                params.append(Candidate(spec, matched, uses[id(param)] > 1, param))
+                params.append(Candidate(spec, matched, uses[id(param)] > 1, param, unroutable))
             found[path].append(CandidateLayer(f"{path}.{index}", index, tuple(params)))
     return found
+
+
+def experts_modules(layer: nn.Module, top_k: int | None = None) -> dict[str, Routing | str]:
+    """The mixture-of-experts experts modules inside `layer`: path -> its `Routing`, or a sentence saying why a
+    module that looks like one (named `experts`, or a class named `...Experts`) cannot be routed.
+
+    Routable: an int `num_experts` > 1, every parameter of its own with `num_experts` rows in dimension 0, no
+    submodule with parameters, and a forward whose second argument is the router's choice (`top_k_index`, as in
+    transformers' `@use_experts_implementation` modules: Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V3, gpt-oss, ...).
+    """
+    found: dict[str, Routing | str] = {}
+    for path, module in layer.named_modules():
+        name = path.rsplit(".", 1)[-1]
+        looks_like = name == "experts" or type(module).__name__.endswith("Experts")
+        if not looks_like or not path:
+            continue
+        problem = _unroutable(module)
+        if problem is None:
+            found[path] = Routing(path, module.num_experts, top_k, _index_arg(module))
+        else:
+            found[path] = f"the experts module {path!r} ({type(module).__name__}) {problem}."
+    return found
+
+
+def _unroutable(module: nn.Module) -> str | None:
+    experts = getattr(module, "num_experts", None)
+    if isinstance(experts, bool) or not isinstance(experts, int) or experts < 2:
+        return f"has no int attribute num_experts > 1 (found {experts!r}); expected fused expert tensors"
+    if any(next(child.parameters(recurse=True), None) is not None for child in module.children()):
+        kinds = sorted({type(child).__name__ for child in module.children()})
+        return (
+            f"holds its experts as submodules ({', '.join(kinds)}); expected fused tensors with one row per expert "
+            "in dimension 0 (transformers >= 5 layout)"
+        )
+    own = dict(module.named_parameters(recurse=False))
+    if not own:
+        return "has no parameters of its own"
+    for pname, param in own.items():
+        if param.dim() < 1 or param.shape[0] != experts:
+            return f"has {pname} of shape {tuple(param.shape)}; expected dimension 0 to be num_experts={experts}"
+    if _index_arg(module) is None:
+        return (
+            f"has a forward{_signature(module)} whose second argument is not the router's choice; expected one of "
+            f"{list(_INDEX_ARGS)}"
+        )
+    return None
+
+
+def _index_arg(module: nn.Module) -> str | None:
+    try:
+        names = list(inspect.signature(module.forward).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names[1] if len(names) > 1 and names[1] in _INDEX_ARGS else None
+
+
+def _signature(module: nn.Module) -> str:
+    try:
+        return str(inspect.signature(module.forward))
+    except (TypeError, ValueError):
+        return "(?)"
+
+
+def _owner(name: str, experts: dict[str, Any]) -> str | None:
+    # The experts module a parameter belongs to (its own parameter, or deeper: refused above).
+    for path in experts:
+        if name.startswith(f"{path}."):
+            return path
+    return None
+
+
+def _experts_per_token(model: nn.Module) -> int | None:
+    config = getattr(model, "config", None)
+    for source in (config, getattr(config, "text_config", None)):
+        value = getattr(source, "num_experts_per_tok", None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def _dense_stride(tensor: torch.Tensor) -> tuple[int, ...]:

@@ -53,3 +53,15 @@ def release(anchor: torch.Tensor, engine: int, ring: int, position: int) -> None
 @release.register_fake
 def _(anchor: torch.Tensor, engine: int, ring: int, position: int) -> None:
     return None
+
+
+@torch.library.custom_op("hf_prefetch::gather", mutates_args=("anchor",))
+def gather(anchor: torch.Tensor, index: torch.Tensor, engine: int, ring: int, position: int) -> None:
+    """Copy the routed experts' rows of layer `position` (see `PrefetchEngine.gather`); `anchor` is the experts'
+    input."""
+    _engines[engine].gather(ring, position, index)
+
+
+@gather.register_fake
+def _(anchor: torch.Tensor, index: torch.Tensor, engine: int, ring: int, position: int) -> None:
+    return None

@@ -20,9 +20,16 @@ from .offload_config import UVAConfig
 if TYPE_CHECKING:
     from .budget import MemoryBudget
 
-__all__ = ["OffloadPlan", "RingPlan", "LayerPlan", "ParamSpec", "Placement", "Source", "PoolKey"]
+__all__ = ["OffloadPlan", "RingPlan", "LayerPlan", "ParamSpec", "Placement", "Routing", "Source", "PoolKey"]
 
 PoolKey = tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype]
+
+
+# A forward of t tokens with top_k experts each copies t * top_k expert rows (repeats included) when it routes, and
+# num_experts rows when it does not. The rows are read by the GPU over the bus and the copy cannot start before the
+# router ran, while whole copies run on the copy engine ahead of use: routing pays while
+# t * top_k * ROUTED_BREAK_EVEN <= num_experts (see docs/design.md, "Routed experts").
+ROUTED_BREAK_EVEN = 4
 
 
 class Placement(Enum):
@@ -31,6 +38,21 @@ class Placement(Enum):
     RESIDENT = "resident"  # on the execution device, for good
     STREAMED = "streamed"  # in pinned host memory, copied into a slot of its ring's buffer pool before each use
     MAPPED = "mapped"  # in pinned host memory, read in place by the kernels over the bus (UVA zero-copy)
+    # An expert tensor of a mixture-of-experts layer, in pinned host memory, streamed through its ring's slots like
+    # STREAMED, except that a forward with few tokens copies only the rows of the experts its router picks (see
+    # [Note: routed experts] in engine.py).
+    ROUTED = "routed"
+
+
+@dataclass(frozen=True)
+class Routing:
+    """The experts module a ROUTED parameter belongs to: dimension 0 of the parameter indexes its experts, and the
+    module's forward receives the router's choice (`index_arg`, shape (tokens, top_k))."""
+
+    module: str  # path inside the layer, e.g. "mlp.experts"
+    num_experts: int
+    top_k: int | None  # experts per token (the model config's `num_experts_per_tok`); None where unknown
+    index_arg: str  # name of the forward's argument holding the routed expert indices
 
 
 class Source(Enum):
@@ -53,6 +75,7 @@ class ParamSpec:
     dtype: torch.dtype
     nbytes: int
     placement: Placement = Placement.RESIDENT
+    routing: Routing | None = None  # the experts module of a ROUTED parameter (and of one that could be)
 
     @property
     def key(self) -> PoolKey:
@@ -83,7 +106,12 @@ class LayerPlan:
 
     @property
     def streamed(self) -> bool:
-        return any(p.placement is Placement.STREAMED for p in self.params)
+        """Whether the layer goes through its ring's slots (its STREAMED or ROUTED parameters)."""
+        return any(p.placement in (Placement.STREAMED, Placement.ROUTED) for p in self.params)
+
+    @property
+    def routed(self) -> tuple[ParamSpec, ...]:
+        return tuple(p for p in self.params if p.placement is Placement.ROUTED)
 
     @property
     def mapped(self) -> bool:
@@ -97,6 +125,19 @@ class LayerPlan:
     @property
     def offloaded_bytes(self) -> int:
         return sum(p.nbytes for p in self.offloaded)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """What a forward of one token copies of this layer: the routed parameters' rows of `top_k` experts (all of
+        them where top_k is unknown), and every other offloaded byte."""
+        total = 0
+        for p in self.offloaded:
+            routing = p.routing if p.placement is Placement.ROUTED else None
+            if routing is not None and routing.top_k is not None:
+                total += p.nbytes * min(routing.top_k, routing.num_experts) // routing.num_experts
+            else:
+                total += p.nbytes
+        return total
 
     @property
     def resident_bytes(self) -> int:
@@ -136,6 +177,12 @@ class RingPlan:
         """What crosses the link in a forward: the streamed layers that take turns in a slot (a layer that owns its
         slot was copied once), and every mapped byte (read over the bus at least once)."""
         return sum(layer.offloaded_bytes for layer in self.layers if not layer.owns_slot)
+
+    @property
+    def bytes_per_token(self) -> int:
+        """What crosses the link in a forward of one token (decoding at batch 1): routed parameters copy only the
+        rows of the experts a token uses; layers that own their slot copy nothing."""
+        return sum(layer.bytes_per_token for layer in self.layers if not layer.owns_slot)
 
     @property
     def longest_run(self) -> int:
@@ -181,6 +228,29 @@ class OffloadPlan:
     @property
     def streamed_bytes_per_forward(self) -> int:
         return sum(ring.bytes_per_forward for ring in self.rings)
+
+    @property
+    def routed_bytes(self) -> int:
+        """Offloaded bytes of ROUTED parameters (expert tensors that copy only routed experts in small forwards)."""
+        return sum(p.nbytes for ring in self.rings for layer in ring.layers for p in layer.routed)
+
+    @property
+    def streamed_bytes_per_token(self) -> int:
+        """What crosses the link in a forward of one token; equals `streamed_bytes_per_forward` without ROUTED
+        parameters."""
+        return sum(ring.bytes_per_token for ring in self.rings)
+
+    @property
+    def routed_max_tokens(self) -> int:
+        """The most tokens a forward may have for its routed experts to be copied expert by expert (0: no routed
+        parameters): the config's `routed_max_tokens`, else the smallest break-even point of the experts modules,
+        `num_experts // (ROUTED_BREAK_EVEN * top_k)` tokens, at least 1."""
+        routings = {spec.routing for ring in self.rings for layer in ring.layers for spec in layer.routed}
+        if not routings:
+            return 0
+        if getattr(self.config, "routed_max_tokens", None) is not None:
+            return self.config.routed_max_tokens
+        return min(max(1, r.num_experts // (ROUTED_BREAK_EVEN * (r.top_k or r.num_experts))) for r in routings)
 
     @property
     def device_bytes(self) -> int:

@@ -74,7 +74,10 @@ def make_plan(
     )
     if config.offload_params and not matched:
         raise offload_params_error(model, config.offload_params, list(candidates), "offload_params")
-    rings = tuple(ring_plan(path, ring, selection[path], config.prefetch_step) for path, ring in candidates.items())
+    rings = tuple(
+        ring_plan(path, ring, selection[path], config.prefetch_step, config.routed_experts)
+        for path, ring in candidates.items()
+    )
     if source is None:
         source = Source.STRIDE if streamed is None else Source.EXPLICIT
     return plan_of(model, config, rings, source, budget)
@@ -92,10 +95,13 @@ def plan_of(
     return OffloadPlan(config, rings, model_bytes(model) - offloaded, source, budget)
 
 
-def ring_plan(path: str, layers: list[CandidateLayer], selected: set[int], prefetch_step: int) -> RingPlan:
-    """The ring of one layer list with the movable parameters of the `selected` layers streamed, and its slots."""
+def ring_plan(
+    path: str, layers: list[CandidateLayer], selected: set[int], prefetch_step: int, routed: bool = True
+) -> RingPlan:
+    """The ring of one layer list with the movable parameters of the `selected` layers streamed (expert tensors
+    ROUTED where `routed`), and its slots."""
     planned = [
-        layer.placed(Placement.STREAMED, layer.streamable()) if layer.index in selected else layer.resident()
+        layer.placed(Placement.STREAMED, layer.streamable(), routed) if layer.index in selected else layer.resident()
         for layer in layers
     ]
     streamed_at = [i for i, layer in enumerate(planned) if layer.streamed]

@@ -22,7 +22,8 @@ def _layer_row(ring: RingPlan, layer: LayerPlan) -> tuple[str, ...]:
         host = format_bytes(layer.offloaded_bytes)
         if layer.owns_slot:
             return (layer.path, "own slot", resident, host, str(layer.slot), "-")
-        return (layer.path, "streamed", resident, host, str(layer.slot), str(ring.streamed[layer.next_in_slot].index))
+        placement = "routed" if layer.routed else "streamed"
+        return (layer.path, placement, resident, host, str(layer.slot), str(ring.streamed[layer.next_in_slot].index))
     if layer.mapped:
         placement = "mapped" if layer.resident_bytes == 0 else "partly mapped"
         return (layer.path, placement, resident, format_bytes(layer.offloaded_bytes), "-", "-")
@@ -84,6 +85,17 @@ def _totals(plan: OffloadPlan) -> list[tuple[str, str]]:
     if plan.link_gbps is not None:
         seconds = plan.transfer_seconds_per_forward
         totals.append(("transfer per forward", f"{seconds * 1e3:.2f} ms at {plan.link_gbps:.1f} GB/s"))
+    if plan.routed_bytes:
+        routings = {spec.routing for ring in plan.rings for layer in ring.layers for spec in layer.routed}
+        picks = ", ".join(sorted({f"{r.top_k or '?'} of {r.num_experts}" for r in routings}))
+        limit = plan.routed_max_tokens
+        when = f"at most {limit} token{'s' if limit != 1 else ''}"
+        when += " (the break-even point)" if plan.config.routed_max_tokens is None else ""
+        per_token = f"{size(plan.streamed_bytes_per_token)} (routed experts: {picks} per token)"
+        if plan.link_gbps is not None:
+            per_token += f", {plan.streamed_bytes_per_token / (plan.link_gbps * 1e9) * 1e3:.2f} ms"
+        totals.append(("routed experts", f"{size(plan.routed_bytes)}, copied expert by expert in forwards of {when}"))
+        totals.append(("streamed per token", per_token))
     return totals
 
 

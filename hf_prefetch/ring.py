@@ -30,7 +30,17 @@ import torch
 
 from .pool import BufferPool
 
-__all__ = ["SlotTable", "RingState", "CopyEvent", "Capture", "LayerCounters", "LayerTransfer", "RingTransfers"]
+__all__ = [
+    "SlotTable",
+    "RingState",
+    "CopyEvent",
+    "Fill",
+    "Capture",
+    "LayerCounters",
+    "RoutedTensor",
+    "LayerTransfer",
+    "RingTransfers",
+]
 
 
 class SlotTable:
@@ -88,6 +98,13 @@ class CopyEvent(Enum):
     LANDED = "landed"  # no event: the copy landed before a capture that kept the layer in its slot for good
 
 
+class Fill(Enum):
+    """What a layer's latest copy into its slot brought. See [Note: routed experts] in engine.py."""
+
+    WHOLE = "whole"  # every tensor of the layer
+    ROUTED = "routed"  # every tensor but the routed ones, whose rows its experts' forward copies as the router picks
+
+
 @dataclass
 class Capture:
     """One ring's part of a CUDA-graph capture, from the ring's first `wait` in it to its join (or its abort)."""
@@ -103,20 +120,40 @@ class LayerCounters:
     copies: int = 0
     copied_bytes: int = 0
     misses: int = 0
+    routed_rows: int = 0  # experts picked by the router whose rows were copied (a repeated pick counts again)
+    routed_bytes: int = 0  # their bytes, also counted in copied_bytes
+    completions: int = 0  # layers copied without their routed tensors that a forward of many tokens completed
     copy_seconds: float = 0.0
     stall_seconds: float = 0.0
     compute_seconds: float = 0.0  # from the end of the layer's wait to the end of its forward
 
 
 @dataclass
+class RoutedTensor:
+    """One ROUTED parameter of a layer: dimension 0 indexes experts."""
+
+    host: torch.Tensor  # host storage
+    source: torch.Tensor  # what rows are gathered from: `host`, or on CUDA its mapped (UVA) view
+    device: torch.Tensor  # the parameter's buffer in the layer's slot
+    num_experts: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.host.numel() * self.host.element_size()
+
+
+@dataclass
 class LayerTransfer:
-    """The copies that bring one streamed layer into its slot: `device[i].copy_(host[i])`."""
+    """The copies that bring one streamed layer into its slot: `device[i].copy_(host[i])`, and for each ROUTED
+    parameter either the same whole copy or the rows of the experts its router picks (`routed`)."""
 
     host: list[torch.Tensor]  # host storage (pinned when the arena is), never moved or resized
     device: list[torch.Tensor]  # this layer's buffers in its slot of the pool
     slot: int
     next_in_slot: int  # the layer (ring position) that takes over `slot` after this one ran
-    nbytes: int
+    nbytes: int  # of `host`
+    routed: list[RoutedTensor] = field(default_factory=list)
+    fill: Fill = Fill.WHOLE  # what the latest copy into the slot brought
     # Recorded after this layer's latest copy; the compute stream waits on it before the layer runs. With timing on,
     # every copy gets a fresh event so that late reads see the right copy. `event` says what it is.
     done: torch.cuda.Event | None = None

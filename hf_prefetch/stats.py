@@ -30,6 +30,11 @@ class LayerStats:
     copy_seconds: float
     stall_seconds: float
     compute_seconds: float
+    # Routed experts (Placement.ROUTED): expert rows copied as the router picked them, their bytes (part of
+    # copied_bytes), and layers copied without their routed tensors that a forward of many tokens completed.
+    routed_rows: int = 0
+    routed_bytes: int = 0
+    completions: int = 0
 
     @property
     def gbps(self) -> float:
@@ -54,6 +59,18 @@ class TransferStats:
     @property
     def misses(self) -> int:
         return sum(layer.misses for layer in self.layers)
+
+    @property
+    def routed_rows(self) -> int:
+        return sum(layer.routed_rows for layer in self.layers)
+
+    @property
+    def routed_bytes(self) -> int:
+        return sum(layer.routed_bytes for layer in self.layers)
+
+    @property
+    def completions(self) -> int:
+        return sum(layer.completions for layer in self.layers)
 
     @property
     def copy_seconds(self) -> float:
@@ -250,6 +267,9 @@ def stats(model: nn.Module) -> TransferStats:
                     c.copy_seconds,
                     c.stall_seconds,
                     c.compute_seconds,
+                    c.routed_rows,
+                    c.routed_bytes,
+                    c.completions,
                 )
             )
     return TransferStats(tuple(layers), engine.timing)

@@ -93,7 +93,7 @@ def test_the_model_entry_and_exit_run_outside_the_graph_on_every_call():
     )
     engine = hf_prefetch.get_state(model).engine
     calls = []
-    engine.prepare = lambda: calls.append("prepare")
+    engine.prepare = lambda tokens=None: calls.append("prepare")
     engine.finish = lambda: calls.append("finish")
     recorder = GraphRecorder()
     compiled = torch.compile(model.__call__, backend=recorder)

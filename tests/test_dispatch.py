@@ -325,12 +325,12 @@ def test_interrupt_while_a_copy_is_issued_is_a_miss_not_stale_weights(reference,
         calls = {"n": 0}
         real_copy = engine._copy_on_host
 
-        def interrupted_copy(layer):
+        def interrupted_copy(layer, whole):
             calls["n"] += 1
             if calls["n"] == 2:  # the second copy of the forward: half the tensors land, then Ctrl-C
                 layer.device[0].copy_(layer.host[0])
                 raise KeyboardInterrupt
-            real_copy(layer)
+            real_copy(layer, whole)
 
         monkeypatch.setattr(engine, "_copy_on_host", interrupted_copy)
         with pytest.raises(KeyboardInterrupt), torch.no_grad():

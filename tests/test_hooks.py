@@ -264,7 +264,7 @@ def test_prepare_runs_before_every_forward_and_finish_after_the_outermost(dispat
     log = []
     for name in ("prepare", "finish"):
         step = getattr(engine, name)
-        monkeypatch.setattr(engine, name, lambda step=step, name=name: (log.append(name), step())[1])
+        monkeypatch.setattr(engine, name, lambda *a, step=step, name=name: (log.append(name), step(*a))[1])
     forward(model, llama_reference.ids)
     assert log == ["prepare", "finish"]
 
@@ -286,7 +286,7 @@ def test_a_failed_prepare_leaves_the_gate_open(dispatch, llama_reference, monkey
     model = dispatch(**EVERY_SECOND)
     engine = hf_prefetch.get_state(model).engine
 
-    def fail():
+    def fail(tokens=None):
         raise error("prepare failed")
 
     monkeypatch.setattr(engine, "prepare", fail)

@@ -140,6 +140,12 @@ with warnings.catch_warnings():
         "PrefetchConfig.offload_params": dataclasses.replace(
             BASE, prefetch=dataclasses.replace(BASE.prefetch, offload_params={"x", "y", "z", "v"})
         ),
+        "PrefetchConfig.routed_experts": dataclasses.replace(
+            BASE, prefetch=dataclasses.replace(BASE.prefetch, routed_experts=False)
+        ),
+        "PrefetchConfig.routed_max_tokens": dataclasses.replace(
+            BASE, prefetch=dataclasses.replace(BASE.prefetch, routed_max_tokens=3)
+        ),
     }
 
 

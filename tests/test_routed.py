@@ -1,0 +1,252 @@
+"""Routed experts (Placement.ROUTED): mixture-of-experts layers copy only the experts their router picks in forwards
+of few tokens, whole expert tensors in forwards of many, and compute exactly what the unmodified model computes."""
+
+import copy
+
+import pytest
+import torch
+from moe_models import FAMILIES, VOCAB, moe_model
+
+import hf_prefetch
+from hf_prefetch import Placement, PrefetchConfig
+
+ROUTED = dict(group_size=2, num_in_group=1, prefetch_step=1, routed_max_tokens=4)
+
+
+def _ids(batch: int = 1, length: int = 6, seed: int = 1) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _generate(model, ids, **kwargs):
+    with torch.no_grad():
+        return model.generate(
+            ids,
+            attention_mask=kwargs.pop("attention_mask", torch.ones_like(ids)),
+            max_new_tokens=kwargs.pop("max_new_tokens", 6),
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            **kwargs,
+        )
+
+
+def _same(got, want) -> None:
+    assert torch.equal(got.sequences, want.sequences)
+    for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
+        assert torch.equal(a, b), f"logits differ at step {step}"
+
+
+@pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_routed_generate_is_bitwise_the_resident_model(family, implementation):
+    model = moe_model(family, experts_implementation=implementation)
+    reference = copy.deepcopy(model)
+    ids = _ids()
+    want = _generate(reference, ids, do_sample=False)
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED), device="cpu")
+    try:
+        plan = hf_prefetch.get_state(model).plan
+        assert plan.routed_bytes > 0
+        assert plan.streamed_bytes_per_token < plan.streamed_bytes_per_forward
+        _same(_generate(model, ids, do_sample=False), want)
+        stats = hf_prefetch.stats(model)
+        # Prefill (6 tokens) copies whole layers; each of the 5 decode forwards after the first token routes.
+        assert stats.routed_rows > 0 and stats.misses == 0
+        assert stats.routed_bytes < stats.copied_bytes
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_beam_search_sampling_and_left_padded_batches(family):
+    model = moe_model(family)
+    reference = copy.deepcopy(model)
+    ids = _ids(batch=2, length=5)
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = 0, 0  # left padding
+    cases = [
+        dict(do_sample=False, attention_mask=mask),  # 2 tokens per decode forward: routes
+        dict(do_sample=False, num_beams=3, attention_mask=mask),  # 6 tokens per decode forward: whole copies
+        dict(do_sample=True, top_k=20),
+    ]
+    wants = []
+    for case in cases:
+        torch.manual_seed(7)
+        wants.append(_generate(reference, ids, **dict(case)))
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED), device="cpu")
+    try:
+        for case, want in zip(cases, wants, strict=True):
+            torch.manual_seed(7)
+            _same(_generate(model, ids, **dict(case)), want)
+        assert hf_prefetch.stats(model).misses == 0
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_switching_between_routed_and_whole_forwards_completes_layers():
+    model = moe_model("qwen3_moe")
+    reference = copy.deepcopy(model)
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED), device="cpu")
+    try:
+        with torch.no_grad():
+            for length in (1, 9, 2, 1, 7, 3, 12, 1):  # routed and whole forwards in every order
+                ids = _ids(length=length, seed=length)
+                assert torch.equal(model(ids).logits, reference(ids).logits)
+        stats = hf_prefetch.stats(model)
+        # A whole forward right after a routed one finds its first layer copied without experts: completed.
+        assert stats.completions > 0 and stats.misses == 0
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_routed_rows_are_counted_per_pick():
+    model = moe_model("qwen3_moe")  # 16 experts, 4 per token
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED), device="cpu")
+    try:
+        with torch.no_grad():
+            model(_ids(length=3))
+        stats = hf_prefetch.stats(model)
+        experts = model.model.layers[1].mlp.experts
+        row_bytes = sum(p.numel() * p.element_size() for p in experts.parameters()) // experts.num_experts
+        # Layer 1 was copied whole at dispatch (before any forward chose to route); layer 3 gets 3 tokens x 4 experts.
+        assert [(layer.path, layer.routed_rows) for layer in stats.layers] == [
+            ("model.layers.1", 0),
+            ("model.layers.3", 3 * 4),
+        ]
+        assert stats.routed_bytes == stats.routed_rows * row_bytes
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_routed_experts_false_streams_whole_tensors():
+    model = moe_model("mixtral")
+    reference = copy.deepcopy(model)
+    config = PrefetchConfig(**{**ROUTED, "routed_experts": False})
+    plan = hf_prefetch.plan(model, config)
+    placements = {spec.placement for layer in plan.rings[0].streamed for spec in layer.params}
+    assert placements == {Placement.STREAMED}
+    assert plan.streamed_bytes_per_token == plan.streamed_bytes_per_forward
+    hf_prefetch.dispatch_model(model, config, device="cpu")
+    try:
+        _same(_generate(model, _ids(), do_sample=False), _generate(reference, _ids(), do_sample=False))
+        assert hf_prefetch.stats(model).routed_rows == 0
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_plan_counts_routed_bytes_per_token():
+    model = moe_model("qwen3_moe")  # 16 experts, 4 per token: a quarter of the expert bytes per token
+    plan = hf_prefetch.plan(model, PrefetchConfig(**ROUTED, offload_params={"experts"}))
+    layer = plan.rings[0].streamed[0]
+    assert {spec.placement for spec in layer.offloaded} == {Placement.ROUTED}
+    assert layer.bytes_per_token * 4 == layer.offloaded_bytes
+    assert plan.streamed_bytes_per_token * 4 == plan.streamed_bytes_per_forward
+    assert "routed" in str(plan)
+
+
+def test_experts_only_offload_with_the_break_even_default():
+    model = moe_model("olmoe")
+    reference = copy.deepcopy(model)
+    config = PrefetchConfig(group_size=1, prefetch_step=2, offload_params={"experts"})  # routed_max_tokens: default
+    hf_prefetch.dispatch_model(model, config, device="cpu")
+    try:
+        # 16 experts, 4 per token: the break-even point is 16 // (4 * 4) = 1 token.
+        assert hf_prefetch.get_state(model).engine.routed_max_tokens == 1
+        _same(_generate(model, _ids(), do_sample=False), _generate(reference, _ids(), do_sample=False))
+        assert hf_prefetch.stats(model).routed_rows > 0
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_state_dict_and_sync_from_device_keep_host_values_of_routed_tensors():
+    model = moe_model("qwen3_moe")
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED), device="cpu")
+    try:
+        with torch.no_grad():
+            model(_ids(length=1))  # a routed forward: slots hold a few experts' rows and stale ones
+        hf_prefetch.sync_from_device(model)
+        got = model.state_dict()
+        assert all(torch.equal(got[k], v) for k, v in expected.items())
+        with torch.no_grad():
+            model(_ids(length=1))
+        assert torch.equal(model(_ids(length=2)).logits, moe_model("qwen3_moe")(_ids(length=2)).logits)
+    finally:
+        hf_prefetch.remove_offload(model)
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in expected.items())
+
+
+class _ListedExperts(torch.nn.Module):
+    """Experts as a ModuleList of MLPs (the layout before transformers 5)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.num_experts = 4
+        self.items = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+
+
+def test_an_unrecognised_experts_layout_is_refused_with_the_module_and_the_fix():
+    from hf_prefetch.layers import experts_modules
+
+    layer = torch.nn.Module()
+    layer.mlp = torch.nn.Module()
+    layer.mlp.experts = _ListedExperts()
+    found = experts_modules(layer)
+    assert isinstance(found["mlp.experts"], str) and "submodules" in found["mlp.experts"]
+
+    model = moe_model("mixtral")
+    model.model.layers[1].mlp.experts = _ListedExperts()
+    with pytest.raises(ValueError) as error:
+        hf_prefetch.plan(model, PrefetchConfig(**ROUTED))
+    message = str(error.value)
+    assert "model.layers.1.mlp.experts" in message and "_ListedExperts" in message
+    assert "routed_experts=False" in message
+    # Asked to stream it whole, it streams whole.
+    plan = hf_prefetch.plan(model, PrefetchConfig(**{**ROUTED, "routed_experts": False}))
+    assert plan.routed_bytes == 0
+
+
+def test_experts_whose_rows_are_not_experts_are_refused():
+    model = moe_model("qwen3_moe")
+    experts = model.model.layers[1].mlp.experts
+    experts.down_proj = torch.nn.Parameter(experts.down_proj.data.transpose(0, 1).contiguous())
+    with pytest.raises(ValueError, match=r"down_proj of shape \(64, 16, 32\); expected dimension 0 to be num_experts"):
+        hf_prefetch.plan(model, PrefetchConfig(**ROUTED))
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, True, "4"])
+def test_routed_max_tokens_is_validated(value):
+    with pytest.raises(ValueError, match="routed_max_tokens"):
+        PrefetchConfig(routed_max_tokens=value)
+
+
+def test_routed_experts_is_validated():
+    with pytest.raises(ValueError, match="routed_experts"):
+        PrefetchConfig(routed_experts=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
+def test_routed_experts_on_cuda_read_the_mapped_arena_and_match_the_resident_model(implementation):
+    model = moe_model("qwen3_moe", experts_implementation=implementation).to(torch.bfloat16)
+    reference = copy.deepcopy(model).cuda()
+    ids = _ids(batch=2, length=7).cuda()
+    want = _generate(reference, ids, do_sample=False, max_new_tokens=24)
+    with torch.no_grad():
+        prefill = reference(_ids(length=40).cuda()).logits
+    hf_prefetch.dispatch_model(
+        model, PrefetchConfig(group_size=1, prefetch_step=2, routed_max_tokens=4), device="cuda"
+    )
+    try:
+        engine = hf_prefetch.get_state(model).engine
+        routed = engine.rings[0].layers[0].routed
+        assert routed and all(t.source.is_cuda and t.host.device.type == "cpu" for t in routed)  # UVA view
+        for _ in range(3):  # routed decode (2 tokens per forward), whole prefills, and back
+            _same(_generate(model, ids, do_sample=False, max_new_tokens=24), want)
+            with torch.no_grad():
+                assert torch.equal(model(_ids(length=40).cuda()).logits, prefill)
+        stats = hf_prefetch.stats(model)
+        assert stats.routed_rows > 0 and stats.completions > 0 and stats.misses == 0
+    finally:
+        hf_prefetch.remove_offload(model, device="cpu")
