@@ -40,8 +40,9 @@ class PrefetchConfig:
             expert: a forward with few tokens copies only the experts its router picks (Placement.ROUTED), one with
             many copies whole tensors. False streams them whole in every forward.
         routed_max_tokens (`int`, *optional*): The most tokens a forward may have for its routed experts to be
-            copied expert by expert. Defaults to each experts module's break-even point, `num_experts // (4 *
-            top_k)` tokens (at least 1): see docs/design.md ("Routed experts").
+            copied expert by expert. Defaults to each experts module's break-even point, `0.75 * num_experts /
+            top_k` tokens rounded down (at least 1; 12 for 128 experts with 8 per token): see docs/design.md
+            ("Routed experts").
 
     Example:
 

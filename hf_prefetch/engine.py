@@ -245,7 +245,7 @@ class PrefetchEngine:
                 _copy_all(layer, self._non_blocking, None, whole)
             _loaded_on(layer, compute, capturing, self.timing)
 
-    # --- Routed experts ([Note: routed experts]) ----------------------------------------------------------------------
+    # --- Routed experts ([Note: routed experts]) ---------------------------------------------------------------------
 
     def gather(self, ring: int, position: int, index: torch.Tensor) -> None:
         """Before layer `position`'s experts module runs: copy the rows of the experts `index` names (the router's
@@ -381,7 +381,8 @@ class PrefetchEngine:
 
     def invalidate(self, ring: int | None = None, position: int | None = None) -> None:
         """Host storage is about to be rewritten: forget the slot of layer `position` of `ring` (every slot of `ring`
-        when `position` is None, of every ring when `ring` is None). Done before the write, so that an interrupt anywhere after it leaves a layer that loads its new values
+        when `position` is None, of every ring when `ring` is None). Done before the write, so that an interrupt
+        anywhere after it leaves a layer that loads its new values
         (a miss), never one that computes with its old ones."""
         self._settle()
         for index, transfers in enumerate(self.rings):

@@ -86,7 +86,8 @@ class RoutedHook(ModelHook):
         if not isinstance(index, torch.Tensor):
             raise TypeError(
                 f"hf_prefetch: the experts module {self.path} was called without the router's choice "
-                f"({self.index_arg}, a tensor of expert indices), which its routed weights need; got {type(index).__name__}."
+                f"({self.index_arg}, a tensor of expert indices), which its routed weights need; got "
+                f"{type(index).__name__}."
             )
         if torch.compiler.is_compiling():
             anchor = _input_anchor(args[:1], {k: v for k, v in kwargs.items() if k != self.index_arg})

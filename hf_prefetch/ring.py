@@ -64,7 +64,7 @@ class SlotTable:
         self._owners[slot] = position
 
     def release(self, slot: int, position: int) -> None:
-        """Forget that `slot` holds `position` (its copy belongs to a graph that was never replayed, or was aborted)."""
+        """Forget that `slot` holds `position` (its copy belongs to a graph never replayed, or aborted)."""
         if self._owners[slot] == position:
             self._owners[slot] = None
 

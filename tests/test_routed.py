@@ -150,8 +150,8 @@ def test_experts_only_offload_with_the_break_even_default():
     config = PrefetchConfig(group_size=1, prefetch_step=2, offload_params={"experts"})  # routed_max_tokens: default
     hf_prefetch.dispatch_model(model, config, device="cpu")
     try:
-        # 16 experts, 4 per token: the break-even point is 16 // (4 * 4) = 1 token.
-        assert hf_prefetch.get_state(model).engine.routed_max_tokens == 1
+        # 16 experts, 4 per token: the break-even point is 0.75 * 16 / 4 = 3 tokens.
+        assert hf_prefetch.get_state(model).engine.routed_max_tokens == 3
         _same(_generate(model, _ids(), do_sample=False), _generate(reference, _ids(), do_sample=False))
         assert hf_prefetch.stats(model).routed_rows > 0
     finally:
@@ -250,3 +250,21 @@ def test_routed_experts_on_cuda_read_the_mapped_arena_and_match_the_resident_mod
         assert stats.routed_rows > 0 and stats.completions > 0 and stats.misses == 0
     finally:
         hf_prefetch.remove_offload(model, device="cpu")
+
+
+def test_compiled_routed_forwards_match_the_compiled_resident_model():
+    # Under torch.compile the experts' hook calls the custom op hf_prefetch::gather, run with the real router choice
+    # each time the compiled code runs; routed (1-3 tokens) and whole (9 tokens) forwards alternate.
+    model = moe_model("qwen3_moe", experts_implementation="grouped_mm")
+    reference = torch.compile(copy.deepcopy(model), mode="default")
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED), device="cpu")
+    try:
+        compiled = torch.compile(model, mode="default")
+        with torch.no_grad():
+            for length in (1, 2, 9, 1, 3):
+                ids = _ids(length=length, seed=length)
+                assert torch.equal(compiled(ids).logits, reference(ids).logits)
+        stats = hf_prefetch.stats(model)
+        assert stats.routed_rows > 0 and stats.completions > 0 and stats.misses == 0
+    finally:
+        hf_prefetch.remove_offload(model)
