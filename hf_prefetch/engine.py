@@ -152,8 +152,6 @@ class PrefetchEngine:
             transfers.begin_capture()
         if not transfers.holds(position, capturing):
             self._load_now(transfers, position)
-        elif layer.fill is Fill.ROUTED and (capturing or not self.routing):
-            self._complete(layer, capturing)
         elif capturing:
             if position in transfers.capture.copies:  # else copied before the capture: landed (see the Note)
                 torch.cuda.current_stream(self.device).wait_event(layer.done)
@@ -164,6 +162,8 @@ class PrefetchEngine:
                 ready.record(compute)
                 self._pending.append(_Pending(layer.counters, ready, layer.done, "stall_seconds"))
             compute.wait_event(layer.done)
+        if layer.fill is Fill.ROUTED and (capturing or not self.routing):
+            self._complete(layer, capturing)  # copied for a routing forward, running in a whole one
         if self.timing and not capturing:
             self._begin_compute(layer)
 
