@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from .config import PrefetchConfig
-from .layers import candidate_layers, model_bytes
+from .layers import candidate_layers, model_bytes, warn_unroutable
 from .placements import OffloadPlan, RingPlan, Source
 from .planner import make_plan, offload_params_error, plan_of, ring_plan
 from .render import format_bytes
@@ -332,6 +332,8 @@ def plan_for_budget(
     if not fits:
         raise _host_error(budget, candidates, min(fits_device, key=lambda o: o.pinned_bytes))
     best = min(fits, key=lambda o: (o.streamed_bytes, o.pinned_bytes, o.device_bytes))
+    if any(layer.streamed for ring in best.rings for layer in ring.layers):
+        warn_unroutable(candidates, config.routed_experts)
     return plan_of(model, config, best.rings, Source.BUDGET, budget)
 
 

@@ -36,9 +36,11 @@ class PrefetchConfig:
             layers. A segment matches whole dotted parts: `"experts"` matches `mlp.experts.w2_weight`, `"expert"`
             and `"w2"` do not, and `"w2_weight"` does not match `w2_weight_scale`. Empty offloads every parameter
             of a selected layer.
-        routed_experts (`bool`, defaults to True): Stream the expert tensors of a mixture-of-experts layer expert by
+        routed_experts (`bool`, *optional*): Stream the expert tensors of a mixture-of-experts layer expert by
             expert: a forward with few tokens copies only the experts its router picks (Placement.ROUTED), one with
-            many copies whole tensors. False streams them whole in every forward.
+            many copies whole tensors. None (the default): wherever the experts module is recognised; one that is
+            not is streamed whole, with a warning naming it. True: an experts module that is not recognised is an
+            error. False: expert tensors stream whole in every forward.
         routed_max_tokens (`int`, *optional*): The most tokens a forward may have for its routed experts to be
             copied expert by expert. Defaults to each experts module's break-even point, `0.75 * num_experts /
             top_k` tokens rounded down (at least 1; 12 for 128 experts with 8 per token): see docs/design.md
@@ -60,7 +62,7 @@ class PrefetchConfig:
     num_in_group: int = 1
     prefetch_step: int = 2
     offload_params: frozenset[str] = field(default_factory=frozenset)
-    routed_experts: bool = True
+    routed_experts: bool | None = None
     routed_max_tokens: int | None = None
 
     def __post_init__(self) -> None:
@@ -84,8 +86,8 @@ class PrefetchConfig:
                 "at least one offloaded layer ahead (it is also the number of buffer slots)."
             )
         object.__setattr__(self, "offload_params", _validate_segments(self.offload_params))
-        if not isinstance(self.routed_experts, bool):
-            raise ValueError(f"PrefetchConfig.routed_experts={self.routed_experts!r} must be True or False.")
+        if self.routed_experts is not None and not isinstance(self.routed_experts, bool):
+            raise ValueError(f"PrefetchConfig.routed_experts={self.routed_experts!r} must be None, True or False.")
         limit = self.routed_max_tokens
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
             raise ValueError(

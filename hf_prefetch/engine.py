@@ -162,8 +162,9 @@ class PrefetchEngine:
                 ready.record(compute)
                 self._pending.append(_Pending(layer.counters, ready, layer.done, "stall_seconds"))
             compute.wait_event(layer.done)
+        layer.gathered = False
         if layer.fill is Fill.ROUTED and (capturing or not self.routing):
-            self._complete(layer, capturing)  # copied for a routing forward, running in a whole one
+            self._complete(transfers, position, capturing)  # copied for a routing forward, running in a whole one
         if self.timing and not capturing:
             self._begin_compute(layer)
 
@@ -172,6 +173,8 @@ class PrefetchEngine:
         transfers = self.rings[ring]
         layer = transfers.layers[position]
         capturing = self._capturing()
+        if layer.fill is Fill.ROUTED and not layer.gathered:
+            raise RuntimeError(_BYPASSED.format(position=position))
         if self.timing and not capturing:
             self._end_compute(layer)
         if not (capturing and layer.next_in_slot < position):
@@ -257,10 +260,11 @@ class PrefetchEngine:
         capturing = self._capturing()
         if not transfers.holds(position, capturing):  # the experts module ran without its layer's wait
             self._load_now(transfers, position)
+        layer.gathered = True
         if layer.fill is Fill.WHOLE:
             return
         if capturing or not self.routing:
-            self._complete(layer, capturing)
+            self._complete(transfers, position, capturing)
             return
         begin = self._begin_gather()
         for tensor in layer.routed:
@@ -274,24 +278,33 @@ class PrefetchEngine:
         layer.counters.routed_rows += index.numel()
         self._end_gather(layer, begin)
 
-    def _complete(self, layer: LayerTransfer, capturing: bool) -> None:
-        # A layer copied without its routed tensors runs in a whole forward: copy them now, on the compute stream.
+    def _complete(self, transfers: RingTransfers, position: int, capturing: bool) -> None:
+        # A layer copied without its routed tensors runs in a whole forward: copy them now, on the compute stream. It
+        # is marked whole only once the copies are issued (an interrupt before that costs one more completion).
+        layer = transfers.layers[position]
         layer.counters.completions += 1
         layer.counters.copied_bytes += sum(t.nbytes for t in layer.routed)
-        layer.fill = Fill.WHOLE
         if not self._cuda:
             for tensor in layer.routed:
                 tensor.device.copy_(tensor.host)
+            layer.fill = Fill.WHOLE
             return
         compute = torch.cuda.current_stream(self.device)
         if capturing:
+            # Recorded only: outside the graph the slot still lacks the routed tensors. Like a copy recorded in the
+            # capture, the layer's slot is released if the capture aborts, and forgotten at its join.
             self._check_capturable()
             for tensor in layer.routed:
                 captured_copy(tensor.device, tensor.host, compute)
+            layer.done, layer.event = torch.cuda.Event(), CopyEvent.IN_GRAPH
+            layer.done.record(compute)
+            transfers.capture.copies.add(position)
+            layer.fill = Fill.WHOLE
             return
         compute.wait_stream(self.copy_stream)  # after any copy into the slot still in flight
         for tensor in layer.routed:
             tensor.device.copy_(tensor.host, non_blocking=self._non_blocking)
+        layer.fill = Fill.WHOLE
 
     def _whole(self, layer: LayerTransfer, position: int, capturing: bool) -> bool:
         # A copy brings the routed tensors too unless this forward routes; a layer alone in its slot keeps it whole.
@@ -523,6 +536,14 @@ def _loaded_on(layer: LayerTransfer, stream: torch.cuda.Stream, capturing: bool,
 
 def _timing_event() -> torch.cuda.Event:
     return torch.cuda.Event(enable_timing=True)
+
+
+_BYPASSED = (
+    "hf_prefetch: streamed layer {position} ran while its slot held only the experts its router picked, but its "
+    "experts module's forward (whose hook copies them) was not called: something replaced the mixture-of-experts "
+    "block's forward (a hub kernel with use_kernels=True, a patched module), so it may have read other experts' "
+    "weights. Its output was discarded. Dispatch with PrefetchConfig(routed_experts=False)."
+)
 
 
 def _nbytes(layer: LayerTransfer, whole: bool) -> int:

@@ -4,6 +4,8 @@
 - `PrefetchHook` (an accelerate `ModelHook` on each streamed layer): before the layer runs its weights must be in its
   slot (`wait`); after it ran its slot goes to the next layer that uses it (`release`). Under torch.compile both steps
   are the custom ops of `ops.py`, so the decoder stack compiles into one graph.
+- `RoutedHook` (on the experts module of a layer with routed expert tensors): before it runs, the rows of the experts
+  its router picked are copied into the layer's slot (`gather`).
 - `ForwardGate` (the model's own forward pre-hook and forward hook): one forward at a time, and `engine.prepare()`
   before it and `engine.finish()` after it, outside any compiled graph.
 - The state-dict hooks: `state_dict()` reports host values, `load_state_dict()` writes through to them.

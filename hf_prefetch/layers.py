@@ -25,6 +25,8 @@ __all__ = [
     "candidate_layers",
     "model_bytes",
     "experts_modules",
+    "unroutable_modules",
+    "warn_unroutable",
 ]
 
 # The names transformers' experts modules give the argument that holds the router's choice (tokens, top_k).
@@ -111,6 +113,7 @@ class Candidate:
     # Why the module owning it looks like a mixture-of-experts experts module that cannot be routed (None: it is
     # routable, see `spec.routing`, or no experts module)
     unroutable: str | None = None
+    experts: str | None = None  # path inside the layer of the experts module it belongs to
 
 
 @dataclass(frozen=True)
@@ -127,23 +130,24 @@ class CandidateLayer:
         """Ids of the parameters that can stream: matched, and used under this one name only."""
         return {id(c.param) for c in self.params if c.matched and not c.shared}
 
-    def placed(self, placement: Placement, chosen: set[int], routed: bool = False) -> LayerPlan:
-        """The layer with the parameters whose ids are in `chosen` given `placement`, the others resident. With
-        `routed`, chosen expert tensors of a routable experts module are ROUTED instead; one of an experts module
-        that cannot be routed is refused (ValueError), never streamed whole without being asked to."""
+    def placed(self, placement: Placement, chosen: set[int], routed: bool | None = False) -> LayerPlan:
+        """The layer with the parameters whose ids are in `chosen` given `placement`, the others resident. Unless
+        `routed` is False, chosen expert tensors of a routable experts module are ROUTED instead; with `routed=True`
+        one of an experts module that cannot be routed is refused (ValueError); with None it keeps `placement` (the
+        planner warns, see `unroutable_modules`)."""
         specs = []
         for c in self.params:
             if id(c.param) not in chosen:
                 specs.append(c.spec)
                 continue
             kind = placement
-            if routed and c.spec.routing is not None:
+            if routed is not False and c.spec.routing is not None:
                 kind = Placement.ROUTED
-            elif routed and c.unroutable is not None:
+            elif routed is True and c.unroutable is not None:
                 raise ValueError(
                     f"{self.path}.{c.spec.name}: {c.unroutable} hf_prefetch streams an experts module expert by "
-                    "expert only when it is recognised. Pass PrefetchConfig(routed_experts=False) to stream its "
-                    "tensors whole in every forward, or leave it out of offload_params."
+                    "expert only when it is recognised. Pass PrefetchConfig(routed_experts=None) (the default) or "
+                    "False to stream its tensors whole in every forward, or leave it out of offload_params."
                 )
             specs.append(replace(c.spec, placement=kind))
         return LayerPlan(self.path, self.index, tuple(specs))
@@ -175,9 +179,36 @@ def candidate_layers(
                 unroutable = experts[owner] if owner is not None and isinstance(experts[owner], str) else None
                 spec = replace(spec, routing=routing)
                 matched = segment_matches(segments, name)
-                params.append(Candidate(spec, matched, uses[id(param)] > 1, param, unroutable))
+                params.append(Candidate(spec, matched, uses[id(param)] > 1, param, unroutable, owner))
             found[path].append(CandidateLayer(f"{path}.{index}", index, tuple(params)))
     return found
+
+
+def unroutable_modules(candidates: dict[str, list[CandidateLayer]]) -> dict[str, str]:
+    """Experts modules whose tensors can stream but not expert by expert: path -> why."""
+    found = {}
+    for ring in candidates.values():
+        for layer in ring:
+            for c in layer.params:
+                if c.unroutable is not None and c.matched and not c.shared:
+                    found.setdefault(f"{layer.path}.{c.experts}", c.unroutable)
+    return found
+
+
+def warn_unroutable(candidates: dict[str, list[CandidateLayer]], routed: bool | None) -> None:
+    """With `routed_experts=None`, say which experts modules stream whole because they cannot be routed."""
+    if routed is not None:
+        return
+    found = unroutable_modules(candidates)
+    if found:
+        from .config import warn_at_caller
+
+        first, why = next(iter(found.items()))
+        warn_at_caller(
+            f"{len(found)} experts module{'s' if len(found) > 1 else ''} of this model cannot be streamed expert by "
+            f"expert and stream whole tensors in every forward: {why} (first: {first}). Pass "
+            "PrefetchConfig(routed_experts=False) to stream every experts module whole without this warning."
+        )
 
 
 def experts_modules(layer: nn.Module, top_k: int | None = None) -> dict[str, Routing | str]:
@@ -191,7 +222,10 @@ def experts_modules(layer: nn.Module, top_k: int | None = None) -> dict[str, Rou
     found: dict[str, Routing | str] = {}
     for path, module in layer.named_modules():
         name = path.rsplit(".", 1)[-1]
-        looks_like = name == "experts" or type(module).__name__.endswith("Experts")
+        # Shared experts (a dense MLP every token uses, e.g. `shared_experts`) are neither: they have no num_experts.
+        looks_like = name == "experts" or (
+            type(module).__name__.endswith("Experts") and hasattr(module, "num_experts")
+        )
         if not looks_like or not path:
             continue
         problem = _unroutable(module)

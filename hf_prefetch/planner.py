@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 from torch import nn
 
 from .config import PrefetchConfig
-from .layers import CandidateLayer, candidate_layers, model_bytes
+from .layers import CandidateLayer, candidate_layers, model_bytes, warn_unroutable
 from .offload_config import UVAConfig
 from .placements import OffloadPlan, Placement, RingPlan, Source
 
@@ -78,6 +78,8 @@ def make_plan(
         ring_plan(path, ring, selection[path], config.prefetch_step, config.routed_experts)
         for path, ring in candidates.items()
     )
+    if any(layer.streamed for ring in rings for layer in ring.layers):
+        warn_unroutable(candidates, config.routed_experts)
     if source is None:
         source = Source.STRIDE if streamed is None else Source.EXPLICIT
     return plan_of(model, config, rings, source, budget)
@@ -96,7 +98,7 @@ def plan_of(
 
 
 def ring_plan(
-    path: str, layers: list[CandidateLayer], selected: set[int], prefetch_step: int, routed: bool = True
+    path: str, layers: list[CandidateLayer], selected: set[int], prefetch_step: int, routed: bool | None = None
 ) -> RingPlan:
     """The ring of one layer list with the movable parameters of the `selected` layers streamed (expert tensors
     ROUTED where `routed`), and its slots."""

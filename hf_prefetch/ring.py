@@ -154,6 +154,7 @@ class LayerTransfer:
     nbytes: int  # of `host`
     routed: list[RoutedTensor] = field(default_factory=list)
     fill: Fill = Fill.WHOLE  # what the latest copy into the slot brought
+    gathered: bool = False  # since the layer's wait, its experts' hook ran (`gather`)
     # Recorded after this layer's latest copy; the compute stream waits on it before the layer runs. With timing on,
     # every copy gets a fresh event so that late reads see the right copy. `event` says what it is.
     done: torch.cuda.Event | None = None

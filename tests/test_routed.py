@@ -185,7 +185,7 @@ class _ListedExperts(torch.nn.Module):
         self.items = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
 
 
-def test_an_unrecognised_experts_layout_is_refused_with_the_module_and_the_fix():
+def test_an_unrecognised_experts_layout_streams_whole_with_a_warning_or_is_refused_when_routing_is_required():
     from hf_prefetch.layers import experts_modules
 
     layer = torch.nn.Module()
@@ -195,23 +195,66 @@ def test_an_unrecognised_experts_layout_is_refused_with_the_module_and_the_fix()
     assert isinstance(found["mlp.experts"], str) and "submodules" in found["mlp.experts"]
 
     model = moe_model("mixtral")
+    reference = copy.deepcopy(model)
     model.model.layers[1].mlp.experts = _ListedExperts()
+    reference.model.layers[1].mlp.experts = model.model.layers[1].mlp.experts
+    # routed_experts=True: required, so refused with the module, the reason and the fix.
     with pytest.raises(ValueError) as error:
-        hf_prefetch.plan(model, PrefetchConfig(**ROUTED))
+        hf_prefetch.plan(model, PrefetchConfig(**ROUTED, routed_experts=True))
     message = str(error.value)
-    assert "model.layers.1.mlp.experts" in message and "_ListedExperts" in message
-    assert "routed_experts=False" in message
-    # Asked to stream it whole, it streams whole.
-    plan = hf_prefetch.plan(model, PrefetchConfig(**{**ROUTED, "routed_experts": False}))
+    assert "model.layers.1.mlp.experts" in message and "_ListedExperts" in message and "submodules" in message
+    assert "routed_experts=None" in message
+    # The default: that module streams whole, and says so; the recognised ones still route.
+    with pytest.warns(
+        UserWarning, match=r"1 experts module .* stream whole .*submodules.*model\.layers\.1\.mlp\.experts"
+    ):
+        plan = hf_prefetch.plan(model, PrefetchConfig(**ROUTED))
+    layer_1 = plan.rings[0].layers[1]
+    assert {s.placement for s in layer_1.params if "experts" in s.name} == {Placement.STREAMED}
+    assert {s.placement for s in plan.rings[0].layers[3].params if "experts" in s.name} == {Placement.ROUTED}
+    # routed_experts=False: whole everywhere, no warning.
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        plan = hf_prefetch.plan(model, PrefetchConfig(**ROUTED, routed_experts=False))
     assert plan.routed_bytes == 0
 
 
-def test_experts_whose_rows_are_not_experts_are_refused():
+def test_shared_experts_are_not_experts_modules():
+    model = moe_model("deepseek_v3")  # DeepseekV3MoE.shared_experts: a dense MLP without num_experts
+    plan = hf_prefetch.plan(model, PrefetchConfig(**ROUTED, routed_experts=True))
+    names = {s.name: s.placement for s in plan.rings[0].layers[1].params}
+    assert names["mlp.shared_experts.gate_proj.weight"] is Placement.STREAMED
+    assert names["mlp.experts.gate_up_proj"] is Placement.ROUTED
+
+
+def test_experts_whose_rows_are_not_experts_are_refused_when_routing_is_required():
     model = moe_model("qwen3_moe")
     experts = model.model.layers[1].mlp.experts
     experts.down_proj = torch.nn.Parameter(experts.down_proj.data.transpose(0, 1).contiguous())
     with pytest.raises(ValueError, match=r"down_proj of shape \(64, 16, 32\); expected dimension 0 to be num_experts"):
-        hf_prefetch.plan(model, PrefetchConfig(**ROUTED))
+        hf_prefetch.plan(model, PrefetchConfig(**ROUTED, routed_experts=True))
+
+
+def test_a_bypassed_experts_module_raises_instead_of_computing_with_other_experts():
+    # A kernel that replaces the MoE block's forward never calls the experts module, whose hook copies the routed
+    # rows: the layer's output is refused.
+    model = moe_model("qwen3_moe")
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED), device="cpu")
+    try:
+        block = model.model.layers[3].mlp
+        with torch.no_grad():
+            model(_ids(length=1))  # layer 3 is now copied for routing forwards
+            block.forward = lambda hidden_states: hidden_states * 0
+            with pytest.raises(RuntimeError, match="experts module's forward .* was not called"):
+                model(_ids(length=1))
+            del block.forward
+            reference = moe_model("qwen3_moe")
+            for length in (1, 6):
+                assert torch.equal(model(_ids(length=length)).logits, reference(_ids(length=length)).logits)
+    finally:
+        hf_prefetch.remove_offload(model)
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True, "4"])
@@ -221,7 +264,7 @@ def test_routed_max_tokens_is_validated(value):
 
 
 def test_routed_experts_is_validated():
-    with pytest.raises(ValueError, match="routed_experts"):
+    with pytest.raises(ValueError, match="routed_experts=1 must be None, True or False"):
         PrefetchConfig(routed_experts=1)
 
 
