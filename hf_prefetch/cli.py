@@ -232,11 +232,12 @@ def _generate(args: argparse.Namespace) -> int:
             f"no tokenizer could be loaded from {tokenizer_path} ({type(error).__name__}: {str(error)[:200]}); "
             "pass --tokenizer FOLDER"
         ) from None
+    ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+    if ids.shape[1] == 0:
+        raise CommandError(f"--prompt {args.prompt!r} gives no tokens")
     folder, model = _load(args)
     device = hf_prefetch.get_state(model).device
-    ids = tokenizer(args.prompt, return_tensors="pt").input_ids.to(device)
-    if ids.shape[1] == 0:
-        raise CommandError("--prompt gives no tokens")
+    ids = ids.to(device)
     stamps: list[float] = []
 
     class Streamer(TextStreamer):

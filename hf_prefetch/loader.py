@@ -320,10 +320,14 @@ def _auto_dtype(dtype: Any, config: Any, checkpoint: Checkpoint) -> torch.dtype:
         if dtype is None:
             floating = [e.dtype for e in checkpoint.entries.values() if e.dtype.is_floating_point]
             dtype = floating[0] if floating else torch.get_default_dtype()
+    given = dtype
     if isinstance(dtype, str):
-        dtype = getattr(torch, dtype, None)
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"dtype={dtype!r} must be a floating-point torch.dtype such as torch.bfloat16, or None.")
+        raise ValueError(
+            f"dtype={given!r} must be a floating-point torch.dtype such as torch.bfloat16 (or its name, "
+            "'bfloat16'), 'auto' or None."
+        )
     return dtype
 
 
