@@ -116,7 +116,7 @@ def test_module_entry_point_and_help(checkpoint):
         (["plan", "{folder}", "--dtype", "foo", "--device", "cpu"], "dtype='foo' must be a floating-point torch.dtype"),
         (["plan", "{folder}", "--device", "tpu"], "device='tpu' is not a device"),
         (["generate", "{config_only}", "--prompt", "x"], "no tokenizer could be loaded"),
-        (["generate", "{folder}", "--prompt", "", "--device", "cpu"], "--prompt gives no tokens"),
+        (["generate", "{folder}", "--prompt", "", "--device", "cpu"], "--prompt '' gives no tokens"),
     ],
 )
 def test_bad_input_is_a_clear_error_with_status_2(checkpoint, tmp_path, capsys, argv, message):
