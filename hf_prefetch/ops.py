@@ -55,10 +55,13 @@ def _(anchor: torch.Tensor, engine: int, ring: int, position: int) -> None:
     return None
 
 
-@torch.library.custom_op("hf_prefetch::gather", mutates_args=("anchor",))
+# Declared to mutate the router's choice as well as the experts' input: every read of the routed weights in an experts
+# forward either meets the hidden states or is indexed by something computed from the choice (`weight[index]`,
+# grouped_mm's offsets, the eager loop's experts), so no such read can be scheduled before the rows are copied.
+@torch.library.custom_op("hf_prefetch::gather", mutates_args=("anchor", "index"))
 def gather(anchor: torch.Tensor, index: torch.Tensor, engine: int, ring: int, position: int) -> None:
     """Copy the routed experts' rows of layer `position` (see `PrefetchEngine.gather`); `anchor` is the experts'
-    input."""
+    input, `index` the router's choice."""
     _engines[engine].gather(ring, position, index)
 
 

@@ -295,10 +295,11 @@ def test_routed_experts_on_cuda_read_the_mapped_arena_and_match_the_resident_mod
         hf_prefetch.remove_offload(model, device="cpu")
 
 
-def test_compiled_routed_forwards_match_the_compiled_resident_model():
+@pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
+def test_compiled_routed_forwards_match_the_compiled_resident_model(implementation):
     # Under torch.compile the experts' hook calls the custom op hf_prefetch::gather, run with the real router choice
     # each time the compiled code runs; routed (1-3 tokens) and whole (9 tokens) forwards alternate.
-    model = moe_model("qwen3_moe", experts_implementation="grouped_mm")
+    model = moe_model("qwen3_moe", experts_implementation=implementation)
     reference = torch.compile(copy.deepcopy(model), mode="default")
     hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED), device="cpu")
     try:
