@@ -21,7 +21,14 @@ from .config import PrefetchConfig
 from .host import HostArena
 from .offload_config import OffloadConfig, UVAConfig, resolve_offload
 from .planner import make_uva_plan
-from .state import Lifecycle, OffloadedParam, get_state, refuse_unknown_keywords, resolve_device
+from .state import (
+    Lifecycle,
+    OffloadedParam,
+    get_state,
+    refuse_other_offload,
+    refuse_unknown_keywords,
+    resolve_device,
+)
 
 __all__ = ["dispatch_model", "remove_offload"]
 
@@ -102,6 +109,7 @@ def dispatch_model(
             f"{type(model).__name__} is already dispatched with {state.plan.config}. Call "
             "hf_prefetch.remove_offload(model) first, or pass replace=True to re-dispatch with the new config."
         )
+    refuse_other_offload(model)
     _check_materialized(model)
     # Validated before the old dispatch is undone.
     plan = make_uva_plan(model, config, layers) if uva else choose_plan(model, config, layers, exec_device, max_memory)
@@ -179,9 +187,25 @@ def remove_offload(model: nn.Module, device: str | int | torch.device | None = N
         rollback(model, state)
         return model
     if state.lifecycle is Lifecycle.ATTACHED:
-        state.target = state.device if device is None else resolve_device(device)
+        target = state.device if device is None else resolve_device(device)
+        _check_removable(model, state)  # before anything is undone
+        state.target = target
     detach(model, state, state.target)
     return model
+
+
+def _check_removable(model: nn.Module, state) -> None:
+    # Another offloading mechanism added after the dispatch (accelerate's enable_sequential_cpu_offload) may have put
+    # weights on the meta device, keeping their values in its own hooks: moving them would fail half-way.
+    ours = {id(offloaded.param) for offloaded in state.offloaded}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        if tensor.device.type == "meta" and id(tensor) not in ours:
+            raise ValueError(
+                f"{name} is on the meta device: another offloading mechanism took the weights after hf_prefetch "
+                "dispatched this model (accelerate's cpu_offload, e.g. a pipeline's enable_sequential_cpu_offload). "
+                "Remove its hooks first (pipe.remove_all_hooks(), or accelerate.hooks.remove_hook_from_module(model, "
+                "recurse=True)), which puts the weights back, then call remove_offload. Nothing was undone."
+            )
 
 
 def _check_materialized(model: nn.Module) -> None:

@@ -34,7 +34,10 @@ _INDEX_ARGS = ("top_k_index", "router_indices", "topk_indices", "selected_expert
 
 
 def find_layer_lists(model: nn.Module) -> list[str]:
-    """Paths of the `ModuleList`s whose items are all instances of the model's `_no_split_modules` classes.
+    """Paths of the `ModuleList`s whose items are all instances of the model's `_no_split_modules` classes; where
+    there are none (a model without `_no_split_modules`, or one whose lists hold a wrapper of the named blocks, as
+    many diffusers transformers), the lists of at least two blocks of one class with parameters (not torch.nn
+    layers) that hold at least an eighth of the model's parameter bytes each.
 
     Example:
 
@@ -48,30 +51,50 @@ def find_layer_lists(model: nn.Module) -> list[str]:
     ```
     """
     block_classes = set(getattr(model, "_no_split_modules", None) or ())
+    found = _outermost(model, lambda module: all(type(item).__name__ in block_classes for item in module))
+    if not found:
+        total = sum(_param_bytes(p) for p in model.parameters())
+        found = _outermost(model, lambda module: _is_block_list(module, total))
+    if not found:
+        named = f"its _no_split_modules classes {sorted(block_classes)}" if block_classes else "blocks"
+        raise ValueError(
+            f"Found no layer list in {type(model).__name__}: no ModuleList holds only {named}, and none holds two or "
+            "more blocks of one class with an eighth of the weights. Pass layers='path.to.list' (or a list of "
+            f"paths). ModuleLists in this model: {_describe_module_lists(model)}"
+        )
+    return found
+
+
+def _outermost(model: nn.Module, accept) -> list[str]:
     found: list[str] = []
     for path, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) == 0:
             continue
         if any(path.startswith(f"{outer}.") for outer in found):
             continue
-        if all(type(item).__name__ in block_classes for item in module):
+        if accept(module):
             found.append(path)
-    if not found:
-        raise ValueError(
-            f"Found no layer list in {type(model).__name__}: no ModuleList holds only its _no_split_modules "
-            f"classes {sorted(block_classes)}. Pass layers='path.to.list' (or a list of paths). "
-            f"ModuleLists in this model: {_describe_module_lists(model)}"
-        )
     return found
 
 
+def _is_block_list(module: nn.ModuleList, total_bytes: int) -> bool:
+    kinds = {type(item) for item in module}
+    if len(module) < 2 or len(kinds) != 1:
+        return False
+    kind = kinds.pop()
+    if kind.__module__.startswith("torch."):  # nn.Linear lists, Sequential, ...: parts of a block, not blocks
+        return False
+    size = sum(_param_bytes(p) for p in module.parameters())
+    return size > 0 and size * 8 >= total_bytes
+
+
 def _describe_module_lists(model: nn.Module) -> str:
-    lists = [
-        f"{path!r} ({len(m)} x {type(m[0]).__name__})"
-        for path, m in model.named_modules()
-        if isinstance(m, nn.ModuleList) and len(m) > 0
-    ]
-    return ", ".join(lists) or "none"
+    lists = []
+    for path, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) > 0:
+            kinds = sorted({type(item).__name__ for item in m})
+            lists.append(f"{path!r} ({len(m)} x {kinds[0]})" if len(kinds) == 1 else f"{path!r} ({', '.join(kinds)})")
+    return ", ".join(lists[:12]) + (f" and {len(lists) - 12} more" if len(lists) > 12 else "") if lists else "none"
 
 
 def resolve_layer_lists(model: nn.Module, layers: str | Sequence[str] | None) -> list[str]:
@@ -114,6 +137,7 @@ class Candidate:
     # routable, see `spec.routing`, or no experts module)
     unroutable: str | None = None
     experts: str | None = None  # path inside the layer of the experts module it belongs to
+    quantized: str | None = None  # the tensor subclass holding a quantized parameter (not streamable yet)
 
 
 @dataclass(frozen=True)
@@ -140,6 +164,13 @@ class CandidateLayer:
             if id(c.param) not in chosen:
                 specs.append(c.spec)
                 continue
+            if c.quantized is not None:
+                raise ValueError(
+                    f"{self.path}.{c.spec.name} is a quantized tensor ({c.quantized}), which hf_prefetch cannot "
+                    "stream or map yet: it moves dense tensors (floating-point, float8 and integer dtypes). Keep the "
+                    "quantized parameters resident: name only dense ones in offload_params / cpu_offload_params, "
+                    "or select layers without them."
+                )
             kind = placement
             if routed is not False and c.spec.routing is not None:
                 kind = Placement.ROUTED
@@ -179,7 +210,8 @@ def candidate_layers(
                 unroutable = experts[owner] if owner is not None and isinstance(experts[owner], str) else None
                 spec = replace(spec, routing=routing)
                 matched = segment_matches(segments, name)
-                params.append(Candidate(spec, matched, uses[id(param)] > 1, param, unroutable, owner))
+                quantized = _quantized(param, model)
+                params.append(Candidate(spec, matched, uses[id(param)] > 1, param, unroutable, owner, quantized))
             found[path].append(CandidateLayer(f"{path}.{index}", index, tuple(params)))
     return found
 
@@ -209,6 +241,18 @@ def warn_unroutable(candidates: dict[str, list[CandidateLayer]], routed: bool | 
             f"expert and stream whole tensors in every forward: {why} (first: {first}). Pass "
             "PrefetchConfig(routed_experts=False) to stream every experts module whole without this warning."
         )
+
+
+def _quantized(param: torch.Tensor, model: nn.Module) -> str | None:
+    # A tensor subclass (torchao's Int8Tensor, Float8Tensor, ...: its bytes live in inner tensors) or a Parameter
+    # subclass carrying quantization state (bitsandbytes' Params4bit, Int8Params): more than one plain tensor.
+    data = param.data if isinstance(param, nn.Parameter) else param
+    if type(param) in (nn.Parameter, torch.Tensor) and type(data) is torch.Tensor:
+        return None
+    method = getattr(getattr(getattr(model, "config", None), "quantization_config", None), "quant_method", None)
+    name = type(data).__name__ if type(data) is not torch.Tensor else type(param).__name__
+    method = getattr(method, "value", method)
+    return f"{name}, quantization method {method!r}" if method is not None else name
 
 
 def experts_modules(layer: nn.Module, top_k: int | None = None) -> dict[str, Routing | str]:

@@ -27,7 +27,14 @@ from .config import PrefetchConfig
 from .host import HostArena
 from .keymap import KeyMap, convert, filled_names, map_keys, region_view
 from .reader import TensorReader
-from .state import OffloadedParam, get_state, refuse_unknown_keywords, resolve_config, resolve_device
+from .state import (
+    OffloadedParam,
+    get_state,
+    refuse_other_offload,
+    refuse_unknown_keywords,
+    resolve_config,
+    resolve_device,
+)
 
 __all__ = ["from_pretrained", "load_checkpoint_and_dispatch"]
 
@@ -170,6 +177,7 @@ def load_checkpoint_and_dispatch(
         raise ValueError(
             f"{type(model).__name__} is already dispatched; call hf_prefetch.remove_offload(model) before loading."
         )
+    refuse_other_offload(model)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype={dtype!r} must be a floating-point torch.dtype such as torch.bfloat16, or None.")
     with Checkpoint.open(checkpoint) as opened:

@@ -183,3 +183,37 @@ def refuse_unknown_keywords(verb: str, keywords: dict[str, Any]) -> None:
     hints += [f"{k}= {renames[k]}" for k in given if k in renames]
     hint = "; ".join(hints) or f"see help(hf_prefetch.{verb}) for the arguments it takes"
     raise TypeError(f"{verb}() got unexpected keyword argument(s) {given}: {hint}.")
+
+
+def refuse_other_offload(model: nn.Module) -> None:
+    """Refuse a model that another offloading mechanism manages: accelerate's `cpu_offload` / `disk_offload` hooks
+    (diffusers' `enable_sequential_cpu_offload`), `cpu_offload_with_hook` (`enable_model_cpu_offload`), or diffusers'
+    group offloading. Each moves the weights hf_prefetch places, so the two would fight (a `.to()` refused in the
+    middle of a pipeline call, or weights on the meta device)."""
+    for name, module in model.named_modules():
+        for hook in _accelerate_hooks(module):
+            kind = type(hook).__name__
+            if kind in ("CpuOffload", "UserCpuOffloadHook") or (kind == "AlignDevicesHook" and hook.offload):
+                where = f"{name!r} ({type(module).__name__})" if name else "the model itself"
+                raise ValueError(
+                    f"{type(model).__name__} is managed by accelerate's CPU offloading ({kind} on {where}: "
+                    "enable_model_cpu_offload / enable_sequential_cpu_offload, cpu_offload, disk_offload). "
+                    "hf_prefetch places the weights itself. Remove those hooks first (pipe.remove_all_hooks(), or "
+                    "accelerate.hooks.remove_hook_from_module(model, recurse=True)), then dispatch."
+                )
+        registry = getattr(module, "_diffusers_hook", None)
+        offloading = [key for key in getattr(registry, "hooks", {}) if "offload" in key]
+        if offloading:
+            where = f"{name!r} ({type(module).__name__})" if name else "the model itself"
+            raise ValueError(
+                f"{type(model).__name__} has diffusers' group offloading ({offloading[0]} on {where}). hf_prefetch "
+                "streams the layers itself. Dispatch a model without it (diffusers offers no call that removes it: "
+                "build or load the model again)."
+            )
+
+
+def _accelerate_hooks(module: nn.Module) -> list[Any]:
+    hook = getattr(module, "_hf_hook", None)
+    if hook is None:
+        return []
+    return list(getattr(hook, "hooks", None) or [hook])  # a SequentialHook holds several

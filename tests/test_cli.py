@@ -113,7 +113,10 @@ def test_module_entry_point_and_help(checkpoint):
         (["plan", "{folder}", "--max-memory", "gpu=10GiB"], "'gpu' is not a device"),
         (["plan", "{folder}", "--max-memory", "0=ten GiB", "--device", "cpu"], "ten GiB"),
         (["plan", "{folder}", "--offload-params", "nothing", "--device", "cpu"], "matched no parameter"),
-        (["plan", "{folder}", "--dtype", "foo", "--device", "cpu"], "dtype='foo' must be a floating-point torch.dtype"),
+        (
+            ["plan", "{folder}", "--dtype", "foo", "--device", "cpu"],
+            "dtype='foo' must be a floating-point torch.dtype",
+        ),
         (["plan", "{folder}", "--device", "tpu"], "device='tpu' is not a device"),
         (["generate", "{config_only}", "--prompt", "x"], "no tokenizer could be loaded"),
         (["generate", "{folder}", "--prompt", "", "--device", "cpu"], "--prompt '' gives no tokens"),

@@ -37,10 +37,46 @@ def test_find_layer_lists_takes_the_outermost_lists_of_blocks_only():
     assert find_layer_lists(Net()) == ["encoder", "decoder.0"]
 
 
-def test_a_model_without_no_split_modules_has_no_layer_list():
-    model = nn.Sequential(nn.ModuleList([nn.Linear(2, 2)]))
-    with pytest.raises(ValueError, match=r"Found no layer list in Sequential.*classes \[\].*'0' \(1 x Linear\)"):
+def test_a_model_without_no_split_modules_and_without_blocks_has_no_layer_list():
+    model = nn.Sequential(nn.ModuleList([nn.Linear(2, 2)]), nn.ModuleList([nn.Linear(2, 2), nn.ReLU()]))
+    pattern = r"Found no layer list in Sequential.*holds only blocks.*'0' \(1 x Linear\), '1' \(Linear, ReLU\)"
+    with pytest.raises(ValueError, match=pattern):
         find_layer_lists(model)
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width)
+        self.out = nn.ModuleList([nn.Linear(width, width), nn.Linear(width, width)])  # torch.nn items: not blocks
+
+
+class _Wrapper(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.block = _Block(width)
+
+
+class _Diffusion(nn.Module):
+    """As many diffusers transformers: no `_no_split_modules`, or one naming blocks that the lists only wrap."""
+
+    _no_split_modules = ["_Block"]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(16, 16)
+        self.double_blocks = nn.ModuleList([_Wrapper(16) for _ in range(3)])
+        self.single_blocks = nn.ModuleList([_Wrapper(16) for _ in range(2)])
+        self.tiny = nn.ModuleList([_Wrapper(2) for _ in range(2)])  # blocks, but under an eighth of the weights
+
+
+def test_without_named_block_lists_the_lists_of_blocks_holding_the_weights_are_found():
+    model = _Diffusion()
+    assert find_layer_lists(model) == ["double_blocks", "single_blocks"]
+    model._no_split_modules = None
+    assert find_layer_lists(model) == ["double_blocks", "single_blocks"]
+    model._no_split_modules = ["_Wrapper"]  # named: every list of them, small ones too
+    assert find_layer_lists(model) == ["double_blocks", "single_blocks", "tiny"]
 
 
 @pytest.mark.parametrize(
@@ -167,3 +203,32 @@ def test_model_bytes_of_a_meta_model_matches_the_real_one(llama_reference):
     expected = sum(p.numel() * p.element_size() for p in real.parameters())
     expected += sum(b.numel() * b.element_size() for b in real.buffers())
     assert model_bytes(meta) == model_bytes(real) == expected
+
+
+class _Params4bit(nn.Parameter):
+    """As bitsandbytes' 4-bit parameters: an nn.Parameter subclass carrying its quantization state."""
+
+    quant_state = None
+
+
+def test_quantized_parameters_are_refused_with_the_parameter_and_the_fix():
+    import hf_prefetch
+    from models import tiny_llama
+
+    model = tiny_llama(4)
+    up = model.model.layers[1].mlp.up_proj
+    up.weight = _Params4bit(up.weight.data, requires_grad=False)
+    model.config.quantization_config = {"quant_method": "bitsandbytes"}  # what transformers sets (as an object)
+    with pytest.raises(ValueError) as error:
+        hf_prefetch.plan(model, hf_prefetch.PrefetchConfig(group_size=2), device="cpu")
+    message = str(error.value)
+    assert "model.layers.1.mlp.up_proj.weight is a quantized tensor (_Params4bit" in message
+    assert "Keep the quantized parameters resident" in message
+    # Streaming only dense parameters around it works.
+    plan = hf_prefetch.plan(
+        model, hf_prefetch.PrefetchConfig(group_size=2, offload_params={"self_attn"}), device="cpu"
+    )
+    assert plan.offloaded_bytes > 0
+    with pytest.raises(ValueError, match="is a quantized tensor"):
+        hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(group_size=2), device="cpu")
+    assert hf_prefetch.get_state(model) is None

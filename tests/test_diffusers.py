@@ -1,0 +1,241 @@
+"""diffusers transformers and pipelines (an optional dependency: skipped without diffusers): layer lists found, outputs
+bitwise equal to the unmodified model, and diffusers' or accelerate's own offloading refused with the fix."""
+
+import copy
+
+import pytest
+import torch
+
+import hf_prefetch
+
+diffusers = pytest.importorskip("diffusers")
+
+CONFIG = hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1)
+
+
+def _inputs(spec: dict, seed: int = 0) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    inputs = {}
+    for name, value in spec.items():
+        kind, shape = value[0], value[1]
+        if kind == "randn":
+            inputs[name] = torch.randn(*shape, generator=generator)
+        elif kind == "randint":
+            inputs[name] = torch.randint(0, 1000, shape, generator=generator)
+        else:
+            inputs[name] = value[1]
+    return inputs
+
+
+# Tiny configurations from diffusers' own tests, with four blocks per list: two stream, through one slot.
+MODELS = {
+    "FluxTransformer2DModel": (  # two lists: transformer_blocks, single_transformer_blocks
+        dict(
+            patch_size=1,
+            in_channels=4,
+            num_layers=4,
+            num_single_layers=4,
+            attention_head_dim=16,
+            num_attention_heads=2,
+            joint_attention_dim=32,
+            pooled_projection_dim=32,
+            axes_dims_rope=[4, 4, 8],
+        ),
+        dict(
+            hidden_states=("randn", (1, 16, 4)),
+            encoder_hidden_states=("randn", (1, 48, 32)),
+            pooled_projections=("randn", (1, 32)),
+            img_ids=("randn", (16, 3)),
+            txt_ids=("randn", (48, 3)),
+            timestep=("randn", (1,)),
+        ),
+        ["transformer_blocks", "single_transformer_blocks"],
+    ),
+    "WanTransformer3DModel": (
+        dict(
+            patch_size=(1, 2, 2),
+            num_attention_heads=2,
+            attention_head_dim=12,
+            in_channels=4,
+            out_channels=4,
+            text_dim=16,
+            freq_dim=256,
+            ffn_dim=32,
+            num_layers=4,
+            cross_attn_norm=True,
+            qk_norm="rms_norm_across_heads",
+            rope_max_seq_len=32,
+        ),
+        dict(
+            hidden_states=("randn", (1, 4, 2, 16, 16)),
+            encoder_hidden_states=("randn", (1, 12, 16)),
+            timestep=("randint", (1,)),
+        ),
+        ["blocks"],
+    ),
+    "SD3Transformer2DModel": (
+        dict(
+            sample_size=32,
+            patch_size=1,
+            in_channels=4,
+            num_layers=4,
+            attention_head_dim=8,
+            num_attention_heads=4,
+            caption_projection_dim=32,
+            joint_attention_dim=32,
+            pooled_projection_dim=64,
+            out_channels=4,
+            pos_embed_max_size=96,
+            dual_attention_layers=(),
+            qk_norm=None,
+        ),
+        dict(
+            hidden_states=("randn", (2, 4, 32, 32)),
+            encoder_hidden_states=("randn", (2, 154, 32)),
+            pooled_projections=("randn", (2, 64)),
+            timestep=("randint", (2,)),
+        ),
+        ["transformer_blocks"],
+    ),
+    "LTXVideoTransformer3DModel": (  # no _no_split_modules: the list of blocks is found by its weight
+        dict(
+            in_channels=4,
+            out_channels=4,
+            num_attention_heads=2,
+            attention_head_dim=8,
+            cross_attention_dim=16,
+            num_layers=4,
+            qk_norm="rms_norm_across_heads",
+            caption_channels=16,
+        ),
+        dict(
+            hidden_states=("randn", (2, 512, 4)),
+            encoder_hidden_states=("randn", (2, 16, 16)),
+            timestep=("randint", (2,)),
+            encoder_attention_mask=("value", torch.ones(2, 16, dtype=torch.bool)),
+            num_frames=("value", 2),
+            height=("value", 16),
+            width=("value", 16),
+        ),
+        ["transformer_blocks"],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_diffusers_transformers_stream_their_block_lists_bitwise(name):
+    kwargs, spec, lists = MODELS[name]
+    torch.manual_seed(0)
+    model = getattr(diffusers, name)(**kwargs).eval()
+    reference = copy.deepcopy(model)
+    inputs = _inputs(spec)
+    with torch.no_grad():
+        expected = reference(**inputs, return_dict=False)[0]
+    assert hf_prefetch.find_layer_lists(model) == lists
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    try:
+        plan = hf_prefetch.get_state(model).plan
+        assert [ring.path for ring in plan.rings] == lists and all(ring.streamed for ring in plan.rings)
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(**inputs, return_dict=False)[0], expected)
+        assert hf_prefetch.stats(model).misses == 0
+    finally:
+        hf_prefetch.remove_offload(model)
+    with torch.no_grad():
+        assert torch.equal(model(**inputs, return_dict=False)[0], expected)
+
+
+def _flux_pipeline():
+    torch.manual_seed(0)
+    transformer = diffusers.FluxTransformer2DModel(**MODELS["FluxTransformer2DModel"][0]).eval()
+    torch.manual_seed(0)
+    vae = diffusers.AutoencoderKL(
+        sample_size=32,
+        in_channels=3,
+        out_channels=3,
+        block_out_channels=(4,),
+        layers_per_block=1,
+        latent_channels=1,
+        norm_num_groups=1,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
+        shift_factor=0.0609,
+        scaling_factor=1.5035,
+    )
+    return diffusers.FluxPipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
+        text_encoder=None,
+        text_encoder_2=None,
+        tokenizer=None,
+        tokenizer_2=None,
+        transformer=transformer,
+        vae=vae,
+    )
+
+
+def _call(pipe) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1)
+    embeds, pooled = torch.randn(1, 48, 32, generator=generator), torch.randn(1, 32, generator=generator)
+    return pipe(
+        prompt_embeds=embeds,
+        pooled_prompt_embeds=pooled,
+        generator=torch.Generator().manual_seed(0),
+        num_inference_steps=2,
+        guidance_scale=5.0,
+        height=8,
+        width=8,
+        output_type="pt",
+    ).images
+
+
+def test_a_pipeline_runs_unchanged_with_its_transformer_dispatched():
+    expected = _call(_flux_pipeline())
+    pipe = _flux_pipeline()
+    hf_prefetch.dispatch_model(pipe.transformer, CONFIG, device="cpu")
+    try:
+        for _ in range(2):
+            assert torch.equal(_call(pipe), expected)
+        # A pipeline's own placement would detach the streamed weights: refused, and the pipeline still works.
+        with pytest.raises(RuntimeError, match="dispatched by hf_prefetch"):
+            pipe.enable_model_cpu_offload(device="cpu")
+        assert torch.equal(_call(pipe), expected)
+    finally:
+        hf_prefetch.remove_offload(pipe.transformer)
+    assert torch.equal(_call(pipe), expected)
+
+
+def test_group_offloading_is_refused_before_anything_changes():
+    from diffusers.hooks import apply_group_offloading
+
+    pipe = _flux_pipeline()
+    apply_group_offloading(
+        pipe.transformer,
+        onload_device=torch.device("cpu"),
+        offload_device=torch.device("cpu"),
+        offload_type="block_level",
+        num_blocks_per_group=1,
+    )
+    with pytest.raises(ValueError, match=r"diffusers' group offloading \(group_offloading on .*build or load"):
+        hf_prefetch.dispatch_model(pipe.transformer, CONFIG, device="cpu")
+    assert hf_prefetch.get_state(pipe.transformer) is None
+    assert not any(hasattr(m, "_hf_hook") for m in pipe.transformer.modules())
+
+
+@pytest.mark.parametrize("offload", ["enable_model_cpu_offload", "enable_sequential_cpu_offload"])
+def test_accelerate_cpu_offload_is_refused_with_the_fix(offload):
+    pipe = _flux_pipeline()
+    getattr(pipe, offload)(device="cpu")
+    with pytest.raises(ValueError, match=r"managed by accelerate's CPU offloading .*pipe.remove_all_hooks\(\)"):
+        hf_prefetch.dispatch_model(pipe.transformer, CONFIG, device="cpu")
+    assert hf_prefetch.get_state(pipe.transformer) is None
+
+
+def test_remove_offload_refuses_weights_another_offload_took_and_undoes_nothing():
+    pipe = _flux_pipeline()
+    hf_prefetch.dispatch_model(pipe.transformer, CONFIG, device="cpu")
+    pipe.enable_sequential_cpu_offload(device="cpu")  # moves resident weights to the meta device, behind our back
+    with pytest.raises(ValueError, match=r"is on the meta device: another offloading mechanism .*Nothing was undone"):
+        hf_prefetch.remove_offload(pipe.transformer)
+    state = hf_prefetch.get_state(pipe.transformer)
+    assert state is not None and state.lifecycle is hf_prefetch.state.Lifecycle.ATTACHED
