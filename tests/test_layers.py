@@ -212,8 +212,9 @@ class _Params4bit(nn.Parameter):
 
 
 def test_quantized_parameters_are_refused_with_the_parameter_and_the_fix():
-    import hf_prefetch
     from models import tiny_llama
+
+    import hf_prefetch
 
     model = tiny_llama(4)
     up = model.model.layers[1].mlp.up_proj
