@@ -100,6 +100,7 @@ class TransferStats:
                 f"{item.stall_seconds * 1e3:.2f}",
                 f"{item.compute_seconds * 1e3:.2f}",
             )
+            routed = (str(item.routed_rows), f"{item.routed_bytes / 2**20:.1f}", str(item.completions))
             rows.append(
                 (
                     name,
@@ -107,15 +108,26 @@ class TransferStats:
                     f"{item.copied_bytes / 2**20:.1f}",
                     *(timed if self.timing else ("-",) * len(timed)),
                     str(item.misses),
+                    *(routed if self._routed else ()),
                 )
             )
         return rows
 
     _HEADER = ("layer", "copies", "copied MiB", "copy ms", "GB/s", "stall ms", "compute ms", "misses")
+    _ROUTED_HEADER = ("routed experts", "routed MiB", "completions")
+
+    @property
+    def _routed(self) -> bool:
+        # Routed-experts columns only for a model whose experts were routed (or completed) at least once.
+        return bool(self.routed_rows or self.completions)
+
+    @property
+    def _header(self) -> tuple[str, ...]:
+        return self._HEADER + (self._ROUTED_HEADER if self._routed else ())
 
     def __str__(self) -> str:
-        rows = [self._HEADER, *self._rows()]
-        widths = [max(len(row[i]) for row in rows) for i in range(len(self._HEADER))]
+        rows = [self._header, *self._rows()]
+        widths = [max(len(row[i]) for row in rows) for i in range(len(self._header))]
         lines = [
             "  ".join(
                 cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths, strict=True))
@@ -127,7 +139,7 @@ class TransferStats:
         return "\n".join(lines)
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{cell}</th>" for cell in self._HEADER)
+        head = "".join(f"<th>{cell}</th>" for cell in self._header)
         body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in self._rows())
         return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 

@@ -312,3 +312,20 @@ def test_compiled_routed_forwards_match_the_compiled_resident_model(implementati
         assert stats.routed_rows > 0 and stats.completions > 0 and stats.misses == 0
     finally:
         hf_prefetch.remove_offload(model)
+
+
+def test_the_stats_table_shows_routed_columns_once_experts_were_routed():
+    model = moe_model("qwen3_moe")
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED), device="cpu")
+    try:
+        assert "routed experts" not in str(hf_prefetch.stats(model))
+        with torch.no_grad():
+            model(_ids(length=1))
+        table = str(hf_prefetch.stats(model))
+        header, *rows = table.splitlines()
+        assert "routed experts" in header and "completions" in header
+        total = next(row for row in rows if row.startswith("total")).split()
+        assert total[-3] == str(hf_prefetch.stats(model).routed_rows)
+        assert "<th>routed MiB</th>" in hf_prefetch.stats(model)._repr_html_()
+    finally:
+        hf_prefetch.remove_offload(model)
