@@ -165,7 +165,8 @@ def main() -> None:
     print(f"\npinned H2D peak: {peak_link:.1f} GB/s (fastest of {len(links)}: {', '.join(f'{v:.1f}' for v in links)})")
     print(f"one denoising step, 1024x1024, batch 1; medians of {args.rounds} rounds")
     print(
-        f"{'system':<52} {'streamed GB':>11} {'peak GiB':>9} {'s/step':>8} {'bound':>8} {'x bound':>8} {'output':>9}"
+        f"{'system':<52} {'resident':>8} {'streamed GB':>11} {'peak GiB':>9} {'s/step':>8} {'bound':>8} "
+        f"{'x bound':>8} {'output':>9}"
     )
     table = {}
     for name, samples in rows.items():
@@ -175,8 +176,9 @@ def main() -> None:
         same = all(r["same"] for r in samples)
         peak = max(r["peak"] for r in samples)
         table[name] = dict(seconds=seconds, bound=bound, streamed=streamed, peak=peak, identical=same)
+        resident = samples[0].get("resident", 1.0 if streamed == 0 else 0.0)
         print(
-            f"{name:<52} {streamed / 1e9:>11.2f} {peak / 2**30:>9.2f} {seconds:>8.4f} {bound:>8.4f} "
+            f"{name:<52} {resident:>8.0%} {streamed / 1e9:>11.2f} {peak / 2**30:>9.2f} {seconds:>8.4f} {bound:>8.4f} "
             f"{seconds / bound:>8.3f} {'identical' if same else 'DIFFER':>9}"
         )
     hidden = resident_s * peak_link * 1e9
