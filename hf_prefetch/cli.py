@@ -12,6 +12,7 @@ that does not parse) ends with `hf-prefetch <command>: error: ...` and exit stat
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
@@ -39,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CommandError as error:
         print(f"hf-prefetch {args.command}: error: {error}", file=sys.stderr)
         return 2
-    except (ValueError, TypeError, FileNotFoundError, KeyError) as error:
+    except (ValueError, TypeError, OSError, KeyError) as error:
         # The library's own validation (budgets, configs, checkpoints): its message names the field and the fix.
         print(f"hf-prefetch {args.command}: error: {error}", file=sys.stderr)
         return 2
@@ -137,23 +138,37 @@ def parse_budget(text: str | None) -> dict[int | str, str] | str | None:
             raise CommandError(
                 f"--max-memory: {piece.strip()!r} is not DEVICE=SIZE; write e.g. --max-memory 0=10GiB,cpu=64GiB"
             )
-        if key.isdigit():
-            budget[int(key)] = value
+        if key.isascii() and key.isdigit():
+            device: int | str = int(key)
         elif key in ("cpu", "cuda") or key.startswith("cuda:"):
-            budget[key] = value
+            device = key
         else:
             raise CommandError(f"--max-memory: {key!r} is not a device; use a GPU index (0, 1, ...) or cpu")
+        if device in budget:
+            raise CommandError(f"--max-memory names {key!r} twice; give each device one size")
+        budget[device] = value
     return budget
 
 
 def _check_folder(path: str) -> Path:
-    folder = Path(path).expanduser()
+    if not path.strip():
+        raise CommandError("the checkpoint folder is an empty string; give a local folder")
+    try:
+        folder = Path(path).expanduser()
+    except RuntimeError:  # ~user that does not exist
+        folder = Path(path)
     if not folder.exists():
         raise CommandError(f"{path}: no such folder. Give a local checkpoint folder (nothing is downloaded).")
     if not folder.is_dir():
         raise CommandError(f"{path}: not a folder. Give the checkpoint folder, not a file in it.")
     if not (folder / "config.json").is_file():
         raise CommandError(f"{path}: no config.json in this folder; is it a transformers checkpoint?")
+    try:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise CommandError(f"{path}/config.json is not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise CommandError(f"{path}/config.json holds a JSON {type(config).__name__}, not an object of settings")
     if not any(folder.glob("*.safetensors")):
         raise CommandError(
             f"{path}: no *.safetensors weights in this folder (hf_prefetch reads safetensors checkpoints; convert "
@@ -169,20 +184,22 @@ def _config(args: argparse.Namespace):
     for name in ("group_size", "num_in_group", "prefetch_step"):
         if getattr(args, name) is not None:
             fields[name] = getattr(args, name)
-    if args.offload_params:
+    if args.offload_params is not None:
         fields["offload_params"] = {s.strip() for s in args.offload_params.split(",") if s.strip()}
+        if not fields["offload_params"]:
+            raise CommandError(
+                f"--offload-params {args.offload_params!r} names no segment; e.g. --offload-params experts"
+            )
     if args.no_routed_experts:
         fields["routed_experts"] = False
     return PrefetchConfig(**fields)
 
 
 def _load_options(args: argparse.Namespace) -> dict[str, Any]:
-    return dict(
-        max_memory=parse_budget(args.max_memory),
-        reserve_bytes=args.reserve,
-        device=args.device,
-        dtype=args.dtype,
-    )
+    device = args.device
+    if device is not None and device.isascii() and device.isdigit():
+        device = int(device)  # a GPU index
+    return dict(max_memory=parse_budget(args.max_memory), reserve_bytes=args.reserve, device=device, dtype=args.dtype)
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -224,12 +241,14 @@ def _generate(args: argparse.Namespace) -> int:
 
     import hf_prefetch
 
+    _check_folder(args.path)
     tokenizer_path = args.tokenizer or args.path
     try:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
     except (OSError, ValueError) as error:
+        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
         raise CommandError(
-            f"no tokenizer could be loaded from {tokenizer_path} ({type(error).__name__}: {str(error)[:200]}); "
+            f"no tokenizer could be loaded from {tokenizer_path} ({type(error).__name__}: {first_line[:160]}); "
             "pass --tokenizer FOLDER"
         ) from None
     ids = tokenizer(args.prompt, return_tensors="pt").input_ids

@@ -77,7 +77,8 @@ def encode(tensor: torch.Tensor, min_saving: float | None = MIN_SAVING) -> Encod
     if tensor.dtype not in _LAYOUTS:
         return None
     view_dtype, shift, mask, k = _LAYOUTS[tensor.dtype]
-    bits = tensor.detach().reshape(-1).contiguous().cpu().view(view_dtype).to(torch.int64) & ((1 << (8 * k + 8)) - 1)
+    work = _work_dtype(k)
+    bits = tensor.detach().reshape(-1).contiguous().cpu().view(view_dtype).to(work) & ((1 << (8 * k + 8)) - 1)
     n = bits.numel()
     exponent = (bits >> shift) & mask
     counts = torch.bincount(exponent, minlength=256)
@@ -85,9 +86,9 @@ def encode(tensor: torch.Tensor, min_saving: float | None = MIN_SAVING) -> Encod
     order = sorted(range(256), key=lambda e: (-int(counts[e]), e))[:_TABLE_SIZE]
     table = torch.zeros(16, dtype=torch.uint8)
     table[: len(order)] = torch.tensor(order, dtype=torch.uint8)
-    code_of = torch.full((256,), _ESCAPE, dtype=torch.int64)
+    code_of = torch.full((256,), _ESCAPE, dtype=work)
     code_of[torch.tensor([e for e in order if counts[e] > 0], dtype=torch.int64)] = torch.arange(
-        sum(1 for e in order if counts[e] > 0), dtype=torch.int64
+        sum(1 for e in order if counts[e] > 0), dtype=work
     )
     code = code_of[exponent]
     escapes = torch.nonzero(code == _ESCAPE).reshape(-1)
@@ -124,11 +125,12 @@ def decode(encoded: Encoded, out: torch.Tensor) -> torch.Tensor:
     n = encoded.numel
     if n == 0:
         return out
-    codes = encoded.codes.to(torch.int64)
+    work = _work_dtype(k)
+    codes = encoded.codes.to(torch.int64)  # indices into the table
     code = torch.stack([codes & 0xF, codes >> 4], dim=1).reshape(-1)[:n]
-    exponent = encoded.table.to(torch.int64)[code]
-    exponent = exponent.index_put((encoded.escape_index,), encoded.escape_exponent.to(torch.int64))
-    parts = encoded.sign_mantissa.reshape(n, k).to(torch.int64)
+    exponent = encoded.table.to(work)[code]
+    exponent = exponent.index_put((encoded.escape_index,), encoded.escape_exponent.to(work))
+    parts = encoded.sign_mantissa.reshape(n, k).to(work)
     sign_mantissa = parts[:, 0]
     for i in range(1, k):
         sign_mantissa = sign_mantissa | (parts[:, i] << (8 * i))
@@ -140,3 +142,8 @@ def decode(encoded: Encoded, out: torch.Tensor) -> torch.Tensor:
     bits = bits - ((bits >> (width - 1)) << width)
     out.view(view_dtype).view(-1).copy_(bits.to(view_dtype))
     return out
+
+
+def _work_dtype(k: int) -> torch.dtype:
+    # bf16's 16 bits fit int32 (a quarter of int64's temporary memory); fp32's unsigned 32 bits need int64.
+    return torch.int32 if k == 1 else torch.int64

@@ -202,13 +202,14 @@ def refuse_other_offload(model: nn.Module) -> None:
                     "accelerate.hooks.remove_hook_from_module(model, recurse=True)), then dispatch."
                 )
         registry = getattr(module, "_diffusers_hook", None)
-        offloading = [key for key in getattr(registry, "hooks", {}) if "offload" in key]
-        if offloading:
+        # Group offloading moves the weights, layerwise casting casts them at every forward (`module.to`).
+        moving = [key for key in getattr(registry, "hooks", {}) if "offload" in key or "casting" in key]
+        if moving:
             where = f"{name!r} ({type(module).__name__})" if name else "the model itself"
             raise ValueError(
-                f"{type(model).__name__} has diffusers' group offloading ({offloading[0]} on {where}). hf_prefetch "
-                "streams the layers itself. Dispatch a model without it (diffusers offers no call that removes it: "
-                "build or load the model again)."
+                f"{type(model).__name__} has a diffusers hook that moves or casts its weights ({moving[0]} on "
+                f"{where}: group offloading or layerwise casting). hf_prefetch places the weights itself. Dispatch a "
+                "model without it (diffusers offers no call that removes it: build or load the model again)."
             )
 
 

@@ -118,7 +118,15 @@ def test_module_entry_point_and_help(checkpoint):
             "dtype='foo' must be a floating-point torch.dtype",
         ),
         (["plan", "{folder}", "--device", "tpu"], "device='tpu' is not a device"),
-        (["generate", "{config_only}", "--prompt", "x"], "no tokenizer could be loaded"),
+        (["plan", "{bad_json}"], "config.json is not valid JSON"),
+        (["plan", "{json_list}"], "config.json holds a JSON list"),
+        (["plan", ""], "empty string"),
+        (["plan", "~no_such_user_hf_prefetch/x"], "no such folder"),
+        (["plan", "{folder}", "--max-memory", "0=10GiB,0=5GiB"], "names '0' twice"),
+        (["plan", "{folder}", "--max-memory", "\u00b2=1GiB"], "is not a device"),
+        (["plan", "{folder}", "--offload-params", ",,,"], "names no segment"),
+        (["generate", "{bad_json}", "--prompt", "x"], "config.json is not valid JSON"),
+        (["generate", "{no_tokenizer}", "--prompt", "x"], "no tokenizer could be loaded"),
         (["generate", "{folder}", "--prompt", "", "--device", "cpu"], "--prompt '' gives no tokens"),
     ],
 )
@@ -128,7 +136,16 @@ def test_bad_input_is_a_clear_error_with_status_2(checkpoint, tmp_path, capsys, 
     (tmp_path / "empty").mkdir()
     (tmp_path / "config_only").mkdir()
     (tmp_path / "config_only" / "config.json").write_text((folder / "config.json").read_text())
+    for name, text in (("bad_json", "{not json"), ("json_list", "[1, 2]"), ("no_tokenizer", None)):
+        (tmp_path / name).mkdir()
+        config = (folder / "config.json").read_text() if text is None else text
+        (tmp_path / name / "config.json").write_text(config)
+        for weights in folder.glob("*.safetensors*"):
+            (tmp_path / name / weights.name).write_bytes(weights.read_bytes())
     paths = dict(
+        bad_json=tmp_path / "bad_json",
+        json_list=tmp_path / "json_list",
+        no_tokenizer=tmp_path / "no_tokenizer",
         missing=tmp_path / "missing",
         file=tmp_path / "file",
         empty=tmp_path / "empty",
@@ -139,6 +156,16 @@ def test_bad_input_is_a_clear_error_with_status_2(checkpoint, tmp_path, capsys, 
     assert code == 2 and out == ""
     assert err.startswith(f"hf-prefetch {argv[0]}: error: ") and message in err
     assert "Traceback" not in err
+
+
+def test_a_gpu_index_is_an_int_device(checkpoint, capsys, monkeypatch):
+    import hf_prefetch.cli as cli
+
+    seen = {}
+    monkeypatch.setattr(hf_prefetch, "plan", lambda path, config, **options: seen.update(options) or "plan")
+    code, out, _ = _run(capsys, "plan", checkpoint[0], "--device", "0")
+    assert code == 0 and seen["device"] == 0 and out.strip() == "plan"
+    assert cli.parse_budget("0=1GiB, cpu = 2GiB") == {0: "1GiB", "cpu": "2GiB"}
 
 
 def test_argument_errors_exit_with_argparse_status(capsys):

@@ -216,7 +216,9 @@ def test_group_offloading_is_refused_before_anything_changes():
         offload_type="block_level",
         num_blocks_per_group=1,
     )
-    with pytest.raises(ValueError, match=r"diffusers' group offloading \(group_offloading on .*build or load"):
+    with pytest.raises(
+        ValueError, match=r"diffusers hook that moves or casts its weights \(group_offloading on .*build or load"
+    ):
         hf_prefetch.dispatch_model(pipe.transformer, CONFIG, device="cpu")
     assert hf_prefetch.get_state(pipe.transformer) is None
     assert not any(hasattr(m, "_hf_hook") for m in pipe.transformer.modules())
@@ -239,3 +241,11 @@ def test_remove_offload_refuses_weights_another_offload_took_and_undoes_nothing(
         hf_prefetch.remove_offload(pipe.transformer)
     state = hf_prefetch.get_state(pipe.transformer)
     assert state is not None and state.lifecycle is hf_prefetch.state.Lifecycle.ATTACHED
+
+
+def test_layerwise_casting_is_refused_before_anything_changes():
+    pipe = _flux_pipeline()
+    pipe.transformer.enable_layerwise_casting(storage_dtype=torch.bfloat16, compute_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"moves or casts its weights \(layerwise_casting on"):
+        hf_prefetch.dispatch_model(pipe.transformer, CONFIG, device="cpu")
+    assert hf_prefetch.get_state(pipe.transformer) is None
