@@ -80,6 +80,7 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=2)
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--cache-shares", type=float, nargs="*", default=[0.0, 0.25, 0.5])
     args = parser.parse_args()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     links = [h2d_peak_gbps()]
@@ -98,7 +99,9 @@ def main() -> None:
 
     begin = time.perf_counter()
     budget = {0: f"{args.budget_gib}GiB", "cpu": "120GiB"}
-    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(prefetch_step=2), max_memory=budget)
+    # No expert cache here (the cache rows below measure it): the budget's spare memory stays unused.
+    config = hf_prefetch.PrefetchConfig(prefetch_step=2, expert_cache=0)
+    hf_prefetch.dispatch_model(model, config, max_memory=budget)
     torch.cuda.synchronize()
     state = hf_prefetch.get_state(model)
     plan, engine = state.plan, state.engine
@@ -180,6 +183,44 @@ def main() -> None:
         f"{prefill_bound:.4f} s ({prefill_bytes / 1e9:.2f} GB), x bound {prefill / prefill_bound:.3f}"
     )
     print(f"misses: {hf_prefetch.stats(model).misses}")
+
+    cache_rows = []
+    if args.cache_shares:
+        print("\nexpert cache at the same budget: decode, batch 1 (the planner streams more layers to make room)")
+        header = (
+            f"{'cached experts':>14} {'streamed':>9} {'GB/token':>9} {'hit rate':>9} {'s/token':>8} {'x bound':>8}"
+        )
+        print(f"{header} {'tokens':>9}")
+    for share in args.cache_shares:
+        cached = int(share * QWEN3_30B_A3B["num_experts"])
+        config = hf_prefetch.PrefetchConfig(prefetch_step=2, expert_cache=cached)
+        try:
+            hf_prefetch.dispatch_model(model, config, max_memory=budget, replace=True)
+        except ValueError as error:  # a cache too large for the budget: a result, not a crash
+            print(f"{cached:>14} does not fit the budget: {str(error)[:160]}")
+            continue
+        engine = hf_prefetch.get_state(model).engine
+        generate(model, ids, 24)  # warm-up: the cache fills and is re-ranked by the picks
+        hf_prefetch.reset_stats(model)
+        seconds, tokens = decode(model, ids, 4, 20)
+        stats = hf_prefetch.stats(model)
+        looked_up = stats.cache_hits + stats.cache_misses
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+            step = out.logits[:, -1:].argmax(-1)
+            hf_prefetch.reset_stats(model)
+            model(step, past_key_values=out.past_key_values, use_cache=True)
+        moved = copied_bytes(model)
+        bound = max(resident_s, moved / (peak * 1e9))
+        same = torch.equal(tokens, reference[:, : tokens.shape[1]])
+        streamed = sum(len(r.layers) for r in engine.rings)
+        hit_rate = stats.cache_hits / looked_up if looked_up else 0.0
+        cache_rows.append(dict(cached=cached, seconds=seconds, bytes=moved, hit_rate=hit_rate, identical=same))
+        print(
+            f"{cached:>14} {streamed:>9} {moved / 1e9:>9.2f} {hit_rate:>9.2f} {seconds:>8.4f} {seconds / bound:>8.3f} "
+            f"{'identical' if same else 'DIFFER':>9}",
+            flush=True,
+        )
     save_results(
         "moe.json",
         dict(
@@ -190,6 +231,7 @@ def main() -> None:
             ratios=ratios,
             sweep=sweep,
             prefill=dict(resident=resident_prefill, ours=prefill, bound=prefill_bound),
+            cache=cache_rows,
         ),
     )
 

@@ -32,7 +32,7 @@ from .ops import register_engine
 from .placements import OffloadPlan, ParamSpec, Placement
 from .pool import BufferPool
 from .render import format_bytes
-from .ring import LayerTransfer, RingTransfers, RoutedTensor
+from .ring import ExpertCache, LayerTransfer, RingTransfers, RoutedTensor
 from .state import (
     STATE_ATTR,
     Lifecycle,
@@ -123,7 +123,9 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
                     host.append(offloaded.host)
                     slots.append(slot_buffer)
             nbytes = layer.offloaded_bytes - sum(spec.nbytes for spec in layer.routed)
-            transfers.append(LayerTransfer(host, slots, layer.slot, layer.next_in_slot, nbytes, routed))
+            transfer = LayerTransfer(host, slots, layer.slot, layer.next_in_slot, nbytes, routed)
+            transfer.cache = _expert_cache(layer, routed, plan.cached_experts, device)
+            transfers.append(transfer)
         rings.append(RingTransfers(transfers, pool))
     engine = state.engine = PrefetchEngine(
         device, rings, pinned=state.arena.pinned, timing=state.timing, routed_max_tokens=plan.routed_max_tokens
@@ -140,6 +142,16 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
     state.write_throughs = _write_through_load_state_dict(model, state)
     _report_host_values(model, state)
     _guard_moves(model, state)
+
+
+def _expert_cache(layer, routed: list[RoutedTensor], cached_experts: int, device: torch.device) -> ExpertCache | None:
+    # As many rows as the plan counted (`placements._cached_rows_bytes`): none for a layer alone in its slot.
+    if not routed or cached_experts <= 0 or layer.owns_slot:
+        return None
+    num_experts = routed[0].num_experts
+    capacity = min(cached_experts, num_experts)
+    tensors = [torch.empty((capacity, *t.host.shape[1:]), dtype=t.host.dtype, device=device) for t in routed]
+    return ExpertCache(tensors, list(range(capacity)), [0] * num_experts)
 
 
 def _routed_sources(state: OffloadState):

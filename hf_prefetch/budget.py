@@ -17,7 +17,7 @@ from torch import nn
 
 from .config import PrefetchConfig
 from .layers import candidate_layers, model_bytes, warn_unroutable
-from .placements import OffloadPlan, RingPlan, Source
+from .placements import OffloadPlan, RingPlan, Source, expert_row_bytes
 from .planner import make_plan, offload_params_error, plan_of, ring_plan
 from .render import format_bytes
 
@@ -310,6 +310,7 @@ def plan_for_budget(
     if config.offload_params and not any(layer.matched for ring in candidates.values() for layer in ring):
         raise offload_params_error(model, config.offload_params, list(candidates), "offload_params")
     total = model_bytes(model)
+    explicit_cache = config.expert_cache or 0
     per_ring = [
         [
             ring_plan(path, ring, set(spread(len(ring), s)), config.prefetch_step, config.routed_experts)
@@ -320,7 +321,8 @@ def plan_for_budget(
     options = []
     for rings in itertools.product(*per_ring):
         offloaded = sum(ring.offloaded_bytes for ring in rings)
-        device = total - offloaded + sum(ring.pool_bytes for ring in rings)
+        # An explicit expert cache is part of what must fit; one chosen from the budget takes what is left.
+        device = total - offloaded + sum(ring.pool_bytes for ring in rings) + explicit_cache * expert_row_bytes(rings)
         # Decoding (one token, routed experts copy only the experts it uses) first, then a forward of many tokens.
         streamed = (sum(r.bytes_per_token for r in rings), sum(r.bytes_per_forward for r in rings))
         options.append(_Option(rings, device, streamed, offloaded))
@@ -334,7 +336,14 @@ def plan_for_budget(
     best = min(fits, key=lambda o: (o.streamed_bytes, o.pinned_bytes, o.device_bytes))
     if any(layer.streamed for ring in best.rings for layer in ring.layers):
         warn_unroutable(candidates, config.routed_experts)
-    return plan_of(model, config, best.rings, Source.BUDGET, budget)
+    cached = config.expert_cache
+    if cached is None:
+        per_expert = expert_row_bytes(best.rings)
+        most = max(
+            (s.routing.num_experts for r in best.rings for layer in r.streamed for s in layer.routed), default=0
+        )
+        cached = min(most, (budget.weights_bytes - best.device_bytes) // per_expert) if per_expert else 0
+    return plan_of(model, config, best.rings, Source.BUDGET, budget, cached_experts=max(0, cached))
 
 
 def _device_error(model, budget, config, candidates, total, least: _Option) -> ValueError:
@@ -356,6 +365,12 @@ def _device_error(model, budget, config, candidates, total, least: _Option) -> V
         "one layer). "
         f"Give the device at least {size(least.device_bytes + budget.reserve_bytes)}, lower prefetch_step{hint}, "
         "lower reserve_bytes, or load the model in a smaller dtype."
+        + (
+            f" (expert_cache={config.expert_cache} keeps {config.expert_cache} experts of every streamed layer on the "
+            "device: lower it, or leave it None to cache what the budget leaves spare.)"
+            if config.expert_cache
+            else ""
+        )
     )
 
 

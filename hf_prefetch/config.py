@@ -45,6 +45,9 @@ class PrefetchConfig:
             copied expert by expert. Defaults to each experts module's break-even point, `0.75 * num_experts /
             top_k` tokens rounded down (at least 1; 12 for 128 experts with 8 per token): see docs/design.md
             ("Routed experts").
+        expert_cache (`int`, *optional*): How many experts of each streamed layer's routed tensors stay on the device
+            in an expert cache (see docs/design.md, "The expert cache"). None: with a `max_memory` budget, as many
+            as its spare memory holds, else none; 0: no cache.
 
     Example:
 
@@ -64,6 +67,7 @@ class PrefetchConfig:
     offload_params: frozenset[str] = field(default_factory=frozenset)
     routed_experts: bool | None = None
     routed_max_tokens: int | None = None
+    expert_cache: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("group_size", "num_in_group", "prefetch_step"):
@@ -88,6 +92,12 @@ class PrefetchConfig:
         object.__setattr__(self, "offload_params", _validate_segments(self.offload_params))
         if self.routed_experts is not None and not isinstance(self.routed_experts, bool):
             raise ValueError(f"PrefetchConfig.routed_experts={self.routed_experts!r} must be None, True or False.")
+        cache = self.expert_cache
+        if cache is not None and (isinstance(cache, bool) or not isinstance(cache, int) or cache < 0):
+            raise ValueError(
+                f"PrefetchConfig.expert_cache={cache!r} must be None (what a max_memory budget leaves spare) or an "
+                "int >= 0 (experts per routed layer kept on the device; 0: no cache)."
+            )
         limit = self.routed_max_tokens
         if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
             raise ValueError(

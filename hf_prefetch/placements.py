@@ -212,6 +212,8 @@ class OffloadPlan:
     budget: MemoryBudget | None = None
     # Host-to-device link speed (GB/s) for the transfer time per forward; None leaves that line out.
     link_gbps: float | None = None
+    # Experts of each streamed layer's routed tensors kept on the device (capped at the layer's num_experts).
+    cached_experts: int = 0
 
     @property
     def backend(self) -> str:
@@ -238,8 +240,24 @@ class OffloadPlan:
     @property
     def streamed_bytes_per_token(self) -> int:
         """What crosses the link in a forward of one token; equals `streamed_bytes_per_forward` without ROUTED
-        parameters."""
-        return sum(ring.bytes_per_token for ring in self.rings)
+        parameters. With an expert cache, its share of the experts is expected to hit (a router that picks every
+        expert equally often)."""
+        total = sum(ring.bytes_per_token for ring in self.rings)
+        for ring in self.rings:
+            for layer in ring.layers:
+                if layer.owns_slot:
+                    continue
+                for spec in layer.routed:
+                    r = spec.routing
+                    if r.top_k is not None:
+                        hit = min(self.cached_experts, r.num_experts) / r.num_experts
+                        total -= int(spec.nbytes * min(r.top_k, r.num_experts) // r.num_experts * hit)
+        return total
+
+    @property
+    def cache_bytes(self) -> int:
+        """Device bytes of the expert cache: `cached_experts` rows of every routed tensor of every streamed layer."""
+        return sum(_cached_rows_bytes(layer, self.cached_experts) for ring in self.rings for layer in ring.streamed)
 
     @property
     def routed_max_tokens(self) -> int:
@@ -255,7 +273,7 @@ class OffloadPlan:
 
     @property
     def device_bytes(self) -> int:
-        return self.resident_bytes + self.pool_bytes
+        return self.resident_bytes + self.pool_bytes + self.cache_bytes
 
     @property
     def longest_run(self) -> int:
@@ -288,3 +306,18 @@ class OffloadPlan:
             f"resident_bytes={self.resident_bytes}, pool_bytes={self.pool_bytes}, "
             f"offloaded_bytes={self.offloaded_bytes})"
         )
+
+
+def _cached_rows_bytes(layer: LayerPlan, cached_experts: int) -> int:
+    # A layer alone in its slot keeps every expert there: it needs no cache.
+    if cached_experts <= 0 or layer.owns_slot:
+        return 0
+    return sum(
+        spec.nbytes // spec.routing.num_experts * min(cached_experts, spec.routing.num_experts)
+        for spec in layer.routed
+    )
+
+
+def expert_row_bytes(rings: tuple[RingPlan, ...]) -> int:
+    """Device bytes one more cached expert per routed layer costs (0 without routed tensors)."""
+    return sum(_cached_rows_bytes(layer, 1) for ring in rings for layer in ring.streamed)

@@ -91,10 +91,14 @@ def plan_of(
     rings: tuple[RingPlan, ...],
     source: Source,
     budget: MemoryBudget | None = None,
+    cached_experts: int | None = None,
 ) -> OffloadPlan:
-    """The plan of `rings`: everything that is not offloaded (outside the layer lists too) is resident."""
+    """The plan of `rings`: everything that is not offloaded (outside the layer lists too) is resident; the expert
+    cache holds the config's `expert_cache` experts per routed layer, or `cached_experts` (the budget planner's)."""
     offloaded = sum(ring.offloaded_bytes for ring in rings)
-    return OffloadPlan(config, rings, model_bytes(model) - offloaded, source, budget)
+    if cached_experts is None:
+        cached_experts = getattr(config, "expert_cache", None) or 0
+    return OffloadPlan(config, rings, model_bytes(model) - offloaded, source, budget, cached_experts=cached_experts)
 
 
 def ring_plan(

@@ -95,6 +95,11 @@ def _totals(plan: OffloadPlan) -> list[tuple[str, str]]:
         if plan.link_gbps is not None:
             per_token += f", {plan.streamed_bytes_per_token / (plan.link_gbps * 1e9) * 1e3:.2f} ms"
         totals.append(("routed experts", f"{size(plan.routed_bytes)}, copied expert by expert in forwards of {when}"))
+        if plan.cache_bytes:
+            cached = min(plan.cached_experts, max(r.num_experts for r in routings))
+            totals.append(
+                ("expert cache", f"{size(plan.cache_bytes)} on the device: {cached} experts per routed layer")
+            )
         totals.append(("streamed per token", per_token))
     return totals
 

@@ -38,6 +38,7 @@ __all__ = [
     "Capture",
     "LayerCounters",
     "RoutedTensor",
+    "ExpertCache",
     "LayerTransfer",
     "RingTransfers",
 ]
@@ -123,6 +124,8 @@ class LayerCounters:
     routed_rows: int = 0  # experts picked by the router whose rows were copied (a repeated pick counts again)
     routed_bytes: int = 0  # their bytes, also counted in copied_bytes
     completions: int = 0  # layers copied without their routed tensors that a forward of many tokens completed
+    cache_hits: int = 0  # routed experts found in the layer's expert cache (each distinct expert of a forward once)
+    cache_misses: int = 0  # routed experts read from host memory while the layer has a cache
     copy_seconds: float = 0.0
     stall_seconds: float = 0.0
     compute_seconds: float = 0.0  # from the end of the layer's wait to the end of its forward
@@ -143,6 +146,28 @@ class RoutedTensor:
 
 
 @dataclass
+class ExpertCache:
+    """Experts of one layer's routed tensors kept on the device: row i of each tensor holds expert `experts[i]`.
+
+    Policy: it starts with experts 0 .. capacity-1; every `REFRESH` routing forwards of the layer it takes the
+    experts picked in the most forwards so far (ties: the lower index). It holds the host's values while `valid`;
+    rewriting host storage makes it invalid, and the next routing forward loads its rows again.
+    """
+
+    REFRESH = 16
+
+    tensors: list[torch.Tensor]  # per routed tensor: (capacity, *row shape) on the device
+    experts: list[int]  # the expert each row holds
+    picks: list[int]  # per expert: routing forwards that picked it
+    valid: bool = False
+    forwards: int = 0
+
+    @property
+    def row_of(self) -> dict[int, int]:
+        return {expert: row for row, expert in enumerate(self.experts)}
+
+
+@dataclass
 class LayerTransfer:
     """The copies that bring one streamed layer into its slot: `device[i].copy_(host[i])`, and for each ROUTED
     parameter either the same whole copy or the rows of the experts its router picks (`routed`)."""
@@ -154,6 +179,7 @@ class LayerTransfer:
     nbytes: int  # of `host`
     routed: list[RoutedTensor] = field(default_factory=list)
     fill: Fill = Fill.WHOLE  # what the latest copy into the slot brought
+    cache: ExpertCache | None = None  # routed experts kept on the device (see ExpertCache)
     gathered: bool = False  # since the layer's wait, its experts' hook ran (`gather`)
     # Recorded after this layer's latest copy; the compute stream waits on it before the layer runs. With timing on,
     # every copy gets a fresh event so that late reads see the right copy. `event` says what it is.

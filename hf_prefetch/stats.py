@@ -35,6 +35,9 @@ class LayerStats:
     routed_rows: int = 0
     routed_bytes: int = 0
     completions: int = 0
+    # With an expert cache: distinct routed experts found in it, and read from host memory.
+    cache_hits: int = 0
+    cache_misses: int = 0
 
     @property
     def gbps(self) -> float:
@@ -73,6 +76,14 @@ class TransferStats:
         return sum(layer.completions for layer in self.layers)
 
     @property
+    def cache_hits(self) -> int:
+        return sum(layer.cache_hits for layer in self.layers)
+
+    @property
+    def cache_misses(self) -> int:
+        return sum(layer.cache_misses for layer in self.layers)
+
+    @property
     def copy_seconds(self) -> float:
         return sum(layer.copy_seconds for layer in self.layers)
 
@@ -100,7 +111,13 @@ class TransferStats:
                 f"{item.stall_seconds * 1e3:.2f}",
                 f"{item.compute_seconds * 1e3:.2f}",
             )
-            routed = (str(item.routed_rows), f"{item.routed_bytes / 2**20:.1f}", str(item.completions))
+            routed = (
+                str(item.routed_rows),
+                f"{item.routed_bytes / 2**20:.1f}",
+                str(item.completions),
+                str(item.cache_hits),
+                str(item.cache_misses),
+            )
             rows.append(
                 (
                     name,
@@ -114,12 +131,12 @@ class TransferStats:
         return rows
 
     _HEADER = ("layer", "copies", "copied MiB", "copy ms", "GB/s", "stall ms", "compute ms", "misses")
-    _ROUTED_HEADER = ("routed experts", "routed MiB", "completions")
+    _ROUTED_HEADER = ("routed experts", "routed MiB", "completions", "cache hits", "cache misses")
 
     @property
     def _routed(self) -> bool:
         # Routed-experts columns only for a model whose experts were routed (or completed) at least once.
-        return bool(self.routed_rows or self.completions)
+        return bool(self.routed_rows or self.completions or self.cache_hits)
 
     @property
     def _header(self) -> tuple[str, ...]:
@@ -282,6 +299,8 @@ def stats(model: nn.Module) -> TransferStats:
                     c.routed_rows,
                     c.routed_bytes,
                     c.completions,
+                    c.cache_hits,
+                    c.cache_misses,
                 )
             )
     return TransferStats(tuple(layers), engine.timing)

@@ -143,6 +143,9 @@ with warnings.catch_warnings():
         "PrefetchConfig.routed_experts": dataclasses.replace(
             BASE, prefetch=dataclasses.replace(BASE.prefetch, routed_experts=False)
         ),
+        "PrefetchConfig.expert_cache": dataclasses.replace(
+            BASE, prefetch=dataclasses.replace(BASE.prefetch, expert_cache=4)
+        ),
         "PrefetchConfig.routed_max_tokens": dataclasses.replace(
             BASE, prefetch=dataclasses.replace(BASE.prefetch, routed_max_tokens=3)
         ),

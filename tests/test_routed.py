@@ -270,17 +270,17 @@ def test_routed_experts_is_validated():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cached", [0, 6])
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
-def test_routed_experts_on_cuda_read_the_mapped_arena_and_match_the_resident_model(implementation):
+def test_routed_experts_on_cuda_read_the_mapped_arena_and_match_the_resident_model(implementation, cached):
     model = moe_model("qwen3_moe", experts_implementation=implementation).to(torch.bfloat16)
     reference = copy.deepcopy(model).cuda()
     ids = _ids(batch=2, length=7).cuda()
     want = _generate(reference, ids, do_sample=False, max_new_tokens=24)
     with torch.no_grad():
         prefill = reference(_ids(length=40).cuda()).logits
-    hf_prefetch.dispatch_model(
-        model, PrefetchConfig(group_size=1, prefetch_step=2, routed_max_tokens=4), device="cuda"
-    )
+    config = PrefetchConfig(group_size=1, prefetch_step=2, routed_max_tokens=4, expert_cache=cached)
+    hf_prefetch.dispatch_model(model, config, device="cuda")
     try:
         engine = hf_prefetch.get_state(model).engine
         routed = engine.rings[0].layers[0].routed
@@ -291,6 +291,7 @@ def test_routed_experts_on_cuda_read_the_mapped_arena_and_match_the_resident_mod
                 assert torch.equal(model(_ids(length=40).cuda()).logits, prefill)
         stats = hf_prefetch.stats(model)
         assert stats.routed_rows > 0 and stats.completions > 0 and stats.misses == 0
+        assert (stats.cache_hits > 0) == bool(cached)
     finally:
         hf_prefetch.remove_offload(model, device="cpu")
 
@@ -325,7 +326,85 @@ def test_the_stats_table_shows_routed_columns_once_experts_were_routed():
         header, *rows = table.splitlines()
         assert "routed experts" in header and "completions" in header
         total = next(row for row in rows if row.startswith("total")).split()
-        assert total[-3] == str(hf_prefetch.stats(model).routed_rows)
+        assert total[-5] == str(hf_prefetch.stats(model).routed_rows)
         assert "<th>routed MiB</th>" in hf_prefetch.stats(model)._repr_html_()
     finally:
         hf_prefetch.remove_offload(model)
+
+
+@pytest.mark.parametrize("family, cached", [("qwen3_moe", 4), ("gpt_oss", 3), ("qwen3_moe", 16)])
+def test_an_expert_cache_gives_the_same_tokens_and_counts_hits(family, cached):
+    model = moe_model(family)
+    reference = copy.deepcopy(model)
+    ids = _ids(batch=2, length=5)
+    want = _generate(reference, ids, do_sample=False, max_new_tokens=24)  # 2 tokens per decode forward: routes
+    config = PrefetchConfig(**ROUTED, expert_cache=cached)
+    hf_prefetch.dispatch_model(model, config, device="cpu")
+    try:
+        plan = hf_prefetch.get_state(model).plan
+        experts = model.model.layers[1].mlp.experts
+        row_bytes = sum(p.numel() * p.element_size() for p in experts.parameters()) // experts.num_experts
+        assert plan.cache_bytes == 2 * min(cached, experts.num_experts) * row_bytes  # 2 streamed routed layers
+        assert plan.device_bytes == plan.resident_bytes + plan.pool_bytes + plan.cache_bytes
+        _same(_generate(model, ids, do_sample=False, max_new_tokens=24), want)
+        stats = hf_prefetch.stats(model)
+        assert stats.cache_hits > 0 and stats.misses == 0
+        if cached >= experts.num_experts:  # every expert cached: nothing routed crosses the link
+            assert stats.cache_misses == 0 and stats.routed_bytes == 0
+        else:
+            assert stats.cache_misses > 0 and stats.routed_bytes == stats.cache_misses * row_bytes
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_the_expert_cache_follows_new_weights_after_a_reload(tmp_path):
+    model = moe_model("qwen3_moe", seed=0)
+    new = moe_model("qwen3_moe", seed=5)
+    new.save_pretrained(tmp_path)
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=8), device="cpu")
+    try:
+        with torch.no_grad():
+            for length in (1, 2, 1):
+                model(_ids(length=length, seed=length))  # the cache fills with the old weights
+            hf_prefetch.reload_weights(model, tmp_path)
+            for length in (1, 2, 7, 1):
+                ids = _ids(length=length, seed=length)
+                assert torch.equal(model(ids).logits, new(ids).logits)
+        assert hf_prefetch.stats(model).cache_hits > 0
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_the_cache_is_re_ranked_by_the_experts_picked_most():
+    model = moe_model("qwen3_moe")
+    reference = copy.deepcopy(model)
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=4), device="cpu")
+    try:
+        cache = hf_prefetch.get_state(model).engine.rings[0].layers[1].cache
+        assert cache.experts == [0, 1, 2, 3]
+        with torch.no_grad():
+            for step in range(2 * cache.REFRESH):
+                ids = _ids(length=1, seed=100 + step)
+                assert torch.equal(model(ids).logits, reference(ids).logits)
+        ranked = sorted(range(16), key=lambda e: (-cache.picks[e], e))[:4]
+        assert sorted(cache.experts) == sorted(ranked) and cache.valid
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_a_budget_spends_spare_memory_on_the_expert_cache():
+    from hf_prefetch.placements import expert_row_bytes
+
+    model = moe_model("qwen3_moe")
+    budget = dict(max_memory={0: 1_400_000}, reserve_bytes=0, device="cpu")
+    base = hf_prefetch.plan(model, PrefetchConfig(prefetch_step=1, expert_cache=0), **budget)
+    plan = hf_prefetch.plan(model, PrefetchConfig(prefetch_step=1), **budget)
+    assert plan.rings == base.rings and base.cached_experts == 0
+    spare = 1_400_000 - base.device_bytes
+    assert plan.cached_experts == spare // expert_row_bytes(plan.rings) > 0
+    assert base.device_bytes < plan.device_bytes <= 1_400_000
+    assert plan.streamed_bytes_per_token < base.streamed_bytes_per_token  # expected hits
+    assert "expert cache" in str(plan)
+    # An explicit cache must fit with the streamed layers, or the error says it takes the room.
+    with pytest.raises(ValueError, match="expert_cache=16 keeps 16 experts of every streamed layer"):
+        hf_prefetch.plan(model, PrefetchConfig(prefetch_step=1, expert_cache=16), **budget)
