@@ -322,12 +322,14 @@ class PrefetchEngine:
     def _load_cache(self, layer: LayerTransfer, experts: list[int]) -> None:
         # Rows whose expert changes (all of them when the cache is not valid) get the host's values, on the current
         # stream: after the kernels that read the old rows, before those that read the new ones.
+        # Invalid until every row holds its expert: an interrupt half-way leaves a cache that reloads, never rows
+        # that hold other experts than `experts` says.
         cache = layer.cache
-        for row, expert in enumerate(experts):
-            if cache.valid and cache.experts[row] == expert:
-                continue
+        changed = [row for row, expert in enumerate(experts) if not cache.valid or cache.experts[row] != expert]
+        cache.valid = False
+        for row in changed:
             for tensor, cached in zip(layer.routed, cache.tensors, strict=True):
-                cached[row].copy_(tensor.host[expert], non_blocking=self._non_blocking)
+                cached[row].copy_(tensor.host[experts[row]], non_blocking=self._non_blocking)
         cache.experts = list(experts)
         cache.valid = True
 

@@ -408,3 +408,39 @@ def test_a_budget_spends_spare_memory_on_the_expert_cache():
     # An explicit cache must fit with the streamed layers, or the error says it takes the room.
     with pytest.raises(ValueError, match="expert_cache=16 keeps 16 experts of every streamed layer"):
         hf_prefetch.plan(model, PrefetchConfig(prefetch_step=1, expert_cache=16), **budget)
+
+
+def test_an_interrupt_while_the_cache_loads_leaves_it_to_reload():
+    model = moe_model("qwen3_moe")
+    reference = copy.deepcopy(model)
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=4), device="cpu")
+    try:
+        engine = hf_prefetch.get_state(model).engine
+        layer = engine.rings[0].layers[1]
+        with torch.no_grad():
+            model(_ids(length=1))
+        assert layer.cache.valid
+        real_copy, calls = torch.Tensor.copy_, {"n": 0}
+
+        def interrupted(self, *args, **kwargs):
+            calls["n"] += 1
+            if calls["n"] == 3:
+                raise KeyboardInterrupt
+            return real_copy(self, *args, **kwargs)
+
+        layer.cache.picks[10:14] = [99] * 4  # the next re-rank swaps every row
+        layer.cache.forwards = layer.cache.REFRESH - 1
+        torch.Tensor.copy_ = interrupted
+        try:
+            with pytest.raises(KeyboardInterrupt), torch.no_grad():
+                engine._gather_cached(layer, torch.tensor([[0, 1, 2, 3]]))
+        finally:
+            torch.Tensor.copy_ = real_copy
+        assert not layer.cache.valid  # rows half rewritten: not trusted
+        with torch.no_grad():
+            for length in (1, 2, 1):
+                ids = _ids(length=length, seed=length)
+                assert torch.equal(model(ids).logits, reference(ids).logits)
+        assert layer.cache.valid
+    finally:
+        hf_prefetch.remove_offload(model)
