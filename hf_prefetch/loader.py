@@ -99,8 +99,11 @@ def from_pretrained(
     max_memory = parse_max_memory(max_memory, reserve_bytes, config)
     exec_device = resolve_device(device_argument(max_memory, device))
     folder = checkpoint_folder(path)
+    timeline = LoadTimeline()
     with Checkpoint.open(folder) as checkpoint:
+        timeline.mark("open")
         model, torch_dtype = build_skeleton(folder, checkpoint, dtype, model_class)
+        timeline.mark("skeleton")
         _load(
             model,
             checkpoint,
@@ -112,11 +115,13 @@ def from_pretrained(
             progress=progress,
             timing=timing,
             max_memory=max_memory,
+            timeline=timeline,
         )
     if (folder / "generation_config.json").is_file() and model.can_generate():
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
+    timeline.mark("generation config")
     return model
 
 
@@ -208,9 +213,11 @@ def _load(
     progress: bool | None,
     timing: bool,
     max_memory: MaxMemory | None = None,
+    timeline: LoadTimeline | None = None,
 ) -> None:
     from transformers import PreTrainedModel
 
+    timeline = timeline if timeline is not None else LoadTimeline()
     if isinstance(model, PreTrainedModel):
         # accelerate's init_empty_weights re-creates a parameter each time one is registered, which unties the
         # weights that __init__ tied; tie them again so that a tied tensor is one parameter (kept resident).
@@ -221,10 +228,12 @@ def _load(
         _set_dtypes(model, dtype, cast, journal)
         keymap = map_keys(model, checkpoint)
         plan = choose_plan(model, config, layers, device, max_memory)
+        timeline.mark("plan")
         # Everything is validated: allocate the host arena exactly as dispatch_model does, then the resident tensors.
         layout = attach.host_layout(plan)
         arena = HostArena([spec.nbytes for _, spec in layout])
         state = attach.begin(model, plan, device, arena, timing, journal)
+        state.load_timeline = timeline.phases
         dests = {}
         for i, (path, spec) in enumerate(layout):
             dests[f"{path}.{spec.name}"] = arena.view(i, spec.shape, spec.stride, spec.dtype)
@@ -233,13 +242,17 @@ def _load(
             if name not in dests:
                 tensor = keymap.model_tensors[name]
                 dests[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        timeline.mark("allocate", device)
         seconds, bytes_read = _read_all(checkpoint, keymap, dests, model, progress)
         _install(keymap, dests, journal)
+        timeline.mark("read", device)  # reads into host memory and the device's resident tensors
         if device.type == "cuda":
             arena.pin()  # after the reads: page-locking memory the readers already touched is ~10x faster
+        timeline.mark("pin")
         tensors = keymap.model_tensors
         state.offloaded = [OffloadedParam(n, tensors[n], dests[n]) for n in offloaded_names]
         attach.attach(model, state)
+        timeline.mark("attach", device)  # the pool, the hooks, and the copies of each ring's first layers
     except BaseException:
         if state is not None:
             attach.rollback(model, state)
@@ -255,6 +268,22 @@ def _load(
     gpu_gib = (plan.device_bytes if device.type == "cuda" else 0) / 2**30
     message = "Loaded %s: read %.2f GB in %.2f s (%.2f GB/s); pinned host %.2f GiB, GPU %.2f GiB"
     logger.info(message, checkpoint.folder, gb, seconds, gb / max(seconds, 1e-9), pinned_gib, gpu_gib)
+
+
+class LoadTimeline:
+    """Seconds spent in each phase of a load, in order (`OffloadState.load_timeline`, `benchmarks/load.py`). A phase
+    that queues device work waits for it when given the device (a synchronisation at the end of that phase only)."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def mark(self, phase: str, device: torch.device | None = None) -> None:
+        if device is not None and device.type == "cuda":
+            torch.cuda.synchronize(device)
+        now = time.perf_counter()
+        self.phases[phase] = self.phases.get(phase, 0.0) + now - self._last
+        self._last = now
 
 
 def checkpoint_folder(path: str | os.PathLike) -> Path:

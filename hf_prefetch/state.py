@@ -75,6 +75,8 @@ class OffloadState:
     # undone (see `dispatch.begin`), so that a half-done model refuses to compute until the end of its removal.
     gate_hooks: Journal = field(default_factory=Journal)
     write_throughs: list[WriteThrough] = field(default_factory=list)  # completed by the gate before each forward
+    # Seconds per phase of the load that built this dispatch (`loader.LoadTimeline`; empty after dispatch_model).
+    load_timeline: dict[str, float] = field(default_factory=dict)
 
     def __deepcopy__(self, memo: dict) -> Any:
         refuse_deepcopy(memo)

@@ -417,3 +417,17 @@ def test_a_seq2seq_checkpoint_names_the_auto_class_to_pass(tmp_path):
     model = hf_prefetch.from_pretrained(tmp_path, device="cpu", model_class=AutoModelForSeq2SeqLM)
     assert type(model).__name__ == "T5ForConditionalGeneration"
     hf_prefetch.remove_offload(model)
+
+
+def test_the_load_timeline_names_every_phase_in_order(saved):
+    import time
+
+    folder = saved("llama-sharded")
+    started = time.perf_counter()
+    model = hf_prefetch.from_pretrained(folder, device="cpu")
+    elapsed = time.perf_counter() - started
+    timeline = hf_prefetch.get_state(model).load_timeline
+    assert list(timeline) == ["open", "skeleton", "plan", "allocate", "read", "pin", "attach", "generation config"]
+    assert all(seconds >= 0 for seconds in timeline.values())
+    assert sum(timeline.values()) <= elapsed
+    hf_prefetch.remove_offload(model)
