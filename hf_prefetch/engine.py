@@ -68,6 +68,9 @@ completion), and `gather` finds a `Fill.WHOLE` layer complete. A layer that owns
 Inside a CUDA-graph capture every copy is whole (a replay would reuse the capture's routing), and once a graph
 recorded a ring no forward routes. `store` writes back routed tensors only from a whole slot: the rows of a routed
 one are copies of host memory, or stale.
+With an expert cache (`ring.ExpertCache`), `gather` reads the choice on the host, copies cached experts from the
+cache's rows and the others from host memory. A cache is trusted only while `valid`: `invalidate` and `store` (host
+rewritten) and a load of its rows that an interrupt stopped leave it invalid, and the next gather reloads it.
 """
 
 from __future__ import annotations
