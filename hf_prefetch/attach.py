@@ -29,7 +29,7 @@ from .hooks import (
 )
 from .host import HostArena
 from .ops import register_engine
-from .placements import OffloadPlan, ParamSpec, Placement
+from .placements import OffloadPlan, ParamSpec, Placement, caches_experts
 from .pool import BufferPool
 from .render import format_bytes
 from .ring import ExpertCache, LayerTransfer, RingTransfers, RoutedTensor
@@ -102,6 +102,8 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
     by_name = {o.full_name: o for o in state.offloaded}
     journal.move_tensors(model, device, skip={id(o.param) for o in state.offloaded})
     routes = _routed_sources(state)
+    # Routing needs the arena mapped on CUDA (pinned); without it no forward routes and a cache would stay unused.
+    routable = device.type != "cuda" or state.arena.pinned
     rings: list[RingTransfers] = []
     for ring in plan.rings:
         specs = [spec.key for layer in ring.streamed for spec in layer.offloaded]
@@ -124,7 +126,7 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
                     slots.append(slot_buffer)
             nbytes = layer.offloaded_bytes - sum(spec.nbytes for spec in layer.routed)
             transfer = LayerTransfer(host, slots, layer.slot, layer.next_in_slot, nbytes, routed)
-            transfer.cache = _expert_cache(layer, routed, plan.cached_experts, device)
+            transfer.cache = _expert_cache(layer, routed, plan.cached_experts, device) if routable else None
             transfers.append(transfer)
         rings.append(RingTransfers(transfers, pool))
     engine = state.engine = PrefetchEngine(
@@ -145,8 +147,8 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
 
 
 def _expert_cache(layer, routed: list[RoutedTensor], cached_experts: int, device: torch.device) -> ExpertCache | None:
-    # As many rows as the plan counted (`placements._cached_rows_bytes`): none for a layer alone in its slot.
-    if not routed or cached_experts <= 0 or layer.owns_slot:
+    # As many rows as the plan counted (`placements.caches_experts`, `_cached_rows_bytes`).
+    if cached_experts <= 0 or not caches_experts(layer):
         return None
     num_experts = routed[0].num_experts
     capacity = min(cached_experts, num_experts)

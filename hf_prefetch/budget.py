@@ -17,7 +17,7 @@ from torch import nn
 
 from .config import PrefetchConfig
 from .layers import candidate_layers, model_bytes, warn_unroutable
-from .placements import OffloadPlan, RingPlan, Source, expert_row_bytes
+from .placements import OffloadPlan, RingPlan, Source, cache_bytes, expert_row_bytes
 from .planner import make_plan, offload_params_error, plan_of, ring_plan
 from .render import format_bytes
 
@@ -322,7 +322,7 @@ def plan_for_budget(
     for rings in itertools.product(*per_ring):
         offloaded = sum(ring.offloaded_bytes for ring in rings)
         # An explicit expert cache is part of what must fit; one chosen from the budget takes what is left.
-        device = total - offloaded + sum(ring.pool_bytes for ring in rings) + explicit_cache * expert_row_bytes(rings)
+        device = total - offloaded + sum(ring.pool_bytes for ring in rings) + cache_bytes(rings, explicit_cache)
         # Decoding (one token, routed experts copy only the experts it uses) first, then a forward of many tokens.
         streamed = (sum(r.bytes_per_token for r in rings), sum(r.bytes_per_forward for r in rings))
         options.append(_Option(rings, device, streamed, offloaded))

@@ -333,6 +333,8 @@ class PrefetchEngine:
         for row in changed:
             for tensor, cached in zip(layer.routed, cache.tensors, strict=True):
                 cached[row].copy_(tensor.host[experts[row]], non_blocking=self._non_blocking)
+                layer.counters.copied_bytes += tensor.nbytes // tensor.num_experts
+                layer.counters.cache_loaded_bytes += tensor.nbytes // tensor.num_experts
         cache.experts = list(experts)
         cache.valid = True
 
@@ -504,6 +506,7 @@ class PrefetchEngine:
     def refresh(self, ring: int, position: int) -> None:
         """Layer `position`'s host storage was rewritten: copy it again if it owns its slot."""
         self._settle()
+        _forget_cache(self.rings[ring].layers[position])
         if self.rings[ring].holds(position):
             self.load(ring, position)
 

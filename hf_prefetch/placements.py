@@ -245,7 +245,7 @@ class OffloadPlan:
         total = sum(ring.bytes_per_token for ring in self.rings)
         for ring in self.rings:
             for layer in ring.layers:
-                if layer.owns_slot:
+                if not caches_experts(layer):
                     continue
                 for spec in layer.routed:
                     r = spec.routing
@@ -257,7 +257,7 @@ class OffloadPlan:
     @property
     def cache_bytes(self) -> int:
         """Device bytes of the expert cache: `cached_experts` rows of every routed tensor of every streamed layer."""
-        return sum(_cached_rows_bytes(layer, self.cached_experts) for ring in self.rings for layer in ring.streamed)
+        return cache_bytes(self.rings, self.cached_experts)
 
     @property
     def routed_max_tokens(self) -> int:
@@ -281,9 +281,9 @@ class OffloadPlan:
 
     @property
     def saves_device_memory(self) -> bool:
-        """Whether the plan keeps fewer bytes on the device than the unmodified model (the pool is smaller than what
-        it offloads)."""
-        return self.pool_bytes < self.offloaded_bytes
+        """Whether the plan keeps fewer bytes on the device than the unmodified model (the pool and the expert cache
+        are smaller than what it offloads)."""
+        return self.pool_bytes + self.cache_bytes < self.offloaded_bytes
 
     @property
     def transfer_seconds_per_forward(self) -> float | None:
@@ -308,14 +308,24 @@ class OffloadPlan:
         )
 
 
+def caches_experts(layer: LayerPlan) -> bool:
+    """Whether a streamed layer gets an expert cache: it shares its slot (a layer alone in its slot keeps every expert
+    there) and its routed tensors belong to one experts module."""
+    return bool(layer.routed) and not layer.owns_slot and len({spec.routing.module for spec in layer.routed}) == 1
+
+
 def _cached_rows_bytes(layer: LayerPlan, cached_experts: int) -> int:
-    # A layer alone in its slot keeps every expert there: it needs no cache.
-    if cached_experts <= 0 or layer.owns_slot:
+    if cached_experts <= 0 or not caches_experts(layer):
         return 0
     return sum(
         spec.nbytes // spec.routing.num_experts * min(cached_experts, spec.routing.num_experts)
         for spec in layer.routed
     )
+
+
+def cache_bytes(rings: tuple[RingPlan, ...], cached_experts: int) -> int:
+    """Device bytes of an expert cache of `cached_experts` per routed layer (capped at each layer's experts)."""
+    return sum(_cached_rows_bytes(layer, cached_experts) for ring in rings for layer in ring.streamed)
 
 
 def expert_row_bytes(rings: tuple[RingPlan, ...]) -> int:

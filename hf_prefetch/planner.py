@@ -8,6 +8,7 @@ never touches CUDA; `dispatch` executes the plan.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -98,7 +99,10 @@ def plan_of(
     offloaded = sum(ring.offloaded_bytes for ring in rings)
     if cached_experts is None:
         cached_experts = getattr(config, "expert_cache", None) or 0
-    return OffloadPlan(config, rings, model_bytes(model) - offloaded, source, budget, cached_experts=cached_experts)
+    plan = OffloadPlan(config, rings, model_bytes(model) - offloaded, source, budget, cached_experts=cached_experts)
+    if plan.cached_experts and plan.routed_max_tokens == 0:  # no forward routes: a cache would never be read
+        plan = dataclasses.replace(plan, cached_experts=0)
+    return plan
 
 
 def ring_plan(

@@ -66,7 +66,10 @@ def _totals(plan: OffloadPlan) -> list[tuple[str, str]]:
         ("streamed layers", f"{num_streamed} of {num_layers}, longest run {plan.longest_run} ({_choice(plan)})"),
         ("resident bytes", size(plan.resident_bytes)),
         ("pool bytes", f"{size(plan.pool_bytes)} ({slots} slots)"),
-        ("device bytes", f"{size(plan.device_bytes)} (resident + pool)"),
+        (
+            "device bytes",
+            f"{size(plan.device_bytes)} (resident + pool{' + expert cache' if plan.cache_bytes else ''})",
+        ),
     ]
     pinned = size(plan.offloaded_bytes)
     if (budget := plan.budget) is not None:

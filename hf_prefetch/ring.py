@@ -121,11 +121,14 @@ class LayerCounters:
     copies: int = 0
     copied_bytes: int = 0
     misses: int = 0
-    routed_rows: int = 0  # experts picked by the router whose rows were copied (a repeated pick counts again)
+    # Experts picked by the router whose rows were copied from host memory (a repeated pick counts again; with an
+    # expert cache, each distinct expert read from host memory once per forward).
+    routed_rows: int = 0
     routed_bytes: int = 0  # their bytes, also counted in copied_bytes
     completions: int = 0  # layers copied without their routed tensors that a forward of many tokens completed
     cache_hits: int = 0  # routed experts found in the layer's expert cache (each distinct expert of a forward once)
     cache_misses: int = 0  # routed experts read from host memory while the layer has a cache
+    cache_loaded_bytes: int = 0  # bytes loaded into the cache from host memory (also counted in copied_bytes)
     copy_seconds: float = 0.0
     stall_seconds: float = 0.0
     compute_seconds: float = 0.0  # from the end of the layer's wait to the end of its forward

@@ -444,3 +444,74 @@ def test_an_interrupt_while_the_cache_loads_leaves_it_to_reload():
         assert layer.cache.valid
     finally:
         hf_prefetch.remove_offload(model)
+
+
+class _TwoExpertBlocks(torch.nn.Module):
+    """A layer with two experts modules of different sizes (num_experts 8 and 16)."""
+
+    def __init__(self, config) -> None:
+        from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+        super().__init__()
+        first, second = copy.deepcopy(config), copy.deepcopy(config)
+        first.num_experts, second.num_experts = 8, 16
+        self.a = modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(first)
+        self.b = modeling_qwen3_moe.Qwen3MoeSparseMoeBlock(second)
+
+    def forward(self, hidden_states):
+        return self.a(hidden_states) + self.b(hidden_states)
+
+
+@pytest.mark.parametrize("cached", [0, 4, 12])
+def test_a_layer_with_two_experts_modules_routes_each_and_gets_no_cache(cached):
+    model = moe_model("qwen3_moe")
+    torch.manual_seed(3)
+    for layer in model.model.layers:
+        layer.mlp = _TwoExpertBlocks(model.config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("gate.weight"):
+                param.normal_(0, 1.0)
+            elif "experts" in name:  # the new blocks' experts are uninitialised
+                param.normal_(0, 0.05)
+    model.eval()
+    reference = copy.deepcopy(model)
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=cached), device="cpu")
+    try:
+        state = hf_prefetch.get_state(model)
+        assert state.plan.cache_bytes == 0  # one cache per layer holds one experts module's experts
+        assert all(layer.cache is None for ring in state.engine.rings for layer in ring.layers)
+        with torch.no_grad():
+            for step in range(12):
+                ids = _ids(length=1 + step % 3, seed=step)
+                assert torch.equal(model(ids).logits, reference(ids).logits)
+        assert hf_prefetch.stats(model).routed_rows > 0
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_cache_loads_are_counted_and_a_cache_larger_than_the_experts_is_capped():
+    model = moe_model("qwen3_moe")  # 16 experts
+    capped = hf_prefetch.plan(model, PrefetchConfig(**ROUTED, expert_cache=1000))
+    exact = hf_prefetch.plan(model, PrefetchConfig(**ROUTED, expert_cache=16))
+    assert capped.cache_bytes == exact.cache_bytes > 0 and capped.device_bytes == exact.device_bytes
+    from hf_prefetch.placements import cache_bytes  # what the budget planner adds for an explicit cache
+
+    assert cache_bytes(capped.rings, 1000) == exact.cache_bytes
+    assert "expert cache" in str(capped) and "+ expert cache)" in str(capped)
+    never = hf_prefetch.plan(model, PrefetchConfig(**{**ROUTED, "routed_max_tokens": 0}, expert_cache=8))
+    assert never.cached_experts == 0 and never.cache_bytes == 0  # no forward routes: no cache
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=4), device="cpu")
+    try:
+        with torch.no_grad():
+            model(_ids(length=1))
+        stats = hf_prefetch.stats(model)
+        experts = model.model.layers[1].mlp.experts
+        row_bytes = sum(p.numel() * p.element_size() for p in experts.parameters()) // experts.num_experts
+        loaded = sum(
+            layer.counters.cache_loaded_bytes for layer in hf_prefetch.get_state(model).engine.rings[0].layers
+        )
+        assert loaded == 4 * row_bytes  # layer 3's cache filled (layer 1 was copied whole before the forward)
+        assert stats.copied_bytes >= loaded + stats.routed_bytes
+    finally:
+        hf_prefetch.remove_offload(model)
