@@ -515,3 +515,17 @@ def test_cache_loads_are_counted_and_a_cache_larger_than_the_experts_is_capped()
         assert stats.copied_bytes >= loaded + stats.routed_bytes
     finally:
         hf_prefetch.remove_offload(model)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
+def test_from_pretrained_routes_experts_read_straight_from_the_checkpoint(family, tmp_path):
+    model = moe_model(family)
+    model.save_pretrained(tmp_path)
+    loaded = hf_prefetch.from_pretrained(tmp_path, PrefetchConfig(**ROUTED), device="cpu")
+    try:
+        assert hf_prefetch.get_state(loaded).plan.routed_bytes > 0
+        ids = _ids()
+        _same(_generate(loaded, ids, do_sample=False), _generate(model, ids, do_sample=False))
+        assert hf_prefetch.stats(loaded).routed_rows > 0
+    finally:
+        hf_prefetch.remove_offload(loaded)
