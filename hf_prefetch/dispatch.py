@@ -197,21 +197,26 @@ def remove_offload(model: nn.Module, device: str | int | torch.device | None = N
 def _check_removable(model: nn.Module, state) -> None:
     # Another offloading mechanism added after the dispatch (accelerate's enable_sequential_cpu_offload) may have put
     # weights on the meta device, keeping their values in its own hooks: moving them would fail half-way.
-    ours = {id(offloaded.param) for offloaded in state.offloaded}
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.device.type == "meta" and id(tensor) not in ours:
-            raise ValueError(
-                f"{name} is on the meta device: another offloading mechanism took the weights after hf_prefetch "
-                "dispatched this model (accelerate's cpu_offload, e.g. a pipeline's enable_sequential_cpu_offload). "
-                "Remove its hooks first (pipe.remove_all_hooks(), or accelerate.hooks.remove_hook_from_module(model, "
-                "recurse=True)), which puts the weights back, then call remove_offload. Nothing was undone."
-            )
+    name = _first_on_meta(model, skip={id(offloaded.param) for offloaded in state.offloaded})
+    if name is not None:
+        raise ValueError(
+            f"{name} is on the meta device: another offloading mechanism took the weights after hf_prefetch "
+            "dispatched this model (accelerate's cpu_offload, e.g. a pipeline's enable_sequential_cpu_offload). "
+            "Remove its hooks first (pipe.remove_all_hooks(), or accelerate.hooks.remove_hook_from_module(model, "
+            "recurse=True)), which puts the weights back, then call remove_offload. Nothing was undone."
+        )
+
+
+def _first_on_meta(model: nn.Module, skip: frozenset[int] | set[int] = frozenset()) -> str | None:
+    # The first parameter or buffer on the meta device (tensors whose id is in `skip` aside), or None.
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    return next((name for name, t in tensors if t.device.type == "meta" and id(t) not in skip), None)
 
 
 def _check_materialized(model: nn.Module) -> None:
-    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
-        if tensor.device.type == "meta":
-            raise ValueError(
-                f"{name} is on the meta device: the model has no weights yet. Load it with "
-                "hf_prefetch.from_pretrained(path) or hf_prefetch.load_checkpoint_and_dispatch(model, path)."
-            )
+    name = _first_on_meta(model)
+    if name is not None:
+        raise ValueError(
+            f"{name} is on the meta device: the model has no weights yet. Load it with "
+            "hf_prefetch.from_pretrained(path) or hf_prefetch.load_checkpoint_and_dispatch(model, path)."
+        )

@@ -83,6 +83,7 @@ from dataclasses import dataclass
 import torch
 
 from .driver import captured_copy
+from .experts import copy_routed_rows, copy_with_cache, forget_cache
 from .ring import CopyEvent, Fill, LayerCounters, LayerTransfer, RingState, RingTransfers
 
 __all__ = ["PrefetchEngine"]
@@ -270,73 +271,11 @@ class PrefetchEngine:
             self._complete(transfers, position, capturing)
             return
         begin = self._begin_gather()
-        if layer.cache is not None:
-            self._gather_cached(layer, index)
-            self._end_gather(layer, begin)
-            return
-        for tensor in layer.routed:
-            # Out-of-range entries (an expert-parallel sentinel) read no weights in the forward: any row will do.
-            rows = index.reshape(-1).to(device=tensor.source.device, dtype=torch.long).clamp(0, tensor.num_experts - 1)
-            tensor.device.index_copy_(0, rows, tensor.source.index_select(0, rows))
-            picked = rows.numel()
-            nbytes = picked * (tensor.nbytes // tensor.num_experts)
-            layer.counters.routed_bytes += nbytes
-            layer.counters.copied_bytes += nbytes
-        layer.counters.routed_rows += index.numel()
+        if layer.cache is None:
+            copy_routed_rows(layer, index)
+        else:
+            copy_with_cache(layer, index, self._non_blocking)
         self._end_gather(layer, begin)
-
-    def _gather_cached(self, layer: LayerTransfer, index: torch.Tensor) -> None:
-        # With an expert cache: the distinct experts picked are read on the host (a synchronisation), cached ones are
-        # copied from the cache's rows, the others from host memory. See `ExpertCache`.
-        cache = layer.cache
-        num_experts = layer.routed[0].num_experts
-        if not cache.valid:
-            self._load_cache(layer, cache.experts)
-        picked = sorted(set(index.reshape(-1).clamp(0, num_experts - 1).tolist()))
-        row_of = cache.row_of
-        hits = [e for e in picked if e in row_of]
-        misses = [e for e in picked if e not in row_of]
-        device = layer.routed[0].device.device
-        if hits:
-            experts = torch.tensor(hits, device=device)
-            rows = torch.tensor([row_of[e] for e in hits], device=device)
-            for tensor, cached in zip(layer.routed, cache.tensors, strict=True):
-                tensor.device.index_copy_(0, experts, cached.index_select(0, rows))
-        if misses:
-            for tensor in layer.routed:
-                experts = torch.tensor(misses, device=tensor.source.device)
-                tensor.device.index_copy_(0, experts.to(device), tensor.source.index_select(0, experts).to(device))
-                nbytes = len(misses) * (tensor.nbytes // tensor.num_experts)
-                layer.counters.routed_bytes += nbytes
-                layer.counters.copied_bytes += nbytes
-        layer.counters.routed_rows += len(misses)
-        layer.counters.cache_hits += len(hits)
-        layer.counters.cache_misses += len(misses)
-        for expert in picked:
-            cache.picks[expert] += 1
-        cache.forwards += 1
-        if cache.forwards % cache.REFRESH == 0:
-            ranked = sorted(range(num_experts), key=lambda e: (-cache.picks[e], e))[: len(cache.experts)]
-            if set(ranked) != set(cache.experts):
-                keep = [e for e in cache.experts if e in set(ranked)]
-                incoming = iter(e for e in ranked if e not in set(cache.experts))
-                self._load_cache(layer, [e if e in keep else next(incoming) for e in cache.experts])
-
-    def _load_cache(self, layer: LayerTransfer, experts: list[int]) -> None:
-        # Rows whose expert changes (all of them when the cache is not valid) get the host's values, on the current
-        # stream: after the kernels that read the old rows, before those that read the new ones.
-        # Invalid until every row holds its expert: an interrupt half-way leaves a cache that reloads, never rows
-        # that hold other experts than `experts` says.
-        cache = layer.cache
-        changed = [row for row, expert in enumerate(experts) if not cache.valid or cache.experts[row] != expert]
-        cache.valid = False
-        for row in changed:
-            for tensor, cached in zip(layer.routed, cache.tensors, strict=True):
-                cached[row].copy_(tensor.host[experts[row]], non_blocking=self._non_blocking)
-                layer.counters.copied_bytes += tensor.nbytes // tensor.num_experts
-                layer.counters.cache_loaded_bytes += tensor.nbytes // tensor.num_experts
-        cache.experts = list(experts)
-        cache.valid = True
 
     def _complete(self, transfers: RingTransfers, position: int, capturing: bool) -> None:
         # A layer copied without its routed tensors runs in a whole forward: copy them now, on the compute stream. It
@@ -462,10 +401,10 @@ class PrefetchEngine:
             if ring is None or (index == ring and position is None):
                 transfers.slots.forget()
                 for layer in transfers.layers:
-                    _forget_cache(layer)
+                    forget_cache(layer)
             elif index == ring:
                 transfers.slots.release(transfers.layers[position].slot, position)
-                _forget_cache(transfers.layers[position])
+                forget_cache(transfers.layers[position])
 
     def load(self, ring: int, position: int) -> None:
         """Copy layer `position` into its slot now, on the compute stream, and make it the slot's owner.
@@ -501,12 +440,12 @@ class PrefetchEngine:
             pairs += [(tensor.host, tensor.device) for tensor in layer.routed]
         for host, device in pairs:
             host.copy_(device)
-        _forget_cache(layer)  # its host storage holds what the slot held: the cache's rows may be older
+        forget_cache(layer)  # its host storage holds what the slot held: the cache's rows may be older
 
     def refresh(self, ring: int, position: int) -> None:
         """Layer `position`'s host storage was rewritten: copy it again if it owns its slot."""
         self._settle()
-        _forget_cache(self.rings[ring].layers[position])
+        forget_cache(self.rings[ring].layers[position])
         if self.rings[ring].holds(position):
             self.load(ring, position)
 
@@ -609,11 +548,6 @@ _BYPASSED = (
     "block's forward (a hub kernel with use_kernels=True, a patched module), so it may have read other experts' "
     "weights. Its output was discarded. Dispatch with PrefetchConfig(routed_experts=False)."
 )
-
-
-def _forget_cache(layer: LayerTransfer) -> None:
-    if layer.cache is not None:
-        layer.cache.valid = False
 
 
 def _nbytes(layer: LayerTransfer, whole: bool) -> int:

@@ -94,11 +94,8 @@ class RoutedHook(ModelHook):
         if torch.compiler.is_compiling():
             anchor = _input_anchor(args[:1], {k: v for k, v in kwargs.items() if k != self.index_arg})
             torch.ops.hf_prefetch.gather(anchor, index, self.engine_id, self.ring, self.position)
-        elif torch.autograd._profiler_enabled():
-            with torch.profiler.record_function("hf_prefetch.gather"):
-                self.engine.gather(self.ring, self.position, index)
         else:
-            self.engine.gather(self.ring, self.position, index)
+            _eager_step(self.engine.gather, self, "hf_prefetch.gather", index)
         return args, kwargs
 
     def __repr__(self) -> str:
@@ -206,12 +203,13 @@ def _outside_any_graph(step: Callable[[], None]) -> None:
         step()
 
 
-def _eager_step(step, hook: PrefetchHook, label: str) -> None:
+def _eager_step(step, hook: PrefetchHook | RoutedHook, label: str, *extra: Any) -> None:
+    # The engine's step for the hook's layer, named in profiler traces when a profiler is on.
     if torch.autograd._profiler_enabled():
         with torch.profiler.record_function(label):
-            step(hook.ring, hook.position)
+            step(hook.ring, hook.position, *extra)
     else:
-        step(hook.ring, hook.position)
+        step(hook.ring, hook.position, *extra)
 
 
 def _compiled_step(op, step, hook: PrefetchHook, anchor: torch.Tensor | None) -> None:

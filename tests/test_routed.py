@@ -411,6 +411,8 @@ def test_a_budget_spends_spare_memory_on_the_expert_cache():
 
 
 def test_an_interrupt_while_the_cache_loads_leaves_it_to_reload():
+    from hf_prefetch.experts import copy_with_cache
+
     model = moe_model("qwen3_moe")
     reference = copy.deepcopy(model)
     hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=4), device="cpu")
@@ -433,7 +435,7 @@ def test_an_interrupt_while_the_cache_loads_leaves_it_to_reload():
         torch.Tensor.copy_ = interrupted
         try:
             with pytest.raises(KeyboardInterrupt), torch.no_grad():
-                engine._gather_cached(layer, torch.tensor([[0, 1, 2, 3]]))
+                copy_with_cache(layer, torch.tensor([[0, 1, 2, 3]]), non_blocking=False)
         finally:
             torch.Tensor.copy_ = real_copy
         assert not layer.cache.valid  # rows half rewritten: not trusted
@@ -529,3 +531,26 @@ def test_from_pretrained_routes_experts_read_straight_from_the_checkpoint(family
         assert hf_prefetch.stats(loaded).routed_rows > 0
     finally:
         hf_prefetch.remove_offload(loaded)
+
+
+def test_a_deleted_routed_model_frees_its_engine_and_cache_without_remove_offload():
+    import gc
+    import weakref
+
+    model = moe_model("qwen3_moe")
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=4), device="cpu")
+    with torch.no_grad():
+        model(_ids(length=1))
+    engine = hf_prefetch.get_state(model).engine
+    refs = [
+        weakref.ref(engine),
+        *(weakref.ref(t) for r in engine.rings for layer in r.layers if layer.cache for t in layer.cache.tensors),
+    ]
+    assert len(refs) > 1
+    del engine
+    gc.disable()
+    try:
+        del model  # freed by reference counting: the hooks' cycles are broken by the journal's weak references
+        assert all(ref() is None for ref in refs)
+    finally:
+        gc.enable()
