@@ -54,7 +54,7 @@ graph; a graph break inside it fails the capture (`cudaErrorStreamCaptureUnjoine
 [Note: routed experts]
 A ROUTED parameter (an expert tensor: dimension 0 indexes experts) sits in its layer's slot like any streamed one,
 but a forward of few tokens needs only the experts its router picks. Each forward is one of two kinds, chosen in
-`prepare` from its token count (`routing`: at most `routed_max_tokens` tokens, no CUDA graph recorded):
+`prepare` from its token count (`routing`: at most `routed_max_tokens` tokens):
 - Routing: a layer's copy brings every tensor but the routed ones (`Fill.ROUTED`). When the experts module runs, its
   hook calls `gather` with the router's choice: on the compute stream, after the layer's `wait`, the rows of the
   chosen experts are read from host memory (on CUDA through the arena's mapped view, by the GPU: no host
@@ -65,11 +65,18 @@ but a forward of few tokens needs only the experts its router picks. Each forwar
 A layer copied in one kind may run in the other (the next forward's first layers are copied at the end of the one
 before): `wait` completes a `Fill.ROUTED` layer in a whole forward by copying its routed tensors whole (a
 completion), and `gather` finds a `Fill.WHOLE` layer complete. A layer that owns its slot is always copied whole.
-Inside a CUDA-graph capture every copy is whole (a replay would reuse the capture's routing), and once a graph
-recorded a ring no forward routes. `store` writes back routed tensors only from a whole slot: the rows of a routed
-one are copies of host memory, or stale.
+`store` writes back routed tensors only from a whole slot: the rows of a routed one are copies of host memory, or
+stale.
+CUDA graphs: a graph is recorded for one token count, so its kind is fixed, and replays run no Python:
+- A routing graph records each layer's copy without its routed tensors and its gather: index_select through the
+  mapped view, reading the index the replay's router wrote, so every replay copies its own picks. Its first layers
+  are copied outside the graph (`finish`, `prepare`) and may be whole or routed-only at a replay: the graph gathers
+  their rows either way (a whole slot gets its own rows again).
+- A whole graph records whole copies. Its first layers may have been copied for routing (by `finish` after a
+  routing forward): `prepare`, which knows the next forward's token count, completes them before it runs.
 With an expert cache (`ring.ExpertCache`), `gather` reads the choice on the host, copies cached experts from the
-cache's rows and the others from host memory. A cache is trusted only while `valid`: `invalidate` and `store` (host
+cache's rows and the others from host memory (outside CUDA graphs: a graph cannot read on the host, so a recorded
+gather copies every pick from host memory). A cache is trusted only while `valid`: `invalidate` and `store` (host
 rewritten) and a load of its rows that an interrupt stopped leave it invalid, and the next gather reloads it.
 """
 
@@ -167,7 +174,7 @@ class PrefetchEngine:
                 self._pending.append(_Pending(layer.counters, ready, layer.done, "stall_seconds"))
             compute.wait_event(layer.done)
         layer.gathered = False
-        if layer.fill is Fill.ROUTED and (capturing or not self.routing):
+        if layer.fill is Fill.ROUTED and not self.routing:
             self._complete(transfers, position, capturing)  # copied for a routing forward, running in a whole one
         if self.timing and not capturing:
             self._begin_compute(layer)
@@ -265,17 +272,23 @@ class PrefetchEngine:
         if not transfers.holds(position, capturing):  # the experts module ran without its layer's wait
             self._load_now(transfers, position)
         layer.gathered = True
-        if layer.fill is Fill.WHOLE:
+        # In a routing capture a layer whose slot takes turns gathers even when whole: a first layer (copied before
+        # the capture) may be whole now and copied for routing before a replay.
+        if layer.fill is Fill.WHOLE and not (capturing and self.routing and layer.next_in_slot != position):
             return
-        if capturing or not self.routing:
+        if not self.routing:
             self._complete(transfers, position, capturing)
-            return
-        begin = self._begin_gather()
-        if layer.cache is None:
+        elif capturing:
+            # Recorded: each replay reads its own router's choice. The cache's lookup reads the choice on the host,
+            # which a graph cannot: a graph copies every pick from host memory.
             copy_routed_rows(layer, index)
         else:
-            copy_with_cache(layer, index, self._non_blocking)
-        self._end_gather(layer, begin)
+            begin = self._begin_gather()
+            if layer.cache is None:
+                copy_routed_rows(layer, index)
+            else:
+                copy_with_cache(layer, index, self._non_blocking)
+            self._end_gather(layer, begin)
 
     def _complete(self, transfers: RingTransfers, position: int, capturing: bool) -> None:
         # A layer copied without its routed tensors runs in a whole forward: copy them now, on the compute stream. It
@@ -307,7 +320,7 @@ class PrefetchEngine:
 
     def _whole(self, layer: LayerTransfer, position: int, capturing: bool) -> bool:
         # A copy brings the routed tensors too unless this forward routes; a layer alone in its slot keeps it whole.
-        return not layer.routed or capturing or not self.routing or layer.next_in_slot == position
+        return not layer.routed or not self.routing or layer.next_in_slot == position
 
     def _begin_gather(self) -> torch.cuda.Event | float | None:
         if not self.timing:
@@ -340,19 +353,23 @@ class PrefetchEngine:
         that are not in their slots and order the compute stream after every copy issued so far."""
         if self._capturing():
             return
-        self.routing = tokens is not None and 0 < tokens <= self.routed_max_tokens and not self.graphs
+        self.routing = tokens is not None and 0 < tokens <= self.routed_max_tokens
         if not self._cuda:
             return
         for transfers in self.rings:
             transfers.settle()  # the previous forward may have been replayed and stopped before its `finish`
             transfers.abort_capture()  # a capture that ended before its join
             transfers.begin_forward()
-        if not self.graphs:
-            return
-        for transfers in self.rings:
-            for position in transfers.missing_first_layers():
-                self._load_now(transfers, position)
-        torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            if self.graphs:
+                for position in transfers.missing_first_layers():
+                    self._load_now(transfers, position)
+            if not self.routing:
+                # First layers copied for routing, in a whole forward: completed here, outside any graph (a whole
+                # graph's replay completes nothing, and one recorded completion would copy on every replay).
+                for position in transfers.first_layers_without_routed():
+                    self._complete(transfers, position, capturing=False)
+        if self.graphs:
+            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
 
     def finish(self) -> None:
         """After each forward, once a CUDA graph has recorded copies: start copying each ring's first layers into

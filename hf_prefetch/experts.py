@@ -25,7 +25,7 @@ def copy_routed_rows(layer: LayerTransfer, index: torch.Tensor) -> None:
             # Out-of-range entries (an expert-parallel sentinel) read no weights in the forward: any row will do.
             rows_by_kind[key] = flat.to(device=key[0], dtype=torch.long).clamp(0, key[1] - 1)
         rows = rows_by_kind[key]
-        tensor.device.index_copy_(0, rows, tensor.source.index_select(0, rows))
+        tensor.device_rows.index_copy_(0, rows, tensor.source_rows.index_select(0, rows))
         nbytes = rows.numel() * (tensor.nbytes // tensor.num_experts)
         layer.counters.routed_bytes += nbytes
         layer.counters.copied_bytes += nbytes
@@ -54,7 +54,9 @@ def copy_with_cache(layer: LayerTransfer, index: torch.Tensor, non_blocking: boo
     if misses:
         experts = torch.tensor(misses, device=layer.routed[0].source.device)
         for tensor in layer.routed:
-            tensor.device.index_copy_(0, experts.to(device), tensor.source.index_select(0, experts).to(device))
+            tensor.device_rows.index_copy_(
+                0, experts.to(device), tensor.source_rows.index_select(0, experts).to(device)
+            )
             nbytes = len(misses) * (tensor.nbytes // tensor.num_experts)
             layer.counters.routed_bytes += nbytes
             layer.counters.copied_bytes += nbytes

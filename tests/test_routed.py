@@ -315,6 +315,58 @@ def test_compiled_routed_forwards_match_the_compiled_resident_model(implementati
         hf_prefetch.remove_offload(model)
 
 
+def _graph_generate(model, ids):
+    from transformers import CompileConfig
+
+    with torch.no_grad():
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=12,
+            do_sample=False,
+            cache_implementation="static",
+            compile_config=CompileConfig(mode="reduce-overhead", fullgraph=False),  # inductor, CUDA graphs
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cached", [0, 6])
+@pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
+def test_cuda_graphs_record_routed_copies_that_follow_each_replays_router(implementation, cached):
+    # Decode graphs of batch 1 route (1 token <= routed_max_tokens=4); those of batch 8 copy whole expert tensors;
+    # eager prefills (7 and 56 tokens) copy whole too. They alternate, so each kind of graph is replayed after the
+    # other left the first layers copied its way. Reference: the same dispatch with routing off (the same ops, so the
+    # same fusions), compiled the same way: every logit bitwise equal, replay after replay.
+    model = moe_model("qwen3_moe", experts_implementation=implementation).to(torch.bfloat16).eval()
+    batches = [_ids(batch=1, length=7, seed=1), _ids(batch=8, length=7, seed=2)]
+    order = [0, 0, 1, 0, 1, 1, 0, 0]
+    outputs = {}
+    for name, limit in (("whole", 0), ("routed", 4)):
+        config = PrefetchConfig(**{**ROUTED, "routed_max_tokens": limit}, expert_cache=cached)
+        hf_prefetch.dispatch_model(model, config, device="cuda")
+        try:
+            outputs[name] = []
+            for batch in order:
+                hf_prefetch.reset_stats(model)
+                out = _graph_generate(model, batches[batch].cuda())
+                outputs[name].append((out, hf_prefetch.stats(model)))
+            assert hf_prefetch.get_state(model).engine.graphs
+        finally:
+            hf_prefetch.remove_offload(model, device="cpu")
+            torch._dynamo.reset()
+    for step, ((routed, routed_stats), (whole, whole_stats)) in enumerate(
+        zip(outputs["routed"], outputs["whole"], strict=True)
+    ):
+        _same(routed, whole)
+        assert routed_stats.misses == 0 and whole_stats.misses == 0
+        if order[step] == 0 and step > 1:  # batch 1, replayed: its first layers were copied without experts
+            assert routed_stats.copied_bytes < whole_stats.copied_bytes / 2
+
+
 def test_the_stats_table_shows_routed_columns_once_experts_were_routed():
     model = moe_model("qwen3_moe")
     hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED), device="cpu")
@@ -398,7 +450,8 @@ def test_a_budget_spends_spare_memory_on_the_expert_cache():
     model = moe_model("qwen3_moe")
     budget = dict(max_memory={0: 1_400_000}, reserve_bytes=0, device="cpu")
     base = hf_prefetch.plan(model, PrefetchConfig(prefetch_step=1, expert_cache=0), **budget)
-    plan = hf_prefetch.plan(model, PrefetchConfig(prefetch_step=1), **budget)
+    assert hf_prefetch.plan(model, PrefetchConfig(prefetch_step=1), **budget).cached_experts == 0  # the default
+    plan = hf_prefetch.plan(model, PrefetchConfig(prefetch_step=1, expert_cache=None), **budget)
     assert plan.rings == base.rings and base.cached_experts == 0
     spare = 1_400_000 - base.device_bytes
     assert plan.cached_experts == spare // expert_row_bytes(plan.rings) > 0
@@ -554,3 +607,27 @@ def test_a_deleted_routed_model_frees_its_engine_and_cache_without_remove_offloa
         assert all(ref() is None for ref in refs)
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize(
+    "make, wide",
+    [
+        (lambda: torch.randn(4, 3, 4).bfloat16(), torch.int64),  # 24-byte rows
+        (lambda: torch.randn(4, 1, 2).bfloat16(), torch.int32),  # 4-byte rows
+        (lambda: torch.randn(4, 3, 3).bfloat16(), torch.bfloat16),  # 18-byte rows: as stored
+        (lambda: torch.randn(4, 5, 3).transpose(1, 2), torch.float32),  # rows not dense in order: as stored
+        (lambda: torch.randn(4, 2, 3), torch.int64),
+    ],
+)
+def test_routed_rows_are_read_as_the_widest_elements_their_layout_allows(make, wide):
+    from hf_prefetch.experts import copy_routed_rows
+    from hf_prefetch.ring import LayerTransfer, RoutedTensor
+
+    host = make()
+    device = torch.zeros_like(host)
+    tensor = RoutedTensor(host, host, device, num_experts=4)
+    assert tensor.source_rows.dtype == tensor.device_rows.dtype == wide
+    layer = LayerTransfer(host=[], device=[], slot=0, next_in_slot=0, nbytes=0, routed=[tensor])
+    copy_routed_rows(layer, torch.tensor([[3, 1], [3, 3]]))
+    assert torch.equal(device[[1, 3]], host[[1, 3]]) and not device[[0, 2]].any()
+    assert layer.counters.routed_rows == 4 and layer.counters.routed_bytes == 4 * host[0].numel() * host.element_size()
