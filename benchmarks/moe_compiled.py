@@ -1,0 +1,152 @@
+"""Mixture-of-experts decode compiled with CUDA graphs: routed experts' gathers recorded in the graphs. GPU only.
+
+The Qwen3-30B-A3B-shaped random bf16 model of `moe.py` decodes through transformers' own compile of static-cache
+decoding (inductor, mode "reduce-overhead"): first all on the GPU (the reference tokens and the compiled all-on-GPU
+time), then dispatched at a GPU budget with routed experts (a decode graph copies each layer without its experts and
+gathers the 8 picked experts' rows through the arena's mapped view, reading the index each replay's router wrote),
+then dispatched again with routing off (`routed_max_tokens=0`: whole expert tensors, the same ops, so the same
+fusions: the bitwise reference for the routed tokens). A CUDA graph replays without Python, so the bytes one token
+moves are counted on one eager decode step of the same dispatch. bound = max(compiled all-on-GPU s/token, bytes per
+token / pinned H2D peak), the peak measured before each run and the fastest reading used.
+
+    python benchmarks/moe_compiled.py [--budget-gib 24] [--layers 48] [--runs 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import CompileConfig, StaticCache
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import h2d_peak_gbps, save_results  # noqa: E402
+from moe import build  # noqa: E402
+
+import hf_prefetch  # noqa: E402
+
+PROMPT_TOKENS = 16
+CACHE_TOKENS = PROMPT_TOKENS + 64
+
+
+def decode(model, ids, cache, new_tokens: int, compiled: bool) -> tuple[float, torch.Tensor]:
+    cache.reset()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            compile_config=CompileConfig() if compiled else None,  # inductor, "reduce-overhead"
+            disable_compile=not compiled,
+        )
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, out
+
+
+def seconds_per_token(model, ids, cache, compiled: bool, short: int, long: int) -> tuple[float, torch.Tensor]:
+    t_short, _ = decode(model, ids, cache, short, compiled)
+    t_long, out = decode(model, ids, cache, long, compiled)
+    return (t_long - t_short) / (long - short), out
+
+
+def bytes_per_token(model, ids) -> int:
+    """Bytes one eager decode step copies (a prefill of the prompt first, not counted)."""
+    with torch.no_grad():
+        out = model(ids, use_cache=True)
+        step = out.logits[:, -1:].argmax(-1)
+        hf_prefetch.reset_stats(model)
+        model(step, past_key_values=out.past_key_values, use_cache=True)
+    return hf_prefetch.stats(model).copied_bytes
+
+
+def measure(name, model, ids, runs: int, short: int, long: int, links: list[float]) -> tuple[list[float], object]:
+    cache = StaticCache(config=model.config, max_cache_len=CACHE_TOKENS)
+    begin = time.perf_counter()
+    seconds_per_token(model, ids, cache, True, short, long)  # compile, record
+    print(f"{name}: compiled and recorded in {time.perf_counter() - begin:.1f} s", flush=True)
+    samples, tokens = [], None
+    for run in range(runs):
+        links.append(h2d_peak_gbps())
+        seconds, tokens = seconds_per_token(model, ids, cache, True, short, long)
+        samples.append(seconds)
+        print(f"{name} run {run}: {seconds:.4f} s/token (link {links[-1]:.1f} GB/s)", flush=True)
+    return samples, tokens
+
+
+def _same_prefix(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Runs generate different numbers of tokens (whole expert tensors are slow): compare the common prefix.
+    length = min(a.shape[1], b.shape[1])
+    return torch.equal(a[:, :length], b[:, :length])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--budget-gib", type=float, default=24.0)
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--runs", type=int, default=3)
+    args = parser.parse_args()
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
+    links = [h2d_peak_gbps()]
+    model = build(args.layers)
+    ids = torch.randint(3, 1000, (1, PROMPT_TOKENS), device="cuda")
+
+    resident, reference = measure("all on GPU", model, ids, args.runs, 8, 40, links)
+    eager_resident, _ = seconds_per_token(
+        model, ids, StaticCache(config=model.config, max_cache_len=CACHE_TOKENS), False, 4, 20
+    )
+    print(f"all on GPU, eager: {eager_resident:.4f} s/token", flush=True)
+    torch._dynamo.reset()
+
+    budget = {0: f"{args.budget_gib}GiB", "cpu": "120GiB"}
+    systems = {}
+    for name, limit in (("routed experts", None), ("whole expert tensors", 0)):
+        begin = time.perf_counter()
+        config = hf_prefetch.PrefetchConfig(prefetch_step=2, expert_cache=0, routed_max_tokens=limit)
+        hf_prefetch.dispatch_model(model, config, max_memory=budget, replace=name != "routed experts")
+        torch.cuda.synchronize()
+        print(f"{name}: dispatched in {time.perf_counter() - begin:.1f} s", flush=True)
+        moved = bytes_per_token(model, ids)
+        short, long = (8, 40) if limit is None else (2, 8)
+        samples, tokens = measure(name, model, ids, args.runs, short, long, links)
+        systems[name] = dict(samples=samples, tokens=tokens, moved=moved, misses=hf_prefetch.stats(model).misses)
+        torch._dynamo.reset()
+
+    peak = max(links)
+    base = statistics.median(resident)
+    print(f"\npinned H2D peak: {peak:.1f} GB/s (fastest of {len(links)}: {', '.join(f'{x:.1f}' for x in links)})")
+    print(f"decode, batch 1, Qwen3-30B-A3B shape ({args.layers} layers), budget {args.budget_gib:g} GiB, compiled")
+    print(f"(inductor reduce-overhead: CUDA graphs), medians of {args.runs} runs")
+    print(f"{'system':<34} {'GB/token':>9} {'s/token':>8} {'bound':>8} {'x bound':>8}  tokens")
+    print(f"{'all on GPU':<34} {0:>9.2f} {base:>8.4f} {base:>8.4f} {1:>8.3f}  reference")
+    rows = {}
+    for name, row in systems.items():
+        seconds = statistics.median(row["samples"])
+        bound = max(base, row["moved"] / (peak * 1e9))
+        same = "identical" if _same_prefix(row["tokens"], reference) else "differ from all-on-GPU"
+        rows[name] = dict(seconds=seconds, bound=bound, moved=row["moved"], samples=row["samples"])
+        print(
+            f"{'hf_prefetch ' + name:<34} {row['moved'] / 1e9:>9.2f} {seconds:>8.4f} {bound:>8.4f} "
+            f"{seconds / bound:>8.3f}  {same}; misses {row['misses']}"
+        )
+    routed, whole = systems["routed experts"], systems["whole expert tensors"]
+    same = _same_prefix(routed["tokens"], whole["tokens"])
+    length = min(routed["tokens"].shape[1], whole["tokens"].shape[1]) - PROMPT_TOKENS
+    verdict = "identical" if same else "DIFFER"
+    print(f"routed tokens {verdict} to whole-tensor tokens (the same compiled ops; first {length} tokens)")
+    speedup = rows["whole expert tensors"]["seconds"] / rows["routed experts"]["seconds"]
+    print(f"routed over whole expert tensors, compiled: {speedup:.2f}x")
+    print(f"all on GPU: compiled {base:.4f} s/token, eager {eager_resident:.4f} s/token")
+    save_results("moe_compiled.json", dict(peak=peak, links=links, resident=resident, rows=rows))
+
+
+if __name__ == "__main__":
+    main()

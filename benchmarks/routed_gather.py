@@ -1,0 +1,110 @@
+"""How fast the GPU gathers routed experts' rows from pinned host memory, by the element width of the read. GPU only.
+
+One Qwen3-30B-A3B-shaped experts module (128 experts; gate_up_proj [128, 1536, 2048] and down_proj [128, 2048, 768],
+bf16) sits in a pinned `HostArena`. A decode token's gather (`hf_prefetch.experts.copy_routed_rows`) reads the 8
+picked experts' rows through the arena's mapped (UVA) view with `index_select`, a kernel whose loads cross the bus:
+its rate depends on how wide each load is. The rows are read as bf16 (2-byte loads) and reinterpreted as int32,
+int64 and 16-byte elements; the copy engine's rate (8 host-indexed row copies, and the whole tensors) is the
+reference.
+
+    python benchmarks/routed_gather.py [--picks 8] [--repeats 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from hf_prefetch.host import HostArena
+
+EXPERTS = 128
+SHAPES = {"gate_up_proj": (EXPERTS, 1536, 2048), "down_proj": (EXPERTS, 2048, 768)}
+
+
+def _contiguous_stride(shape):
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= size
+    return tuple(reversed(stride))
+
+
+def _seconds(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--picks", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args()
+    device = torch.device("cuda", 0)
+    sizes = [torch.Size(s).numel() * 2 for s in SHAPES.values()]
+    arena = HostArena(sizes)
+    with torch.cuda.device(device):
+        assert arena.pin()
+        mapped = arena.map(device)
+    hosts, sources, slots = {}, {}, {}
+    for index, (name, shape) in enumerate(SHAPES.items()):
+        hosts[name] = arena.view(index, shape, _contiguous_stride(shape), torch.bfloat16)
+        hosts[name].copy_(torch.randn(shape, dtype=torch.bfloat16))
+        sources[name] = arena.view(index, shape, _contiguous_stride(shape), torch.bfloat16, base=mapped)
+        slots[name] = torch.empty(shape, dtype=torch.bfloat16, device=device)
+    picks = torch.randperm(EXPERTS)[: args.picks]
+    rows = picks.to(device)
+    row_bytes = sum(s // EXPERTS for s in sizes)
+    moved = args.picks * row_bytes
+    print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    print(f"{args.picks} of {EXPERTS} experts, {moved / 1e6:.1f} MB per gather, median of {args.repeats}")
+    print(f"{'read as':<34} {'ms':>7} {'GB/s':>7}  identical")
+
+    def gather(dtype):
+        for name in SHAPES:
+            src = sources[name].view(EXPERTS, -1).view(dtype)
+            dst = slots[name].view(EXPERTS, -1).view(dtype)
+            dst.index_copy_(0, rows, src.index_select(0, rows))
+
+    def check() -> bool:
+        return all(torch.equal(slots[n][rows].cpu(), hosts[n][picks]) for n in SHAPES)
+
+    for label, dtype in (
+        ("bf16 (2-byte loads)", torch.bfloat16),
+        ("int32 (4-byte loads)", torch.int32),
+        ("int64 (8-byte loads)", torch.int64),
+        ("complex128 (16-byte loads)", torch.complex128),
+    ):
+        for slot in slots.values():
+            slot.zero_()
+        seconds = _seconds(lambda dtype=dtype: gather(dtype), args.repeats)
+        print(f"{'UVA index_select, ' + label:<34} {seconds * 1e3:>7.3f} {moved / seconds / 1e9:>7.1f}  {check()}")
+
+    def engine_rows():
+        for name in SHAPES:
+            for expert in picks.tolist():
+                slots[name][expert].copy_(hosts[name][expert], non_blocking=True)
+
+    seconds = _seconds(engine_rows, args.repeats)
+    print(f"{'copy engine, one copy per row':<34} {seconds * 1e3:>7.3f} {moved / seconds / 1e9:>7.1f}  {check()}")
+
+    def engine_whole():
+        for name in SHAPES:
+            slots[name].copy_(hosts[name], non_blocking=True)
+
+    seconds = _seconds(engine_whole, max(3, args.repeats // 4))
+    whole = sum(sizes)
+    print(f"{'copy engine, whole tensors':<34} {seconds * 1e3:>7.3f} {whole / seconds / 1e9:>7.1f}")
+
+
+if __name__ == "__main__":
+    main()
