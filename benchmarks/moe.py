@@ -85,7 +85,14 @@ def main() -> None:
     parser.add_argument("--cache-shares", type=float, nargs="*", default=[0.0, 0.25, 0.5])
     parser.add_argument("--cache-budget-gib", type=float, default=None, help="the cache rows' budget (--budget-gib)")
     parser.add_argument("--parts", nargs="*", default=PARTS, choices=PARTS)
+    parser.add_argument(
+        "--offload-params",
+        nargs="*",
+        default=[],
+        help="parameter-name segments to stream (PrefetchConfig.offload_params); experts: attention stays resident",
+    )
     args = parser.parse_args()
+    offload_params = frozenset(args.offload_params)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     links = [h2d_peak_gbps()]
     begin = time.perf_counter()
@@ -104,7 +111,7 @@ def main() -> None:
     begin = time.perf_counter()
     budget = {0: f"{args.budget_gib}GiB", "cpu": "120GiB"}
     # No expert cache here (the cache rows below measure it): the budget's spare memory stays unused.
-    config = hf_prefetch.PrefetchConfig(prefetch_step=2, expert_cache=0)
+    config = hf_prefetch.PrefetchConfig(prefetch_step=2, expert_cache=0, offload_params=offload_params)
     hf_prefetch.dispatch_model(model, config, max_memory=budget)
     torch.cuda.synchronize()
     state = hf_prefetch.get_state(model)
@@ -208,7 +215,7 @@ def main() -> None:
             print(f"{header} {'tokens':>9}")
         for share in args.cache_shares:
             cached = int(share * QWEN3_30B_A3B["num_experts"])
-            config = hf_prefetch.PrefetchConfig(prefetch_step=2, expert_cache=cached)
+            config = hf_prefetch.PrefetchConfig(prefetch_step=2, expert_cache=cached, offload_params=offload_params)
             try:
                 hf_prefetch.dispatch_model(model, config, max_memory=cache_budget, replace=True)
             except ValueError as error:  # a cache too large for the budget: a result, not a crash

@@ -93,7 +93,14 @@ def main() -> None:
     parser.add_argument("--budget-gib", type=float, default=24.0)
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--offload-params",
+        nargs="*",
+        default=[],
+        help="parameter-name segments to stream (PrefetchConfig.offload_params); experts: attention stays resident",
+    )
     args = parser.parse_args()
+    offload_params = frozenset(args.offload_params)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     links = [h2d_peak_gbps()]
     model = build(args.layers)
@@ -110,7 +117,9 @@ def main() -> None:
     systems = {}
     for name, limit in (("routed experts", None), ("whole expert tensors", 0)):
         begin = time.perf_counter()
-        config = hf_prefetch.PrefetchConfig(prefetch_step=2, expert_cache=0, routed_max_tokens=limit)
+        config = hf_prefetch.PrefetchConfig(
+            prefetch_step=2, expert_cache=0, routed_max_tokens=limit, offload_params=offload_params
+        )
         hf_prefetch.dispatch_model(model, config, max_memory=budget, replace=name != "routed experts")
         torch.cuda.synchronize()
         print(f"{name}: dispatched in {time.perf_counter() - begin:.1f} s", flush=True)

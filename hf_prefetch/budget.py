@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -265,6 +265,8 @@ class _Option:
     device_bytes: int
     streamed_bytes: tuple[int, int]  # per token (decoding), per forward of many tokens
     pinned_bytes: int
+    config: PrefetchConfig  # the config the rings were selected under (its offload_params)
+    candidates: dict  # layer list path -> CandidateLayers, as selected by `config`
 
 
 def plan_for_budget(
@@ -280,6 +282,11 @@ def plan_for_budget(
     streamed layers no longer than `config.prefetch_step` whenever `s <= prefetch_step * (resident + 1)`); over the
     counts `s` of every list the plan with the fewest bytes streamed per forward that fits is taken (for equal-sized
     layers: the fewest streamed layers). `config.group_size` and `config.num_in_group` are not used.
+
+    Mixture-of-experts models whose experts route (and `offload_params` empty, `routed_experts` not False) are also
+    planned streaming only their experts modules' parameters (`offload_params` = those modules' names, e.g.
+    `{"experts"}`): a decoded token then moves only its experts' rows, and attention stays resident. Of the two
+    selections the plan that moves the fewest bytes per token wins; its config names the selection.
 
     Raises:
         `ValueError` when even streaming every layer does not fit the device budget, or when the plans that fit it
@@ -311,21 +318,27 @@ def plan_for_budget(
         raise offload_params_error(model, config.offload_params, list(candidates), "offload_params")
     total = model_bytes(model)
     explicit_cache = config.expert_cache or 0
-    per_ring = [
-        [
-            ring_plan(path, ring, set(spread(len(ring), s)), config.prefetch_step, config.routed_experts)
-            for s in range(len(ring) + 1)
-        ]
-        for path, ring in candidates.items()
-    ]
+    selections = [(config, candidates)]
+    experts = _experts_segments(config, candidates)
+    if experts:
+        only = replace(config, offload_params=experts)
+        selections.append((only, candidate_layers(model, experts, layers)))
     options = []
-    for rings in itertools.product(*per_ring):
-        offloaded = sum(ring.offloaded_bytes for ring in rings)
-        # An explicit expert cache is part of what must fit; one chosen from the budget takes what is left.
-        device = total - offloaded + sum(ring.pool_bytes for ring in rings) + cache_bytes(rings, explicit_cache)
-        # Decoding (one token, routed experts copy only the experts it uses) first, then a forward of many tokens.
-        streamed = (sum(r.bytes_per_token for r in rings), sum(r.bytes_per_forward for r in rings))
-        options.append(_Option(rings, device, streamed, offloaded))
+    for chosen, chosen_candidates in selections:
+        per_ring = [
+            [
+                ring_plan(path, ring, set(spread(len(ring), s)), config.prefetch_step, config.routed_experts)
+                for s in range(len(ring) + 1)
+            ]
+            for path, ring in chosen_candidates.items()
+        ]
+        for rings in itertools.product(*per_ring):
+            offloaded = sum(ring.offloaded_bytes for ring in rings)
+            # An explicit expert cache is part of what must fit; one chosen from the budget takes what is left.
+            device = total - offloaded + sum(ring.pool_bytes for ring in rings) + cache_bytes(rings, explicit_cache)
+            # Decoding (one token, routed experts copy only the experts it uses) first, then a forward of many tokens.
+            streamed = (sum(r.bytes_per_token for r in rings), sum(r.bytes_per_forward for r in rings))
+            options.append(_Option(rings, device, streamed, offloaded, chosen, chosen_candidates))
 
     fits_device = [o for o in options if o.device_bytes <= budget.weights_bytes]
     if not fits_device:
@@ -333,9 +346,12 @@ def plan_for_budget(
     fits = [o for o in fits_device if budget.host_bytes is None or o.pinned_bytes <= budget.host_bytes]
     if not fits:
         raise _host_error(budget, candidates, min(fits_device, key=lambda o: o.pinned_bytes))
+    # Equal bytes: the whole-layer selection (listed first; min keeps the first of equals).
     best = min(fits, key=lambda o: (o.streamed_bytes, o.pinned_bytes, o.device_bytes))
     if any(layer.streamed for ring in best.rings for layer in ring.layers):
-        warn_unroutable(candidates, config.routed_experts)
+        warn_unroutable(best.candidates, config.routed_experts)
+    if not any(layer.streamed for ring in best.rings for layer in ring.layers):
+        best = replace(best, config=config)  # nothing streams: the selection does not matter
     cached = config.expert_cache
     if cached is None:
         per_expert = expert_row_bytes(best.rings)
@@ -343,7 +359,21 @@ def plan_for_budget(
             (s.routing.num_experts for r in best.rings for layer in r.streamed for s in layer.routed), default=0
         )
         cached = min(most, (budget.weights_bytes - best.device_bytes) // per_expert) if per_expert else 0
-    return plan_of(model, config, best.rings, Source.BUDGET, budget, cached_experts=max(0, cached))
+    return plan_of(model, best.config, best.rings, Source.BUDGET, budget, cached_experts=max(0, cached))
+
+
+def _experts_segments(config: PrefetchConfig, candidates: dict) -> frozenset[str]:
+    """The names of the routable experts modules (their last path segment, e.g. "experts"), when the budget planner
+    may stream only them: `offload_params` empty and routing not turned off. Empty otherwise."""
+    if config.offload_params or config.routed_experts is False:
+        return frozenset()
+    return frozenset(
+        c.experts.rsplit(".", 1)[-1]
+        for ring in candidates.values()
+        for layer in ring
+        for c in layer.params
+        if c.spec.routing is not None and c.experts is not None
+    )
 
 
 def _device_error(model, budget, config, candidates, total, least: _Option) -> ValueError:

@@ -586,6 +586,20 @@ def test_from_pretrained_routes_experts_read_straight_from_the_checkpoint(family
         hf_prefetch.remove_offload(loaded)
 
 
+def test_from_pretrained_with_a_budget_streams_only_the_experts(tmp_path):
+    model = moe_model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    budget = dict(max_memory={0: 1_000_000, "cpu": 10**9}, reserve_bytes=0, device="cpu")
+    loaded = hf_prefetch.from_pretrained(tmp_path, PrefetchConfig(prefetch_step=1), **budget)
+    try:
+        plan = hf_prefetch.get_state(loaded).plan
+        assert plan.config.offload_params == {"experts"} and plan.rings[0].streamed
+        ids = _ids(batch=2)
+        _same(_generate(loaded, ids), _generate(model, ids))
+    finally:
+        hf_prefetch.remove_offload(loaded)
+
+
 def test_a_deleted_routed_model_frees_its_engine_and_cache_without_remove_offload():
     import gc
     import weakref
@@ -631,3 +645,51 @@ def test_routed_rows_are_read_as_the_widest_elements_their_layout_allows(make, w
     copy_routed_rows(layer, torch.tensor([[3, 1], [3, 3]]))
     assert torch.equal(device[[1, 3]], host[[1, 3]]) and not device[[0, 2]].any()
     assert layer.counters.routed_rows == 4 and layer.counters.routed_bytes == 4 * host[0].numel() * host.element_size()
+
+
+def test_a_budget_streams_only_the_experts_when_that_moves_fewer_bytes_per_token():
+    # Attention weights stay resident and a decoded token moves only its experts' rows: fewer bytes per token than
+    # streaming whole layers (nearly: every segment of the layer but its norms) at the same budget.
+    model = moe_model("qwen3_moe")
+    reference = copy.deepcopy(model)
+    budget = dict(max_memory={0: 1_000_000}, reserve_bytes=0, device="cpu")
+    plan = hf_prefetch.plan(model, PrefetchConfig(prefetch_step=1), **budget)
+    layers = hf_prefetch.plan(model, PrefetchConfig(prefetch_step=1, offload_params={"self_attn", "mlp"}), **budget)
+    assert plan.config.offload_params == {"experts"} and plan.rings[0].streamed
+    assert plan.streamed_bytes_per_token < layers.streamed_bytes_per_token
+    for layer in plan.rings[0].streamed:
+        assert {s.name for s in layer.params if s.placement is not Placement.RESIDENT} == {
+            "mlp.experts.gate_up_proj",
+            "mlp.experts.down_proj",
+        }
+    hf_prefetch.dispatch_model(model, PrefetchConfig(prefetch_step=1), **budget)
+    try:
+        assert hf_prefetch.get_state(model).plan.config.offload_params == {"experts"}
+        ids = _ids(batch=2, length=5)
+        _same(_generate(model, ids, max_new_tokens=8), _generate(reference, ids, max_new_tokens=8))
+        assert hf_prefetch.stats(model).routed_rows > 0
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+@pytest.mark.parametrize(
+    "config, why",
+    [
+        (PrefetchConfig(prefetch_step=1, routed_experts=False), "expert tensors stream whole"),
+        (PrefetchConfig(prefetch_step=1, offload_params={"self_attn", "mlp"}), "the caller chose the parameters"),
+    ],
+)
+def test_the_experts_only_selection_is_not_made_when_routing_is_off_or_parameters_are_given(config, why):
+    model = moe_model("qwen3_moe")
+    plan = hf_prefetch.plan(model, config, max_memory={0: 1_000_000}, reserve_bytes=0, device="cpu")
+    assert plan.config.offload_params == config.offload_params, why
+
+
+def test_a_budget_too_small_for_resident_attention_streams_whole_layers():
+    model = moe_model("qwen3_moe")
+    budget = dict(max_memory={0: 560_000}, reserve_bytes=0, device="cpu")
+    with pytest.raises(ValueError):  # even the experts of every layer streamed leave too much resident
+        hf_prefetch.plan(model, PrefetchConfig(prefetch_step=1, offload_params={"experts"}), **budget)
+    plan = hf_prefetch.plan(model, PrefetchConfig(prefetch_step=1), **budget)
+    assert plan.config.offload_params == frozenset()
+    assert any("self_attn" in s.name for s in plan.rings[0].streamed[0].params if s.placement is Placement.STREAMED)
