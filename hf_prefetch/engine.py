@@ -63,11 +63,14 @@ but a forward of few tokens needs only the experts its router picks. Each forwar
   not read may hold another layer's experts. Repeated experts (several tokens picking one) are copied once per pick.
 - Whole: copies bring every tensor (`Fill.WHOLE`), as for STREAMED parameters; `gather` has nothing to do.
 A layer copied in one kind may run in the other (the next forward's first layers are copied at the end of the one
-before): `wait` completes a `Fill.ROUTED` layer in a whole forward by copying its routed tensors whole (a
-completion), and `gather` finds a `Fill.WHOLE` layer complete. A layer that owns its slot is always copied whole.
+before): a `Fill.ROUTED` layer in a whole forward is completed by copying its routed tensors whole (a completion; by
+`prepare` for a ring's first layers on CUDA, by `wait` otherwise), and outside a capture `gather` finds a
+`Fill.WHOLE` layer complete. A layer that owns its slot is always copied whole.
 `store` writes back routed tensors only from a whole slot: the rows of a routed one are copies of host memory, or
 stale.
-CUDA graphs: a graph is recorded for one token count, so its kind is fixed, and replays run no Python:
+CUDA graphs: a graph is recorded for one input shape, so for one token count: its kind is fixed (`routing` is a
+function of the token count and of `routed_max_tokens`, which does not change after dispatch), and replays run no
+Python:
 - A routing graph records each layer's copy without its routed tensors and its gather: index_select through the
   mapped view, reading the index the replay's router wrote, so every replay copies its own picks. Its first layers
   are copied outside the graph (`finish`, `prepare`) and may be whole or routed-only at a replay: the graph gathers
@@ -263,7 +266,8 @@ class PrefetchEngine:
 
     def gather(self, ring: int, position: int, index: torch.Tensor) -> None:
         """Before layer `position`'s experts module runs: copy the rows of the experts `index` names (the router's
-        choice, any shape) into its slot, on the compute stream, unless the slot holds the whole layer."""
+        choice, any shape) into its slot, on the compute stream, unless the slot holds the whole layer (in a routing
+        capture a layer whose slot takes turns gathers even then); in a whole forward, complete the layer."""
         transfers = self.rings[ring]
         layer = transfers.layers[position]
         if not layer.routed:
@@ -345,12 +349,13 @@ class PrefetchEngine:
         self._pending.append(_Pending(layer.counters, begin, end, "copy_seconds"))
         self._pending.append(_Pending(layer.counters, begin, end, "stall_seconds"))
 
-    # --- Around each forward, once a CUDA graph recorded copies ---------------------------------------------------
+    # --- Around each forward ---------------------------------------------------------------------------------------
 
     def prepare(self, tokens: int | None = None) -> None:
         """Before each forward of `tokens` tokens (None: unknown): choose whether it routes experts ([Note: routed
-        experts]); forget aborted captures, and once a CUDA graph has recorded copies, load each ring's first layers
-        that are not in their slots and order the compute stream after every copy issued so far."""
+        experts]); forget aborted captures; once a CUDA graph has recorded copies, load each ring's first layers that
+        are not in their slots and order the compute stream after every copy issued so far; on CUDA, before a whole
+        forward, complete first layers copied for routing."""
         if self._capturing():
             return
         self.routing = tokens is not None and 0 < tokens <= self.routed_max_tokens

@@ -367,6 +367,38 @@ def test_cuda_graphs_record_routed_copies_that_follow_each_replays_router(implem
             assert routed_stats.copied_bytes < whole_stats.copied_bytes / 2
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
+def test_graphs_of_each_kind_replay_right_after_forwards_of_the_other_kind(implementation):
+    # Compiled forwards called directly (no generate, so no eager prefill between them) of 8 tokens (whole) and 1
+    # token (routing). Per shape inductor's first call runs eagerly, the second records, later ones replay. Counting
+    # calls from 0: a whole graph replays right after a routing forward (calls 4 and 7: its first layers were copied
+    # without their experts, and only `prepare` completes them), and the routing graph is recorded right after a
+    # whole forward (call 5: its first layers are whole at capture, yet its replays find them copied without
+    # experts, so the graph must gather their rows anyway). Reference: the routing-off dispatch, compiled and called
+    # the same way.
+    model = moe_model("qwen3_moe", experts_implementation=implementation).to(torch.bfloat16).eval()
+    order = [8, 8, 8, 1, 8, 1, 1, 8, 1, 8]
+    logits = {}
+    for name, limit in (("whole", 0), ("routed", 4)):
+        hf_prefetch.dispatch_model(model, PrefetchConfig(**{**ROUTED, "routed_max_tokens": limit}), device="cuda")
+        try:
+            compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
+            logits[name] = []
+            with torch.no_grad():
+                for call, length in enumerate(order):
+                    ids = _ids(length=length, seed=call).cuda()
+                    logits[name].append(compiled(ids, use_cache=False).logits.clone())
+            assert hf_prefetch.get_state(model).engine.graphs
+            assert hf_prefetch.stats(model).misses == 0
+        finally:
+            hf_prefetch.remove_offload(model, device="cpu")
+            torch._dynamo.reset()
+    for call, (routed, whole) in enumerate(zip(logits["routed"], logits["whole"], strict=True)):
+        assert torch.equal(routed, whole), f"call {call} ({order[call]} tokens)"
+
+
 def test_the_stats_table_shows_routed_columns_once_experts_were_routed():
     model = moe_model("qwen3_moe")
     hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED), device="cpu")
