@@ -64,6 +64,38 @@ def h2d_peak_gbps(nbytes: int = LINK_BYTES, repeats: int = LINK_REPEATS) -> floa
     return measure_link_gbps(device, nbytes, repeats, cached=False)
 
 
+def static_decode(model, ids, cache, new_tokens: int, compiled: bool) -> tuple[float, torch.Tensor]:
+    """Seconds and tokens of one greedy `generate` of `new_tokens` into a reset static `cache`, through transformers'
+    own compile of static-cache decoding (inductor, "reduce-overhead": CUDA graphs) when `compiled`."""
+    from transformers import CompileConfig
+
+    cache.reset()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            past_key_values=cache,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            compile_config=CompileConfig() if compiled else None,
+            disable_compile=not compiled,
+        )
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, out
+
+
+def add_offload_params_argument(parser) -> None:
+    parser.add_argument(
+        "--offload-params",
+        nargs="*",
+        default=[],
+        help="parameter-name segments to stream (PrefetchConfig.offload_params); experts: attention stays resident",
+    )
+
+
 def timed(fn) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()

@@ -18,11 +18,11 @@ import sys
 import time
 
 import torch
-from transformers import CompileConfig, StaticCache
+from transformers import StaticCache
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import build_model, clone_to_cpu, h2d_peak_gbps, save_results  # noqa: E402
+from common import build_model, clone_to_cpu, h2d_peak_gbps, save_results, static_decode  # noqa: E402
 
 import hf_prefetch  # noqa: E402
 
@@ -30,28 +30,9 @@ PROMPT_TOKENS = 16
 CACHE_TOKENS = PROMPT_TOKENS + 64  # one static cache shape for every run: no recompilation between them
 
 
-def decode(model, ids, cache, new_tokens: int, compiled: bool) -> tuple[float, torch.Tensor]:
-    cache.reset()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            past_key_values=cache,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            compile_config=CompileConfig() if compiled else None,  # inductor, "reduce-overhead"
-            disable_compile=not compiled,
-        )
-    torch.cuda.synchronize()
-    return time.perf_counter() - start, out
-
-
 def seconds_per_token(model, ids, cache, compiled: bool, short: int = 8, long: int = 56) -> tuple[float, torch.Tensor]:
-    t_short, _ = decode(model, ids, cache, short, compiled)
-    t_long, out = decode(model, ids, cache, long, compiled)
+    t_short, _ = static_decode(model, ids, cache, short, compiled)
+    t_long, out = static_decode(model, ids, cache, long, compiled)
     return (t_long - t_short) / (long - short), out
 
 

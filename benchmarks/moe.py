@@ -25,7 +25,7 @@ import torch
 from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import h2d_peak_gbps, save_results, timed  # noqa: E402
+from common import add_offload_params_argument, h2d_peak_gbps, save_results, timed  # noqa: E402
 
 import hf_prefetch  # noqa: E402
 
@@ -85,12 +85,7 @@ def main() -> None:
     parser.add_argument("--cache-shares", type=float, nargs="*", default=[0.0, 0.25, 0.5])
     parser.add_argument("--cache-budget-gib", type=float, default=None, help="the cache rows' budget (--budget-gib)")
     parser.add_argument("--parts", nargs="*", default=PARTS, choices=PARTS)
-    parser.add_argument(
-        "--offload-params",
-        nargs="*",
-        default=[],
-        help="parameter-name segments to stream (PrefetchConfig.offload_params); experts: attention stays resident",
-    )
+    add_offload_params_argument(parser)
     args = parser.parse_args()
     offload_params = frozenset(args.offload_params)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)

@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import CompileConfig, StaticCache
+from transformers import StaticCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import h2d_peak_gbps, save_results  # noqa: E402
+from common import add_offload_params_argument, h2d_peak_gbps, save_results, static_decode  # noqa: E402
 from moe import build  # noqa: E402
 
 import hf_prefetch  # noqa: E402
@@ -33,28 +33,9 @@ PROMPT_TOKENS = 16
 CACHE_TOKENS = PROMPT_TOKENS + 64
 
 
-def decode(model, ids, cache, new_tokens: int, compiled: bool) -> tuple[float, torch.Tensor]:
-    cache.reset()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    with torch.no_grad():
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            past_key_values=cache,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            do_sample=False,
-            compile_config=CompileConfig() if compiled else None,  # inductor, "reduce-overhead"
-            disable_compile=not compiled,
-        )
-    torch.cuda.synchronize()
-    return time.perf_counter() - start, out
-
-
 def seconds_per_token(model, ids, cache, compiled: bool, short: int, long: int) -> tuple[float, torch.Tensor]:
-    t_short, _ = decode(model, ids, cache, short, compiled)
-    t_long, out = decode(model, ids, cache, long, compiled)
+    t_short, _ = static_decode(model, ids, cache, short, compiled)
+    t_long, out = static_decode(model, ids, cache, long, compiled)
     return (t_long - t_short) / (long - short), out
 
 
@@ -93,12 +74,7 @@ def main() -> None:
     parser.add_argument("--budget-gib", type=float, default=24.0)
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument(
-        "--offload-params",
-        nargs="*",
-        default=[],
-        help="parameter-name segments to stream (PrefetchConfig.offload_params); experts: attention stays resident",
-    )
+    add_offload_params_argument(parser)
     args = parser.parse_args()
     offload_params = frozenset(args.offload_params)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
