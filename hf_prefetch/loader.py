@@ -304,8 +304,17 @@ def build_skeleton(
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
     model_config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    if getattr(model_config, "quantization_config", None) is not None:
-        raise ValueError(f"{folder} is a quantized checkpoint; hf_prefetch loads unquantized checkpoints only.")
+    quantization = getattr(model_config, "quantization_config", None)
+    if quantization is not None:
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+        method = getattr(quantization, "quant_method", method)
+        raise ValueError(
+            f"{folder} is a quantized checkpoint (config.json quantization_config.quant_method = "
+            f"{getattr(method, 'value', method)!r}); from_pretrained loads unquantized checkpoints only. A model "
+            "quantized in memory whose packed weights are plain tensors (transformers' fine-grained FP8, "
+            "FP8Linear) streams its packed bytes through hf_prefetch.dispatch_model; tensor-subclass quantizations "
+            "(torchao, bitsandbytes) are not supported yet."
+        )
     torch_dtype = _auto_dtype(dtype, model_config, checkpoint)
     model = _build_empty(model_class or AutoModelForCausalLM, model_config, torch_dtype)
     model.config.name_or_path = str(folder)

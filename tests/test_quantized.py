@@ -1,0 +1,153 @@
+"""Quantized models whose packed storage is plain tensors stream those bytes: transformers' fine-grained FP8
+(`FP8Linear`: a float8_e4m3fn weight and float32 block scales, `weight_scale_inv`). Tensor-subclass quantizations
+(torchao, bitsandbytes) are refused at planning (tests/test_layers.py).
+
+FP8Linear's matmul runs kernels that transformers downloads (GPU only); on the CPU the tests replace it with a
+reference that dequantizes by the block scales and multiplies in the activations' dtype. The library moves bytes and
+never looks at them, so what the tests check is that the bytes the forward reads are the model's: logits bitwise equal
+to the same FP8 model resident, with the same reference matmul.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import FineGrainedFP8Config, LlamaConfig, LlamaForCausalLM
+from transformers.integrations import finegrained_fp8
+
+import hf_prefetch
+from hf_prefetch import PrefetchConfig
+
+BLOCK = (128, 128)
+STRIDE = PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1)
+
+
+def _reference_fp8_linear(input, weight, weight_scale_inv, block_size=None, bias=None, **_):
+    rows, cols = block_size
+    scale = weight_scale_inv.repeat_interleave(rows, 0)[: weight.shape[0]]
+    scale = scale.repeat_interleave(cols, 1)[:, : weight.shape[1]]
+    return F.linear(input, (weight.to(torch.float32) * scale).to(input.dtype), bias)
+
+
+@pytest.fixture(autouse=True)
+def reference_matmul(monkeypatch):
+    monkeypatch.setattr(finegrained_fp8, "fp8_linear", _reference_fp8_linear)
+
+
+def fp8_llama(seed: int = 0) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    finegrained_fp8.replace_with_fp8_linear(
+        model, modules_to_not_convert=["lm_head"], quantization_config=FineGrainedFP8Config(weight_block_size=BLOCK)
+    )
+    generator = torch.Generator().manual_seed(seed + 1)
+    for module in model.modules():
+        if isinstance(module, finegrained_fp8.FP8Linear):  # built on the meta device: give it values
+            weight = torch.randn(module.weight.shape, generator=generator) * 0.5
+            module.weight = torch.nn.Parameter(weight.to(torch.float8_e4m3fn), requires_grad=False)
+            scale = torch.rand(module.weight_scale_inv.shape, generator=generator) * 0.05 + 0.01
+            module.weight_scale_inv = torch.nn.Parameter(scale)
+    return model.eval()
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+def _generate(model, ids):
+    with torch.no_grad():
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=6,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+
+
+def _same(got, want) -> None:
+    assert torch.equal(got.sequences, want.sequences)
+    for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
+        assert torch.equal(a, b), f"logits differ at step {step}"
+
+
+def _ids(seed: int = 3) -> torch.Tensor:
+    return torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(seed))
+
+
+def test_fp8_layers_stream_their_packed_bytes_and_compute_what_the_resident_model_computes():
+    model = fp8_llama()
+    reference = copy.deepcopy(model)
+    layer = model.model.layers[1]
+    packed = sum(p.numel() * p.element_size() for p in layer.parameters())
+    assert {p.dtype for p in layer.parameters()} == {torch.float8_e4m3fn, torch.float32, torch.bfloat16}
+    plan = hf_prefetch.plan(model, STRIDE, device="cpu")
+    assert [s.index for s in plan.rings[0].streamed] == [1, 3]
+    assert plan.streamed_bytes_per_forward == 2 * packed  # one byte per weight, plus scales and norms
+    hf_prefetch.dispatch_model(model, STRIDE, device="cpu")
+    try:
+        _same(_generate(model, _ids()), _generate(reference, _ids()))
+        stats = hf_prefetch.stats(model)
+        assert stats.misses == 0 and stats.copied_bytes == stats.copies * packed
+        for name, value in model.state_dict().items():
+            want = reference.state_dict()[name]
+            assert value.dtype == want.dtype and torch.equal(_bytes(value), _bytes(want)), name
+    finally:
+        hf_prefetch.remove_offload(model)
+    for (name, got), want in zip(model.named_parameters(), reference.parameters(), strict=True):
+        assert got.dtype == want.dtype and torch.equal(_bytes(got), _bytes(want)), name
+
+
+def test_reloading_fp8_weights_writes_packed_values():
+    model = fp8_llama()
+    other = fp8_llama(seed=7)
+    hf_prefetch.dispatch_model(model, STRIDE, device="cpu")
+    try:
+        hf_prefetch.reload_weights(model, other.state_dict())
+        _same(_generate(model, _ids()), _generate(other, _ids()))
+        hf_prefetch.sync_from_device(model)  # writes the slots back: the same bytes
+        assert torch.equal(
+            _bytes(model.state_dict()["model.layers.3.mlp.down_proj.weight"]),
+            _bytes(other.model.layers[3].mlp.down_proj.weight),
+        )
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_a_budget_counts_fp8_layers_by_their_packed_bytes():
+    from hf_prefetch.layers import model_bytes
+
+    model = fp8_llama()
+    per_layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    total = model_bytes(model)
+    # With one slot, s streamed layers save s - 1 layers' packed bytes: a budget between saving 1 and 2 needs s = 3.
+    budget = total - per_layer - per_layer // 2
+    config = PrefetchConfig(prefetch_step=1)
+    plan = hf_prefetch.plan(model, config, max_memory={0: budget}, reserve_bytes=0, device="cpu")
+    assert len(plan.rings[0].streamed) == 3 and plan.device_bytes == total - 2 * per_layer
+
+
+def test_from_pretrained_of_a_quantized_checkpoint_names_the_method_and_what_works(tmp_path):
+    import json
+
+    from models import tiny_llama
+
+    tiny_llama().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(BLOCK)}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as error:
+        hf_prefetch.from_pretrained(tmp_path, STRIDE, device="cpu")
+    message = str(error.value)
+    assert "quant_method = 'fp8'" in message and "dispatch_model" in message and "torchao" in message
