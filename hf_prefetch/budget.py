@@ -337,7 +337,9 @@ def plan_for_budget(
             # An explicit expert cache is part of what must fit; one chosen from the budget takes what is left.
             device = total - offloaded + sum(ring.pool_bytes for ring in rings) + cache_bytes(rings, explicit_cache)
             # Decoding (one token, routed experts copy only the experts it uses) first, then a forward of many tokens.
-            streamed = (sum(r.bytes_per_token for r in rings), sum(r.bytes_per_forward for r in rings))
+            per_forward = sum(r.bytes_per_forward for r in rings)
+            per_token = per_forward if config.routed_max_tokens == 0 else sum(r.bytes_per_token for r in rings)
+            streamed = (per_token, per_forward)
             options.append(_Option(rings, device, streamed, offloaded, chosen, chosen_candidates))
 
     fits_device = [o for o in options if o.device_bytes <= budget.weights_bytes]
@@ -364,8 +366,10 @@ def plan_for_budget(
 
 def _experts_segments(config: PrefetchConfig, candidates: dict) -> frozenset[str]:
     """The names of the routable experts modules (their last path segment, e.g. "experts"), when the budget planner
-    may stream only them: `offload_params` empty and routing not turned off. Empty otherwise."""
-    if config.offload_params or config.routed_experts is False:
+    may stream only them: `offload_params` empty and routing not turned off (`routed_experts=False`, or
+    `routed_max_tokens=0`: no forward routes). Empty otherwise. The choice is made before spare memory goes to an
+    expert cache (`expert_cache=None`)."""
+    if config.offload_params or config.routed_experts is False or config.routed_max_tokens == 0:
         return frozenset()
     return frozenset(
         c.experts.rsplit(".", 1)[-1]

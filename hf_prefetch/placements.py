@@ -240,8 +240,10 @@ class OffloadPlan:
     @property
     def streamed_bytes_per_token(self) -> int:
         """What crosses the link in a forward of one token; equals `streamed_bytes_per_forward` without ROUTED
-        parameters. With an expert cache, its share of the experts is expected to hit (a router that picks every
-        expert equally often)."""
+        parameters or when no forward routes (`routed_max_tokens` 0). With an expert cache, its share of the experts
+        is expected to hit (a router that picks every expert equally often)."""
+        if self.routed_max_tokens == 0:
+            return self.streamed_bytes_per_forward
         total = sum(ring.bytes_per_token for ring in self.rings)
         for ring in self.rings:
             for layer in ring.layers:

@@ -88,7 +88,11 @@ def _totals(plan: OffloadPlan) -> list[tuple[str, str]]:
     if plan.link_gbps is not None:
         seconds = plan.transfer_seconds_per_forward
         totals.append(("transfer per forward", f"{seconds * 1e3:.2f} ms at {plan.link_gbps:.1f} GB/s"))
-    if plan.routed_bytes:
+    if plan.routed_bytes and plan.routed_max_tokens == 0:
+        totals.append(
+            ("routed experts", f"{size(plan.routed_bytes)}, copied whole in every forward (routed_max_tokens=0)")
+        )
+    elif plan.routed_bytes:
         routings = {spec.routing for ring in plan.rings for layer in ring.layers for spec in layer.routed}
         picks = ", ".join(sorted({f"{r.top_k or '?'} of {r.num_experts}" for r in routings}))
         limit = plan.routed_max_tokens

@@ -708,6 +708,7 @@ def test_a_budget_streams_only_the_experts_when_that_moves_fewer_bytes_per_token
     "config, why",
     [
         (PrefetchConfig(prefetch_step=1, routed_experts=False), "expert tensors stream whole"),
+        (PrefetchConfig(prefetch_step=1, routed_max_tokens=0), "no forward routes"),
         (PrefetchConfig(prefetch_step=1, offload_params={"self_attn", "mlp"}), "the caller chose the parameters"),
     ],
 )
@@ -725,3 +726,12 @@ def test_a_budget_too_small_for_resident_attention_streams_whole_layers():
     plan = hf_prefetch.plan(model, PrefetchConfig(prefetch_step=1), **budget)
     assert plan.config.offload_params == frozenset()
     assert any("self_attn" in s.name for s in plan.rings[0].streamed[0].params if s.placement is Placement.STREAMED)
+
+
+def test_without_routing_forwards_a_token_is_counted_as_a_whole_forward():
+    model = moe_model("qwen3_moe")
+    plan = hf_prefetch.plan(model, PrefetchConfig(**{**ROUTED, "routed_max_tokens": 0}), device="cpu")
+    assert plan.routed_bytes > 0 and plan.streamed_bytes_per_token == plan.streamed_bytes_per_forward
+    assert "copied whole in every forward (routed_max_tokens=0)" in str(plan) and "per token" not in str(plan)
+    routed = hf_prefetch.plan(model, PrefetchConfig(**ROUTED), device="cpu")
+    assert routed.streamed_bytes_per_token < routed.streamed_bytes_per_forward
