@@ -389,6 +389,7 @@ def _device_error(model, budget, config, candidates, total, least: _Option) -> V
             ring_plan(path, ring, set(range(len(ring))), 1, config.routed_experts) for path, ring in candidates.items()
         ]
         needs = total - sum(r.offloaded_bytes for r in one_slot) + sum(r.pool_bytes for r in one_slot)
+        needs += cache_bytes(one_slot, config.expert_cache or 0)
         hint = f" (prefetch_step=1 needs {size(needs + budget.reserve_bytes)} in all)"
     return ValueError(
         f"{type(model).__name__} does not fit {budget.source} = {size(budget.device_bytes)}: after "

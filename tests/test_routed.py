@@ -2,6 +2,7 @@
 of few tokens, whole expert tensors in forwards of many, and compute exactly what the unmodified model computes."""
 
 import copy
+import re
 
 import pytest
 import torch
@@ -735,3 +736,26 @@ def test_without_routing_forwards_a_token_is_counted_as_a_whole_forward():
     assert "copied whole in every forward (routed_max_tokens=0)" in str(plan) and "per token" not in str(plan)
     routed = hf_prefetch.plan(model, PrefetchConfig(**ROUTED), device="cpu")
     assert routed.streamed_bytes_per_token < routed.streamed_bytes_per_forward
+
+
+def test_the_prefetch_step_hint_of_a_budget_error_counts_an_explicit_cache():
+    from hf_prefetch.render import format_bytes
+
+    model = moe_model("qwen3_moe")
+
+    def fits(budget: int, step: int) -> bool:
+        try:
+            config = PrefetchConfig(prefetch_step=step, expert_cache=2)
+            hf_prefetch.plan(model, config, max_memory={0: budget}, reserve_bytes=0, device="cpu")
+        except ValueError:
+            return False
+        return True
+
+    low, high = 1, 4_000_000
+    while low < high:  # the smallest budget prefetch_step=1 fits
+        middle = (low + high) // 2
+        low, high = (low, middle) if fits(middle, 1) else (middle + 1, high)
+    with pytest.raises(ValueError, match=rf"prefetch_step=1 needs {re.escape(format_bytes(low))} in all"):
+        hf_prefetch.plan(
+            model, PrefetchConfig(prefetch_step=2, expert_cache=2), max_memory={0: low}, reserve_bytes=0, device="cpu"
+        )
