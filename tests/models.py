@@ -42,3 +42,24 @@ def gpu_llama(num_layers: int = 8, dtype: torch.dtype = torch.bfloat16) -> Llama
 def prompt(batch: int = 2, length: int = 7, vocab: int = 128, seed: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (batch, length), generator=generator)
+
+
+def generate_with_logits(model, ids, **kwargs):
+    """Greedy (unless kwargs say otherwise) generate of 6 new tokens that returns every step's logits."""
+    with torch.no_grad():
+        return model.generate(
+            ids,
+            attention_mask=kwargs.pop("attention_mask", torch.ones_like(ids)),
+            max_new_tokens=kwargs.pop("max_new_tokens", 6),
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+            **kwargs,
+        )
+
+
+def assert_same_generation(got, want) -> None:
+    """Tokens and every step's logits bitwise equal."""
+    assert torch.equal(got.sequences, want.sequences)
+    for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
+        assert torch.equal(a, b), f"logits differ at step {step}"

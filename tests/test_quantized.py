@@ -13,6 +13,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
+from models import assert_same_generation, generate_with_logits
 from transformers import FineGrainedFP8Config, LlamaConfig, LlamaForCausalLM
 from transformers.integrations import finegrained_fp8
 
@@ -63,25 +64,6 @@ def _bytes(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1).view(torch.uint8)
 
 
-def _generate(model, ids):
-    with torch.no_grad():
-        return model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=6,
-            do_sample=False,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-        )
-
-
-def _same(got, want) -> None:
-    assert torch.equal(got.sequences, want.sequences)
-    for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
-        assert torch.equal(a, b), f"logits differ at step {step}"
-
-
 def _ids(seed: int = 3) -> torch.Tensor:
     return torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(seed))
 
@@ -97,7 +79,7 @@ def test_fp8_layers_stream_their_packed_bytes_and_compute_what_the_resident_mode
     assert plan.streamed_bytes_per_forward == 2 * packed  # one byte per weight, plus scales and norms
     hf_prefetch.dispatch_model(model, STRIDE, device="cpu")
     try:
-        _same(_generate(model, _ids()), _generate(reference, _ids()))
+        assert_same_generation(generate_with_logits(model, _ids()), generate_with_logits(reference, _ids()))
         stats = hf_prefetch.stats(model)
         assert stats.misses == 0 and stats.copied_bytes == stats.copies * packed
         for name, value in model.state_dict().items():
@@ -115,7 +97,7 @@ def test_reloading_fp8_weights_writes_packed_values():
     hf_prefetch.dispatch_model(model, STRIDE, device="cpu")
     try:
         hf_prefetch.reload_weights(model, other.state_dict())
-        _same(_generate(model, _ids()), _generate(other, _ids()))
+        assert_same_generation(generate_with_logits(model, _ids()), generate_with_logits(other, _ids()))
         hf_prefetch.sync_from_device(model)  # writes the slots back: the same bytes
         assert torch.equal(
             _bytes(model.state_dict()["model.layers.3.mlp.down_proj.weight"]),

@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+from models import assert_same_generation, generate_with_logits
 from moe_models import FAMILIES, VOCAB, moe_model
 
 import hf_prefetch
@@ -18,23 +19,8 @@ def _ids(batch: int = 1, length: int = 6, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _generate(model, ids, **kwargs):
-    with torch.no_grad():
-        return model.generate(
-            ids,
-            attention_mask=kwargs.pop("attention_mask", torch.ones_like(ids)),
-            max_new_tokens=kwargs.pop("max_new_tokens", 6),
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=0,
-            **kwargs,
-        )
-
-
-def _same(got, want) -> None:
-    assert torch.equal(got.sequences, want.sequences)
-    for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
-        assert torch.equal(a, b), f"logits differ at step {step}"
+_generate = generate_with_logits
+_same = assert_same_generation
 
 
 @pytest.mark.parametrize("implementation", ["eager", "batched_mm", "grouped_mm"])
