@@ -402,7 +402,7 @@ def _device_error(model, budget, config, candidates, total, least: _Option) -> V
         "lower reserve_bytes, or load the model in a smaller dtype."
         + (
             f" (expert_cache={config.expert_cache} keeps {config.expert_cache} experts of every streamed layer on the "
-            "device: lower it, or leave it None to cache what the budget leaves spare.)"
+            "device: lower it, use 0 (no cache, the default), or None to cache what the budget leaves spare.)"
             if config.expert_cache
             else ""
         )
