@@ -85,29 +85,16 @@ rewritten) and a load of its rows that an interrupt stopped leave it invalid, an
 
 from __future__ import annotations
 
-import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
 from .driver import captured_copy
 from .experts import copy_routed_rows, copy_with_cache, forget_cache
 from .ring import CopyEvent, Fill, LayerCounters, LayerTransfer, RingState, RingTransfers
+from .timing import Timings, timing_event
 
 __all__ = ["PrefetchEngine"]
-
-
-@dataclass
-class _Pending:
-    # A timing measurement whose events may not have completed yet: `begin` -> `end` on the device.
-    counters: LayerCounters
-    begin: torch.cuda.Event
-    end: torch.cuda.Event
-    # "copy_seconds": begin/end on the copy stream; "stall_seconds": compute stream ready -> copy done;
-    # "compute_seconds": the layer's forward on the compute stream.
-    counter: str
 
 
 class PrefetchEngine:
@@ -140,7 +127,7 @@ class PrefetchEngine:
         # copy (the slot may still be read by queued kernels); the compute stream is ordered after it by each layer's
         # `done` event.
         self.copy_stream = torch.cuda.Stream(device) if self._cuda else None
-        self._pending: deque[_Pending] = deque()
+        self._timings = Timings(device)
         if self._cuda:
             for ring in self.rings:
                 for layer in ring.layers:
@@ -172,15 +159,15 @@ class PrefetchEngine:
         elif self._cuda and layer.done is not None:
             compute = torch.cuda.current_stream(self.device)
             if self.timing:
-                ready = _timing_event()
+                ready = timing_event()
                 ready.record(compute)
-                self._pending.append(_Pending(layer.counters, ready, layer.done, "stall_seconds"))
+                self._timings.add(layer.counters, ready, layer.done, "stall_seconds")
             compute.wait_event(layer.done)
         layer.gathered = False
         if layer.fill is Fill.ROUTED and not self.routing:
             self._complete(transfers, position, capturing)  # copied for a routing forward, running in a whole one
         if self.timing and not capturing:
-            self._begin_compute(layer)
+            self._timings.begin_compute(layer)
 
     def release(self, ring: int, position: int) -> None:
         """Layer `position` has been queued: hand its slot to the next layer that uses it."""
@@ -190,7 +177,7 @@ class PrefetchEngine:
         if layer.fill is Fill.ROUTED and not layer.gathered:
             raise RuntimeError(_BYPASSED.format(position=position))
         if self.timing and not capturing:
-            self._end_compute(layer)
+            self._timings.end_compute(layer)
         if not (capturing and layer.next_in_slot < position):
             # In a capture the next forward's first layers are left to `finish`, outside the graph.
             self._prefetch(transfers, layer.next_in_slot, capturing)
@@ -223,10 +210,10 @@ class PrefetchEngine:
                     layer.done, layer.event = torch.cuda.Event(), CopyEvent.IN_GRAPH
                     transfers.capture.copies.add(position)
                 elif self.timing:
-                    self._poll()
-                    begin, layer.done, layer.event = _timing_event(), _timing_event(), CopyEvent.ON_STREAM
+                    self._timings.poll()
+                    begin, layer.done, layer.event = timing_event(), timing_event(), CopyEvent.ON_STREAM
                     begin.record()
-                    self._pending.append(_Pending(layer.counters, begin, layer.done, "copy_seconds"))
+                    self._timings.add(layer.counters, begin, layer.done, "copy_seconds")
                 elif layer.event is not CopyEvent.ON_STREAM or layer.done is None:
                     layer.done, layer.event = torch.cuda.Event(), CopyEvent.ON_STREAM
                 _copy_all(layer, self._non_blocking, self.copy_stream if capturing else None, whole)
@@ -252,12 +239,9 @@ class PrefetchEngine:
                 self._check_capturable()
                 _copy_all(layer, self._non_blocking, compute, whole)
             elif self.timing:
-                begin, end = _timing_event(), _timing_event()
-                begin.record(compute)
+                begin = self._timings.begin_blocking()
                 _copy_all(layer, self._non_blocking, None, whole)
-                end.record(compute)
-                self._pending.append(_Pending(layer.counters, begin, end, "copy_seconds"))
-                self._pending.append(_Pending(layer.counters, begin, end, "stall_seconds"))
+                self._timings.end_blocking(layer.counters, begin)
             else:
                 _copy_all(layer, self._non_blocking, None, whole)
             _loaded_on(layer, compute, capturing, self.timing)
@@ -287,12 +271,14 @@ class PrefetchEngine:
             # which a graph cannot: a graph copies every pick from host memory.
             copy_routed_rows(layer, index)
         else:
-            begin = self._begin_gather()
+            # A gather holds the compute stream for all of its time: copy time and stall time alike.
+            begin = self._timings.begin_blocking() if self.timing else None
             if layer.cache is None:
                 copy_routed_rows(layer, index)
             else:
                 copy_with_cache(layer, index, self._non_blocking)
-            self._end_gather(layer, begin)
+            if begin is not None:
+                self._timings.end_blocking(layer.counters, begin)
 
     def _complete(self, transfers: RingTransfers, position: int, capturing: bool) -> None:
         # A layer copied without its routed tensors runs in a whole forward: copy them now, on the compute stream. It
@@ -325,29 +311,6 @@ class PrefetchEngine:
     def _whole(self, layer: LayerTransfer, position: int, capturing: bool) -> bool:
         # A copy brings the routed tensors too unless this forward routes; a layer alone in its slot keeps it whole.
         return not layer.routed or not self.routing or layer.next_in_slot == position
-
-    def _begin_gather(self) -> torch.cuda.Event | float | None:
-        if not self.timing:
-            return None
-        if not self._cuda:
-            return time.perf_counter()
-        begin = _timing_event()
-        begin.record(torch.cuda.current_stream(self.device))
-        return begin
-
-    def _end_gather(self, layer: LayerTransfer, begin: torch.cuda.Event | float | None) -> None:
-        # A gather holds the compute stream for all of its time: copy time and stall time alike.
-        if begin is None:
-            return
-        if isinstance(begin, float):
-            seconds = time.perf_counter() - begin
-            layer.counters.copy_seconds += seconds
-            layer.counters.stall_seconds += seconds
-            return
-        end = _timing_event()
-        end.record(torch.cuda.current_stream(self.device))
-        self._pending.append(_Pending(layer.counters, begin, end, "copy_seconds"))
-        self._pending.append(_Pending(layer.counters, begin, end, "stall_seconds"))
 
     # --- Around each forward ---------------------------------------------------------------------------------------
 
@@ -486,9 +449,7 @@ class PrefetchEngine:
 
     def collect(self) -> None:
         """Wait for the device and fold every pending timing measurement into the counters."""
-        if self._cuda:
-            torch.cuda.synchronize(self.device)
-        self._poll()
+        self._timings.collect()
 
     def reset(self) -> None:
         self.collect()
@@ -496,39 +457,12 @@ class PrefetchEngine:
             for layer in transfers.layers:
                 layer.counters = LayerCounters()
 
-    def _poll(self) -> None:
-        # Completed measurements leave the queue in issue order; the first incomplete one stops the scan.
-        while self._pending and self._pending[0].begin.query() and self._pending[0].end.query():
-            item = self._pending.popleft()
-            seconds = max(item.begin.elapsed_time(item.end) / 1e3, 0.0)  # a stall is negative when the copy won
-            setattr(item.counters, item.counter, getattr(item.counters, item.counter) + seconds)
-
-    def _begin_compute(self, layer: LayerTransfer) -> None:
-        if self._cuda:
-            layer.compute_begin = _timing_event()
-            layer.compute_begin.record(torch.cuda.current_stream(self.device))
-        else:
-            layer.compute_begin = time.perf_counter()
-
-    def _end_compute(self, layer: LayerTransfer) -> None:
-        begin, layer.compute_begin = layer.compute_begin, None
-        if begin is None:  # released without a wait (a forward that skipped the hook's pre-forward)
-            return
-        if self._cuda:
-            end = _timing_event()
-            end.record(torch.cuda.current_stream(self.device))
-            self._pending.append(_Pending(layer.counters, begin, end, "compute_seconds"))
-        else:
-            layer.counters.compute_seconds += time.perf_counter() - begin
-
     def _copy_on_host(self, layer: LayerTransfer, whole: bool) -> None:
         # CPU execution: the copy is synchronous, so all of it is time the forward waits.
-        begin = time.perf_counter() if self.timing else 0.0
+        begin = self._timings.begin_blocking() if self.timing else None
         _copy_all(layer, False, None, whole)
-        if self.timing:
-            seconds = time.perf_counter() - begin
-            layer.counters.copy_seconds += seconds
-            layer.counters.stall_seconds += seconds
+        if begin is not None:
+            self._timings.end_blocking(layer.counters, begin)
 
     # --- Helpers ----------------------------------------------------------------------------------------------------
 
@@ -555,13 +489,9 @@ class PrefetchEngine:
 def _loaded_on(layer: LayerTransfer, stream: torch.cuda.Stream, capturing: bool, timing: bool) -> None:
     # The layer's latest copy ran on `stream`: `done` now marks its end. A fresh event, since a pending timing
     # measurement may still hold the old one; a timing one when stalls are measured against it.
-    layer.done = _timing_event() if timing and not capturing else torch.cuda.Event()
+    layer.done = timing_event() if timing and not capturing else torch.cuda.Event()
     layer.event = CopyEvent.IN_GRAPH if capturing else CopyEvent.ON_STREAM
     layer.done.record(stream)
-
-
-def _timing_event() -> torch.cuda.Event:
-    return torch.cuda.Event(enable_timing=True)
 
 
 _BYPASSED = (
