@@ -4,8 +4,9 @@ One Qwen3-30B-A3B-shaped experts module (128 experts; gate_up_proj [128, 1536, 2
 bf16) sits in a pinned `HostArena`. A decode token's gather (`hf_prefetch.experts.copy_routed_rows`) reads the 8
 picked experts' rows through the arena's mapped (UVA) view with `index_select`, a kernel whose loads cross the bus:
 its rate depends on how wide each load is. The rows are read as bf16 (2-byte loads) and reinterpreted as int32,
-int64 and 16-byte elements; the copy engine's rate (8 host-indexed row copies, and the whole tensors) is the
-reference.
+int64 and 16-byte elements; the expert cache's Triton gather reads them as int64, with no pick cached and with half
+of them cached (GB/s: of the bytes that crossed the bus); the copy engine's rate (8 host-indexed row copies, and the
+whole tensors) is the reference.
 
     python benchmarks/routed_gather.py [--picks 8] [--repeats 20]
 """
@@ -88,6 +89,33 @@ def main() -> None:
             slot.zero_()
         seconds = _seconds(lambda dtype=dtype: gather(dtype), args.repeats)
         print(f"{'UVA index_select, ' + label:<34} {seconds * 1e3:>7.3f} {moved / seconds / 1e9:>7.1f}  {check()}")
+
+    # The expert cache's gather (`hf_prefetch.experts.gather_with_cache`): one Triton kernel per tensor reads each
+    # picked row from the cache when the lookup table has it, else from the mapped view. With no row cached it moves
+    # the same bytes as index_select; with half the picks cached, half of them cross the bus.
+    from hf_prefetch.experts import _gather_kernel
+
+    launch = _gather_kernel()
+    capacity = args.picks
+    caches = {n: hosts[n][picks].to(device).view(capacity, -1).view(torch.int64) for n in SHAPES}
+    tallies = torch.zeros(2, dtype=torch.long, device=device)
+    counts = torch.zeros(EXPERTS, dtype=torch.long, device=device)
+    for cached_picks in (0, args.picks // 2):
+        slot_of = torch.full((EXPERTS,), -1, dtype=torch.long, device=device)
+        slot_of[rows[:cached_picks]] = torch.arange(cached_picks, device=device)
+
+        def kernel(slot_of=slot_of):
+            for number, name in enumerate(SHAPES):
+                src = sources[name].view(EXPERTS, -1).view(torch.int64)
+                dst = slots[name].view(EXPERTS, -1).view(torch.int64)
+                launch(rows, slot_of, src, caches[name], dst, counts, tallies, count=number == 0)
+
+        for slot in slots.values():
+            slot.zero_()
+        seconds = _seconds(kernel, args.repeats)
+        crossed = moved * (args.picks - cached_picks) / args.picks
+        label = f"Triton gather, {cached_picks}/{args.picks} cached"
+        print(f"{label:<34} {seconds * 1e3:>7.3f} {crossed / seconds / 1e9:>7.1f}  {check()}")
 
     def engine_rows():
         for name in SHAPES:

@@ -148,12 +148,22 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
 
 def _expert_cache(layer, routed: list[RoutedTensor], cached_experts: int, device: torch.device) -> ExpertCache | None:
     # As many rows as the plan counted (`placements.caches_experts`, `_cached_rows_bytes`).
-    if cached_experts <= 0 or not caches_experts(layer):
+    if cached_experts <= 0 or not caches_experts(layer) or any(r.device_rows.dim() != 2 for r in routed):
         return None
     num_experts = routed[0].num_experts
     capacity = min(cached_experts, num_experts)
     tensors = [torch.empty((capacity, *t.host.shape[1:]), dtype=t.host.dtype, device=device) for t in routed]
-    return ExpertCache(tensors, list(range(capacity)), [0] * num_experts)
+    # Rows viewed as the slot's rows are (`RoutedTensor.device_rows`), so that a gather reads either alike.
+    rows = [t.view(capacity, -1).view(r.device_rows.dtype) for t, r in zip(tensors, routed, strict=True)]
+    return ExpertCache(
+        tensors,
+        rows,
+        slot_of=torch.full((num_experts,), -1, dtype=torch.long, device=device),
+        picks=torch.zeros(num_experts, dtype=torch.long, device=device),
+        tallies=torch.zeros(2, dtype=torch.long, device=device),
+        experts=list(range(capacity)),
+        scores=[0.0] * num_experts,
+    )
 
 
 def _routed_sources(state: OffloadState):

@@ -46,10 +46,9 @@ class PrefetchConfig:
             top_k` tokens rounded down (at least 1; 12 for 128 experts with 8 per token): see docs/design.md
             ("Routed experts").
         expert_cache (`int`, *optional*): How many experts of each streamed layer's routed tensors stay on the device
-            in an expert cache (see docs/design.md, "The expert cache"). 0 (the default): no cache. None: with a
-            `max_memory` budget, as many as its spare memory holds, else none. The cache's lookup reads the router's
-            choice on the host once per layer, which measured slower than no cache (docs/benchmarks.md), so it is
-            off unless asked for; CUDA graphs do not use it.
+            in an expert cache (see docs/design.md, "The expert cache"). None (the default): with a `max_memory`
+            budget, as many as the memory the chosen plan leaves spare holds, else none. 0: no cache. The cache is
+            looked up on the device (no host synchronisation), inside CUDA graphs too.
 
     Example:
 
@@ -69,7 +68,7 @@ class PrefetchConfig:
     offload_params: frozenset[str] = field(default_factory=frozenset)
     routed_experts: bool | None = None
     routed_max_tokens: int | None = None
-    expert_cache: int | None = 0
+    expert_cache: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("group_size", "num_in_group", "prefetch_step"):

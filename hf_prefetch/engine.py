@@ -77,10 +77,13 @@ Python:
   their rows either way (a whole slot gets its own rows again).
 - A whole graph records whole copies. Its first layers may have been copied for routing (by `finish` after a
   routing forward): `prepare`, which knows the next forward's token count, completes them before it runs.
-With an expert cache (`ring.ExpertCache`), `gather` reads the choice on the host, copies cached experts from the
-cache's rows and the others from host memory (outside CUDA graphs: a graph cannot read on the host, so a recorded
-gather copies every pick from host memory). A cache is trusted only while `valid`: `invalidate` and `store` (host
-rewritten) and a load of its rows that an interrupt stopped leave it invalid, and the next gather reloads it.
+With an expert cache (`ring.ExpertCache`), `gather` copies each pick from the cache's row when the cache holds it
+and from host memory otherwise, looked up on the device (`slot_of`), so it needs no host synchronisation and CUDA
+graphs record it like the plain gather. The cache's rows change only in `prepare`, outside any forward and any
+capture, on the compute stream: after every kernel of the previous forward, before any of the next (replays
+included) read them. A row's lookup entry is cleared before its new values are copied and set after: no kernel finds a
+row that holds another expert. `invalidate`, `store` and `refresh` (host rewritten) clear every entry at once and the
+next routing forward's `prepare` loads the cache again.
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ from collections.abc import Sequence
 import torch
 
 from .driver import captured_copy
-from .experts import copy_routed_rows, copy_with_cache, forget_cache
+from .experts import collect_tallies, copy_routed_rows, count_picks, forget_cache, gather_with_cache, refresh_caches
 from .ring import CopyEvent, Fill, LayerCounters, LayerTransfer, RingState, RingTransfers
 from .timing import Timings, timing_event
 
@@ -123,6 +126,7 @@ class PrefetchEngine:
         # On CUDA routed rows are read through the arena's mapped view, which needs it pinned.
         self.routed_max_tokens = routed_max_tokens if has_routed and (pinned or not self._cuda) else 0
         self.routing = False
+        self._routing_forwards = 0  # since the expert caches' last re-rank
         # copy_stream: runs every host-to-device weight copy. Ordered after the compute stream by a wait before each
         # copy (the slot may still be read by queued kernels); the compute stream is ordered after it by each layer's
         # `done` event.
@@ -263,22 +267,23 @@ class PrefetchEngine:
         # In a routing capture a layer whose slot takes turns gathers even when whole: a first layer (copied before
         # the capture) may be whole now and copied for routing before a replay.
         if layer.fill is Fill.WHOLE and not (capturing and self.routing and layer.next_in_slot != position):
+            if layer.cache is not None:
+                count_picks(layer, index)
             return
         if not self.routing:
+            if layer.cache is not None:
+                count_picks(layer, index)  # a prefill's picks rank the cache for the decode after it
             self._complete(transfers, position, capturing)
-        elif capturing:
-            # Recorded: each replay reads its own router's choice. The cache's lookup reads the choice on the host,
-            # which a graph cannot: a graph copies every pick from host memory.
+            return
+        # Recorded in a capture, each replay reads its own router's choice. A gather holds the compute stream for all
+        # of its time: copy time and stall time alike.
+        begin = self._timings.begin_blocking() if self.timing and not capturing else None
+        if layer.cache is None:
             copy_routed_rows(layer, index)
         else:
-            # A gather holds the compute stream for all of its time: copy time and stall time alike.
-            begin = self._timings.begin_blocking() if self.timing else None
-            if layer.cache is None:
-                copy_routed_rows(layer, index)
-            else:
-                copy_with_cache(layer, index, self._non_blocking)
-            if begin is not None:
-                self._timings.end_blocking(layer.counters, begin)
+            gather_with_cache(layer, index)
+        if begin is not None:
+            self._timings.end_blocking(layer.counters, begin)
 
     def _complete(self, transfers: RingTransfers, position: int, capturing: bool) -> None:
         # A layer copied without its routed tensors runs in a whole forward: copy them now, on the compute stream. It
@@ -322,6 +327,8 @@ class PrefetchEngine:
         if self._capturing():
             return
         self.routing = tokens is not None and 0 < tokens <= self.routed_max_tokens
+        if self.routing:
+            self._refresh_caches()
         if not self._cuda:
             return
         for transfers in self.rings:
@@ -338,6 +345,17 @@ class PrefetchEngine:
                     self._complete(transfers, position, capturing=False)
         if self.graphs:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+
+    def _refresh_caches(self) -> None:
+        # Before a routing forward: load expert caches that are not valid, and every `ExpertCache.REFRESH` routing
+        # forwards re-rank them all (one host synchronisation).
+        layers = [layer for transfers in self.rings for layer in transfers.layers if layer.cache is not None]
+        if not layers:
+            return
+        self._routing_forwards += 1
+        if self._routing_forwards >= layers[0].cache.REFRESH or not all(layer.cache.valid for layer in layers):
+            self._routing_forwards = 0
+            refresh_caches(layers, self._non_blocking)
 
     def finish(self) -> None:
         """After each forward, once a CUDA graph has recorded copies: start copying each ring's first layers into
@@ -448,8 +466,10 @@ class PrefetchEngine:
     # --- Statistics -------------------------------------------------------------------------------------------------
 
     def collect(self) -> None:
-        """Wait for the device and fold every pending timing measurement into the counters."""
+        """Wait for the device and fold every pending timing measurement and the expert caches' counts into the
+        counters."""
         self._timings.collect()
+        collect_tallies([layer for transfers in self.rings for layer in transfers.layers])
 
     def reset(self) -> None:
         self.collect()

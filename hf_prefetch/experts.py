@@ -1,17 +1,20 @@
-"""Copying routed experts' rows into a layer's slot, and the expert cache's policy ([Note: routed experts] in
-engine.py, `ring.ExpertCache`).
+"""Copying routed experts' rows into a layer's slot, and the expert cache: its lookup, its counts and its policy
+([Note: routed experts] in engine.py, `ring.ExpertCache`).
 
 Tensor operations on one layer's tensors, queued on the current stream; the engine decides when they run (after the
-layer's wait, before its experts' forward) and orders the streams around them. Counters are the layer's own.
+layer's wait, before its experts' forward; a cache's re-rank before a forward) and orders the streams around them.
+Nothing here synchronises with the host except `refresh_caches` and `collect_tallies`, which read the device's counts.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
-from .ring import LayerTransfer
+from .ring import ExpertCache, LayerTransfer
 
-__all__ = ["copy_routed_rows", "copy_with_cache", "load_cache", "forget_cache"]
+__all__ = ["copy_routed_rows", "gather_with_cache", "count_picks", "refresh_caches", "collect_tallies", "forget_cache"]
 
 
 def copy_routed_rows(layer: LayerTransfer, index: torch.Tensor) -> None:
@@ -32,71 +35,175 @@ def copy_routed_rows(layer: LayerTransfer, index: torch.Tensor) -> None:
     layer.counters.routed_rows += flat.numel()
 
 
-def copy_with_cache(layer: LayerTransfer, index: torch.Tensor, non_blocking: bool) -> None:
-    """With an expert cache: the distinct experts picked are read on the host (a synchronisation); cached ones are
-    copied from the cache's rows, the others from host memory. Then the policy's bookkeeping and, every
-    `ExpertCache.REFRESH` forwards, its re-ranking. The layer's routed tensors share one experts module (the planner
-    gives a cache to no other layer)."""
+def _picked(cache: ExpertCache, index: torch.Tensor) -> torch.Tensor:
+    # The router's choice as experts of this layer, on the cache's device (out-of-range entries: any expert will do).
+    return index.reshape(-1).to(device=cache.slot_of.device, dtype=torch.long).clamp(0, cache.slot_of.numel() - 1)
+
+
+def gather_with_cache(layer: LayerTransfer, index: torch.Tensor) -> None:
+    """The rows of every expert `index` names, copied into the slot from the layer's cache where `slot_of` says it
+    holds them and from host memory otherwise, looked up on the device: no host synchronisation, shapes fixed by
+    `index`, so a CUDA graph records it and each replay looks up its own picks. Counts each pick (`picks`) and
+    whether it was found (`tallies`) on the device. On CUDA one Triton kernel per routed tensor reads each row from
+    one place; without Triton (and on the CPU) torch operations read every pick from host memory and keep the
+    cache's rows where it holds them (the same values, no bytes saved)."""
     cache = layer.cache
-    num_experts = layer.routed[0].num_experts
+    experts = _picked(cache, index)
+    kernel = _gather_kernel() if experts.is_cuda else None
+    if kernel is None:
+        slots = cache.slot_of.index_select(0, experts)
+        found = slots >= 0
+        for tensor, rows in zip(layer.routed, cache.rows, strict=True):
+            values = tensor.source_rows.index_select(0, experts.to(tensor.source.device)).to(rows.device)
+            cached = rows.index_select(0, slots.clamp(min=0))
+            tensor.device_rows.index_copy_(0, experts, torch.where(found[:, None], cached, values))
+        cache.picks.index_add_(0, experts, torch.ones_like(experts))
+        cache.tallies.add_(torch.stack([found.sum(), found.numel() - found.sum()]))
+        return
+    for number, (tensor, rows) in enumerate(zip(layer.routed, cache.rows, strict=True)):
+        kernel(
+            experts,
+            cache.slot_of,
+            tensor.source_rows,
+            rows,
+            tensor.device_rows,
+            cache.picks,
+            cache.tallies,
+            count=number == 0,
+        )
+
+
+def count_picks(layer: LayerTransfer, index: torch.Tensor) -> None:
+    """A forward that does not gather (a whole one): its picks still count for the cache's next re-rank."""
+    experts = _picked(layer.cache, index)
+    layer.cache.picks.index_add_(0, experts, torch.ones_like(experts))
+
+
+def refresh_caches(layers: list[LayerTransfer], non_blocking: bool) -> None:
+    """Re-rank the caches of `layers` by their picks since the last re-rank (the policy in `ring.ExpertCache`) and load
+    the rows whose expert changes, on the current stream. Reads every layer's picks in one host synchronisation."""
+    caches = [layer for layer in layers if layer.cache is not None]
+    if not caches:
+        return
+    counts = torch.cat([layer.cache.picks for layer in caches]).tolist()  # the synchronisation
+    start = 0
+    for layer in caches:
+        cache = layer.cache
+        picks, start = counts[start : start + len(cache.scores)], start + len(cache.scores)
+        cache.picks.zero_()
+        cache.scores = [score / 2 + count for score, count in zip(cache.scores, picks, strict=True)]
+        load_cache(layer, _reranked(cache), non_blocking)
+
+
+def _reranked(cache: ExpertCache) -> list[int]:
+    # The experts each row should hold. Not valid: the best-scored (ties: the lower index). Valid: the best outsiders
+    # take the worst rows while each scores more than MARGIN times the expert it replaces.
+    scores = cache.scores
+    order = sorted(range(len(scores)), key=lambda e: (-scores[e], e))
     if not cache.valid:
-        load_cache(layer, cache.experts, non_blocking)
-    picked = sorted(set(index.reshape(-1).clamp(0, num_experts - 1).tolist()))
-    row_of = cache.row_of
-    hits = [e for e in picked if e in row_of]
-    misses = [e for e in picked if e not in row_of]
-    device = layer.routed[0].device.device
-    if hits:
-        experts = torch.tensor(hits, device=device)
-        rows = torch.tensor([row_of[e] for e in hits], device=device)
-        for tensor, cached in zip(layer.routed, cache.tensors, strict=True):
-            tensor.device.index_copy_(0, experts, cached.index_select(0, rows))
-    if misses:
-        experts = torch.tensor(misses, device=layer.routed[0].source.device)
-        for tensor in layer.routed:
-            tensor.device_rows.index_copy_(
-                0, experts.to(device), tensor.source_rows.index_select(0, experts).to(device)
-            )
-            nbytes = len(misses) * (tensor.nbytes // tensor.num_experts)
-            layer.counters.routed_bytes += nbytes
-            layer.counters.copied_bytes += nbytes
-    layer.counters.routed_rows += len(misses)
-    layer.counters.cache_hits += len(hits)
-    layer.counters.cache_misses += len(misses)
-    for expert in picked:
-        cache.picks[expert] += 1
-    cache.forwards += 1
-    if cache.forwards % cache.REFRESH == 0:
-        ranked = _reranked(cache.experts, cache.picks)
-        if ranked != cache.experts:
-            load_cache(layer, ranked, non_blocking)
-
-
-def _reranked(current: list[int], picks: list[int]) -> list[int]:
-    # The experts picked in the most forwards (ties: the lower index); rows whose expert stays keep it.
-    wanted = set(sorted(range(len(picks)), key=lambda e: (-picks[e], e))[: len(current)])
-    incoming = iter(sorted(wanted - set(current), key=lambda e: (-picks[e], e)))
-    return [e if e in wanted else next(incoming) for e in current]
+        return order[: cache.capacity]
+    experts = list(cache.experts)
+    held = set(experts)
+    outsiders = [e for e in order if e not in held]
+    weakest = sorted(range(cache.capacity), key=lambda row: (scores[experts[row]], -experts[row]))
+    for row, incoming in zip(weakest, outsiders, strict=False):
+        if scores[incoming] <= cache.MARGIN * scores[experts[row]]:
+            break
+        experts[row] = incoming
+    return experts
 
 
 def load_cache(layer: LayerTransfer, experts: list[int], non_blocking: bool) -> None:
-    """Rows whose expert changes (all of them when the cache is not valid) get the host's values, on the current
-    stream: after the kernels that read the old rows, before those that read the new ones. Invalid until every row
-    holds its expert: an interrupt half-way leaves a cache that reloads, never rows that hold other experts than
-    `experts` says."""
+    """Make row i of the cache hold expert `experts[i]`, on the current stream: first the lookup forgets the rows
+    that change, then they get the host's values, then the lookup finds them. Invalid until every row holds its
+    expert: an interrupt half-way leaves rows the lookup does not find and a cache that reloads, never a row found
+    for an expert it does not hold."""
     cache = layer.cache
     changed = [row for row, expert in enumerate(experts) if not cache.valid or cache.experts[row] != expert]
+    if not changed:
+        return
     cache.valid = False
+    kept = [-1] * cache.slot_of.numel()
+    for row, expert in enumerate(experts):
+        if row not in changed:
+            kept[expert] = row
+    cache.slot_of.copy_(torch.tensor(kept))
     for row in changed:
         for tensor, cached in zip(layer.routed, cache.tensors, strict=True):
             cached[row].copy_(tensor.host[experts[row]], non_blocking=non_blocking)
             layer.counters.copied_bytes += tensor.nbytes // tensor.num_experts
             layer.counters.cache_loaded_bytes += tensor.nbytes // tensor.num_experts
+    for row in changed:
+        kept[experts[row]] = row
+    cache.slot_of.copy_(torch.tensor(kept))
     cache.experts = list(experts)
     cache.valid = True
 
 
+def collect_tallies(layers: list[LayerTransfer]) -> None:
+    """Fold the device's hit and miss counts of every cache into its layer's counters (one host synchronisation);
+    a miss is a routed row read from host memory."""
+    caches = [layer for layer in layers if layer.cache is not None]
+    if not caches:
+        return
+    tallies = torch.stack([layer.cache.tallies for layer in caches]).tolist()  # the synchronisation
+    for layer, (hits, misses) in zip(caches, tallies, strict=True):
+        layer.cache.tallies.zero_()
+        row_bytes = sum(tensor.nbytes // tensor.num_experts for tensor in layer.routed)
+        layer.counters.cache_hits += hits
+        layer.counters.cache_misses += misses
+        layer.counters.routed_rows += misses
+        layer.counters.routed_bytes += misses * row_bytes
+        layer.counters.copied_bytes += misses * row_bytes
+
+
 def forget_cache(layer: LayerTransfer) -> None:
-    """Host storage of the layer was (or is about to be) rewritten: the cache's rows may be older."""
+    """Host storage of the layer was (or is about to be) rewritten: the cache's rows may be older. The lookup stops
+    finding them at once (queued on the current stream) and the next re-rank loads them again."""
     if layer.cache is not None:
         layer.cache.valid = False
+        layer.cache.slot_of.fill_(-1)
+
+
+@functools.cache
+def _gather_kernel():
+    # The cached gather as one Triton kernel per routed tensor, or None where Triton is missing. Built on first use,
+    # so that importing hf_prefetch imports no Triton.
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def gather_rows(
+        experts, slot_of, source, cache, out, picks, tallies, row_len, COUNT: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        # Program (block, pick): one BLOCK of one picked expert's row, read from its cache row if it has one, else
+        # from the host (through the mapped view). The first block of each pick counts it.
+        block = tl.program_id(0)
+        pick = tl.program_id(1)
+        expert = tl.load(experts + pick)
+        slot = tl.load(slot_of + expert)
+        offsets = block * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < row_len
+        if slot >= 0:
+            values = tl.load(cache + slot * row_len + offsets, mask=inside)
+        else:
+            values = tl.load(source + expert * row_len + offsets, mask=inside)
+        tl.store(out + expert * row_len + offsets, values, mask=inside)
+        if COUNT:
+            if block == 0:
+                tl.atomic_add(picks + expert, 1)
+                tl.atomic_add(tallies + (slot < 0).to(tl.int32), 1)
+
+    block = 2048
+
+    def launch(experts, slot_of, source, cache, out, picks, tallies, count):
+        row_len = out.shape[1]
+        grid = (triton.cdiv(row_len, block), experts.numel())
+        gather_rows[grid](
+            experts, slot_of, source, cache, out, picks, tallies, row_len, COUNT=count, BLOCK=block, num_warps=8
+        )
+
+    return launch

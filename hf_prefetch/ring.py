@@ -142,18 +142,22 @@ class RoutedTensor:
     source: torch.Tensor  # what rows are gathered from: `host`, or on CUDA its mapped (UVA) view
     device: torch.Tensor  # the parameter's buffer in the layer's slot
     num_experts: int
-    # `source` and `device` with one row per expert, of the widest integer elements their layout allows: the same
-    # bytes, read with wider loads (a gather through the mapped view runs ~20% faster with 8-byte loads than with
-    # 2-byte ones: benchmarks/routed_gather.py).
+    # `source` and `device` as one row per expert (when contiguous), of the widest integer elements their layout
+    # allows: the same bytes, read with wider loads (a gather through the mapped view runs ~20% faster with 8-byte
+    # loads than with 2-byte ones: benchmarks/routed_gather.py).
     source_rows: torch.Tensor = field(init=False)
     device_rows: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         self.source_rows, self.device_rows = self.source, self.device
+        if not (self.source.is_contiguous() and self.device.is_contiguous()):
+            return
+        self.source_rows = self.source.view(self.num_experts, -1)
+        self.device_rows = self.device.view(self.num_experts, -1)
         for dtype in (torch.int64, torch.int32):
             if _rows_of(self.source, self.num_experts, dtype) and _rows_of(self.device, self.num_experts, dtype):
-                self.source_rows = self.source.view(self.num_experts, -1).view(dtype)
-                self.device_rows = self.device.view(self.num_experts, -1).view(dtype)
+                self.source_rows = self.source_rows.view(dtype)
+                self.device_rows = self.device_rows.view(dtype)
                 break
 
     @property
@@ -176,22 +180,33 @@ def _rows_of(tensor: torch.Tensor, num_experts: int, dtype: torch.dtype) -> bool
 class ExpertCache:
     """Experts of one layer's routed tensors kept on the device: row i of each tensor holds expert `experts[i]`.
 
-    Policy: it starts with experts 0 .. capacity-1; every `REFRESH` routing forwards of the layer it takes the
-    experts picked in the most forwards so far (ties: the lower index). It holds the host's values while `valid`;
-    rewriting host storage makes it invalid, and the next routing forward loads its rows again.
+    Looked up on the device, with no host synchronisation (`experts.gather_with_cache`): `slot_of[e]` is the row that
+    holds expert e, or -1. Picks are counted on the device too (`picks`, `tallies`); the host reads them only when it
+    re-ranks the cache (`experts.refresh_caches`, from the engine's `prepare`) and when statistics are collected.
+
+    Policy: the first routing forward loads the experts picked most so far (a prefill's picks count); every `REFRESH`
+    routing forwards the scores are re-read (picks since the last re-rank, plus half the score before) and an expert
+    takes a cached one's row only when its score is more than `MARGIN` times the cached one's: an expert seldom
+    picked leaves, popular ones stay, and near-equal ones do not trade places (each trade copies a row). It holds the
+    host's values while `valid`; rewriting host storage makes it invalid (every `slot_of` entry -1 at once) and the
+    next routing forward loads it again.
     """
 
     REFRESH = 16
+    MARGIN = 2.0
 
     tensors: list[torch.Tensor]  # per routed tensor: (capacity, *row shape) on the device
-    experts: list[int]  # the expert each row holds
-    picks: list[int]  # per expert: routing forwards that picked it
+    rows: list[torch.Tensor]  # the same, as (capacity, n) rows of the routed tensor's `device_rows` dtype
+    slot_of: torch.Tensor  # (num_experts,) int64 on the device: the row holding each expert, or -1
+    picks: torch.Tensor  # (num_experts,) int64 on the device: picks since the last re-rank
+    tallies: torch.Tensor  # (2,) int64 on the device: picks found in the cache, and read from host memory
+    experts: list[int]  # the expert each row holds, while `valid`
+    scores: list[float]  # per expert: decayed picks, as of the last re-rank
     valid: bool = False
-    forwards: int = 0
 
     @property
-    def row_of(self) -> dict[int, int]:
-        return {expert: row for row, expert in enumerate(self.experts)}
+    def capacity(self) -> int:
+        return len(self.experts)
 
 
 @dataclass

@@ -352,6 +352,8 @@ def test_cuda_graphs_record_routed_copies_that_follow_each_replays_router(implem
         assert routed_stats.misses == 0 and whole_stats.misses == 0
         if order[step] == 0 and step > 1:  # batch 1, replayed: its first layers were copied without experts
             assert routed_stats.copied_bytes < whole_stats.copied_bytes / 2
+        if order[step] == 0 and cached:  # the replays' gathers looked their picks up in the cache, on the device
+            assert routed_stats.cache_hits > 0 and routed_stats.cache_misses > 0
 
 
 @pytest.mark.gpu
@@ -446,19 +448,91 @@ def test_the_expert_cache_follows_new_weights_after_a_reload(tmp_path):
         hf_prefetch.remove_offload(model)
 
 
-def test_the_cache_is_re_ranked_by_the_experts_picked_most():
+def _picks_of(model, layer: int, ids: torch.Tensor) -> torch.Tensor:
+    # How often the router of `layer` picks each expert in a forward of the unmodified `model` over `ids`.
+    experts = model.model.layers[layer].mlp.experts
+    seen = []
+    handle = experts.register_forward_pre_hook(lambda module, args: seen.append(args[1].reshape(-1)))
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        handle.remove()
+    return torch.bincount(torch.cat(seen), minlength=experts.num_experts)
+
+
+def test_a_prefill_ranks_the_cache_and_only_a_clear_winner_takes_a_row():
+    model = moe_model("qwen3_moe")  # 16 experts; layers 1 and 3 stream (ring positions 0 and 1)
+    reference = copy.deepcopy(model)
+    prompt = _ids(length=9, seed=3)
+    prefill_picks = _picks_of(reference, 3, prompt)
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=4), device="cpu")
+    try:
+        cache = hf_prefetch.get_state(model).engine.rings[0].layers[1].cache
+        with torch.no_grad():
+            assert torch.equal(model(prompt).logits, reference(prompt).logits)  # a whole forward: picks counted
+            assert not cache.valid and torch.equal(cache.picks, prefill_picks)
+            ids = _ids(length=1, seed=4)
+            assert torch.equal(model(ids).logits, reference(ids).logits)  # the first routing forward loads it
+        ranked = sorted(range(16), key=lambda e: (-int(prefill_picks[e]), e))[:4]
+        assert cache.valid and cache.experts == ranked
+        assert cache.scores == [float(n) for n in prefill_picks.tolist()]
+        for expert in range(16):  # the device lookup finds exactly the cached experts, in their rows
+            row = cache.experts.index(expert) if expert in cache.experts else -1
+            assert int(cache.slot_of[expert]) == row
+        wanted = dict(reference.model.layers[3].mlp.experts.named_parameters())
+        layer = hf_prefetch.get_state(model).engine.rings[0].layers[1]
+        for tensor, cached in zip(layer.routed, cache.tensors, strict=True):
+            (name,) = [n for n, p in wanted.items() if p.shape == tensor.host.shape]
+            for row, expert in enumerate(cache.experts):  # each row holds its expert's weights
+                assert torch.equal(cached[row], wanted[name][expert])
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_the_re_rank_swaps_an_expert_only_for_one_scored_more_than_twice_as_high():
+    from hf_prefetch.experts import _reranked
+
+    model = moe_model("qwen3_moe")
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=4), device="cpu")
+    try:
+        cache = hf_prefetch.get_state(model).engine.rings[0].layers[1].cache
+        cache.scores = [10.0, 1.0, 5.0, 0.4, 3.0, 1.9, 0.9] + [0.0] * 9
+        assert _reranked(cache) == [0, 2, 4, 5]  # not valid: the best four
+        cache.experts, cache.valid = [0, 1, 2, 3], True
+        # Expert 4 (3.0) beats expert 3 (0.4) by more than twice; expert 5 (1.9) does not beat expert 1 (1.0).
+        assert _reranked(cache) == [0, 1, 2, 4]
+        cache.scores = [0.0] * 16
+        assert _reranked(cache) == [0, 1, 2, 3]  # nothing picked: nothing moves
+        cache.scores = [1.0] * 4 + [1.9] * 12
+        assert _reranked(cache) == [0, 1, 2, 3]  # near-equal scores do not trade rows
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_decode_re_ranks_every_refresh_and_stays_bitwise():
     model = moe_model("qwen3_moe")
     reference = copy.deepcopy(model)
     hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=4), device="cpu")
     try:
-        cache = hf_prefetch.get_state(model).engine.rings[0].layers[1].cache
-        assert cache.experts == [0, 1, 2, 3]
+        engine = hf_prefetch.get_state(model).engine
+        cache = engine.rings[0].layers[1].cache
+        picks = torch.zeros(16, dtype=torch.long)
         with torch.no_grad():
-            for step in range(2 * cache.REFRESH):
+            for step in range(cache.REFRESH + 1):
                 ids = _ids(length=1, seed=100 + step)
+                picks += _picks_of(reference, 3, ids)
                 assert torch.equal(model(ids).logits, reference(ids).logits)
-        ranked = sorted(range(16), key=lambda e: (-cache.picks[e], e))[:4]
-        assert sorted(cache.experts) == sorted(ranked) and cache.valid
+        # The first forward loaded it (nothing counted yet: experts 0-3); REFRESH forwards later the picks of the
+        # first REFRESH forwards were read and halved history added.
+        last = _picks_of(reference, 3, _ids(length=1, seed=100 + cache.REFRESH))
+        assert torch.equal(cache.picks, last)
+        assert cache.scores == [float(n) for n in (picks - last).tolist()]
+        stats = hf_prefetch.stats(model)
+        # Every pick of both streamed layers, but layer 1's in the first forward (copied whole before it: no gather).
+        top_k = model.config.num_experts_per_tok
+        assert stats.cache_hits + stats.cache_misses == top_k * (2 * (cache.REFRESH + 1) - 1)
+        assert stats.routed_rows == stats.cache_misses > 0
     finally:
         hf_prefetch.remove_offload(model)
 
@@ -469,8 +543,7 @@ def test_a_budget_spends_spare_memory_on_the_expert_cache():
     model = moe_model("qwen3_moe")
     budget = dict(max_memory={0: 1_400_000}, reserve_bytes=0, device="cpu")
     base = hf_prefetch.plan(model, PrefetchConfig(prefetch_step=1, expert_cache=0), **budget)
-    assert hf_prefetch.plan(model, PrefetchConfig(prefetch_step=1), **budget).cached_experts == 0  # the default
-    plan = hf_prefetch.plan(model, PrefetchConfig(prefetch_step=1, expert_cache=None), **budget)
+    plan = hf_prefetch.plan(model, PrefetchConfig(prefetch_step=1), **budget)  # the default: expert_cache=None
     assert plan.rings == base.rings and base.cached_experts == 0
     spare = 1_400_000 - base.device_bytes
     assert plan.cached_experts == spare // expert_row_bytes(plan.rings) > 0
@@ -482,40 +555,78 @@ def test_a_budget_spends_spare_memory_on_the_expert_cache():
         hf_prefetch.plan(model, PrefetchConfig(prefetch_step=1, expert_cache=16), **budget)
 
 
-def test_an_interrupt_while_the_cache_loads_leaves_it_to_reload():
-    from hf_prefetch.experts import copy_with_cache
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+        ),
+    ],
+)
+def test_a_cached_pick_is_read_from_its_cache_row_and_the_others_from_host_memory(device):
+    # Cache rows marked with values no host row has: the slot's rows show where each pick was read from.
+    from hf_prefetch.experts import collect_tallies, gather_with_cache, load_cache
+
+    model = moe_model("qwen3_moe").to(torch.bfloat16)
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=4), device=device)
+    try:
+        layer = hf_prefetch.get_state(model).engine.rings[0].layers[1]
+        cache = layer.cache
+        with torch.no_grad():
+            load_cache(layer, [5, 9, 2, 14], non_blocking=False)
+            for tensor in cache.tensors:
+                for row in range(4):
+                    tensor[row].fill_(1000.0 + row)
+            index = torch.tensor([[9, 3], [14, 9], [0, 15]], device=device)  # 9 twice, 3 of 6 picks cached
+            gather_with_cache(layer, index)
+        collect_tallies([layer])
+        assert (layer.counters.cache_hits, layer.counters.cache_misses) == (3, 3)
+        assert layer.counters.routed_rows == 3
+        for tensor in layer.routed:
+            for expert in (3, 0, 15):
+                assert torch.equal(tensor.device[expert].cpu(), tensor.host[expert])
+            for expert, row in ((9, 1), (14, 3)):
+                assert torch.all(tensor.device[expert] == 1000.0 + row)
+        assert cache.picks[9] == 2 and int(cache.picks.sum()) == 6
+    finally:
+        hf_prefetch.remove_offload(model, device="cpu")
+
+
+def test_an_interrupt_while_the_cache_loads_leaves_no_row_found_for_another_expert():
+    from hf_prefetch.experts import load_cache
 
     model = moe_model("qwen3_moe")
     reference = copy.deepcopy(model)
     hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=4), device="cpu")
     try:
-        engine = hf_prefetch.get_state(model).engine
-        layer = engine.rings[0].layers[1]
+        layer = hf_prefetch.get_state(model).engine.rings[0].layers[1]
         with torch.no_grad():
             model(_ids(length=1))
-        assert layer.cache.valid
+        assert layer.cache.valid and layer.cache.experts == [0, 1, 2, 3]
         real_copy, calls = torch.Tensor.copy_, {"n": 0}
 
         def interrupted(self, *args, **kwargs):
             calls["n"] += 1
-            if calls["n"] == 3:
+            if calls["n"] == 4:  # the lookup's update, row 0's two tensors, then row 1's first
                 raise KeyboardInterrupt
             return real_copy(self, *args, **kwargs)
 
-        layer.cache.picks[10:14] = [99] * 4  # the next re-rank swaps every row
-        layer.cache.forwards = layer.cache.REFRESH - 1
         torch.Tensor.copy_ = interrupted
         try:
             with pytest.raises(KeyboardInterrupt), torch.no_grad():
-                copy_with_cache(layer, torch.tensor([[0, 1, 2, 3]]), non_blocking=False)
+                load_cache(layer, [10, 11, 2, 3], non_blocking=False)
         finally:
             torch.Tensor.copy_ = real_copy
         assert not layer.cache.valid  # rows half rewritten: not trusted
+        found = {e: int(layer.cache.slot_of[e]) for e in range(16) if layer.cache.slot_of[e] >= 0}
+        assert found == {2: 2, 3: 3}  # the rows that keep their expert; none of the rows being rewritten
         with torch.no_grad():
             for length in (1, 2, 1):
                 ids = _ids(length=length, seed=length)
                 assert torch.equal(model(ids).logits, reference(ids).logits)
         assert layer.cache.valid
+        assert sorted(int(layer.cache.slot_of[e]) for e in layer.cache.experts) == [0, 1, 2, 3]
     finally:
         hf_prefetch.remove_offload(model)
 
@@ -585,7 +696,7 @@ def test_cache_loads_are_counted_and_a_cache_larger_than_the_experts_is_capped()
         loaded = sum(
             layer.counters.cache_loaded_bytes for layer in hf_prefetch.get_state(model).engine.rings[0].layers
         )
-        assert loaded == 4 * row_bytes  # layer 3's cache filled (layer 1 was copied whole before the forward)
+        assert loaded == 2 * 4 * row_bytes  # both streamed layers' caches filled before the first routing forward
         assert stats.copied_bytes >= loaded + stats.routed_bytes
     finally:
         hf_prefetch.remove_offload(model)
