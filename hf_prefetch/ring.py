@@ -121,13 +121,13 @@ class LayerCounters:
     copies: int = 0
     copied_bytes: int = 0
     misses: int = 0
-    # Experts picked by the router whose rows were copied from host memory (a repeated pick counts again; with an
-    # expert cache, each distinct expert read from host memory once per forward).
+    # Picks of the router whose rows were copied from host memory (a repeated pick counts again; with an expert
+    # cache, its misses, counted on the device and added by `experts.collect_tallies`).
     routed_rows: int = 0
     routed_bytes: int = 0  # their bytes, also counted in copied_bytes
     completions: int = 0  # layers copied without their routed tensors that a forward of many tokens completed
-    cache_hits: int = 0  # routed experts found in the layer's expert cache (each distinct expert of a forward once)
-    cache_misses: int = 0  # routed experts read from host memory while the layer has a cache
+    cache_hits: int = 0  # picks found in the layer's expert cache (a repeated pick counts again)
+    cache_misses: int = 0  # picks read from host memory while the layer has a cache
     cache_loaded_bytes: int = 0  # bytes loaded into the cache from host memory (also counted in copied_bytes)
     copy_seconds: float = 0.0
     stall_seconds: float = 0.0

@@ -35,7 +35,7 @@ class LayerStats:
     routed_rows: int = 0
     routed_bytes: int = 0
     completions: int = 0
-    # With an expert cache: distinct routed experts found in it, and read from host memory.
+    # With an expert cache: picks found in it, and read from host memory.
     cache_hits: int = 0
     cache_misses: int = 0
 
