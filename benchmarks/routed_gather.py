@@ -93,9 +93,9 @@ def main() -> None:
     # The expert cache's gather (`hf_prefetch.experts.gather_with_cache`): one Triton kernel per tensor reads each
     # picked row from the cache when the lookup table has it, else from the mapped view. With no row cached it moves
     # the same bytes as index_select; with half the picks cached, half of them cross the bus.
-    from hf_prefetch.experts import _gather_kernel
+    from hf_prefetch.experts import gather_kernel
 
-    launch = _gather_kernel()
+    launch = gather_kernel()
     capacity = args.picks
     caches = {n: hosts[n][picks].to(device).view(capacity, -1).view(torch.int64) for n in SHAPES}
     tallies = torch.zeros(2, dtype=torch.long, device=device)

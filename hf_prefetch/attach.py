@@ -17,7 +17,7 @@ from torch import nn
 from .changes import Journal, Phase, deferred_interrupts, move_tensors
 from .config import warn_at_caller
 from .engine import PrefetchEngine
-from .experts import _gather_kernel
+from .experts import gather_kernel
 from .hooks import (
     ForwardGate,
     PrefetchHook,
@@ -151,7 +151,7 @@ def _expert_cache(layer, routed: list[RoutedTensor], cached_experts: int, device
     # As many rows as the plan counted (`placements.caches_experts`, `_cached_rows_bytes`).
     if cached_experts <= 0 or not caches_experts(layer) or any(r.device_rows.dim() != 2 for r in routed):
         return None
-    if device.type == "cuda" and _gather_kernel() is None:
+    if device.type == "cuda" and gather_kernel() is None:
         warn_at_caller(
             "The expert cache reads every pick from host memory: its lookup kernel needs Triton, "
             "which is not installed (`pip install triton`). Results are the same; set expert_cache=0 to save its "

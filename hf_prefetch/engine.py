@@ -93,7 +93,7 @@ from collections.abc import Sequence
 import torch
 
 from .driver import captured_copy
-from .experts import collect_tallies, copy_routed_rows, count_picks, forget_cache, gather_with_cache, refresh_caches
+from .experts import ExpertCaches, copy_routed_rows, count_picks, forget_cache, gather_with_cache
 from .ring import CopyEvent, Fill, LayerCounters, LayerTransfer, RingState, RingTransfers
 from .timing import Timings, timing_event
 
@@ -126,7 +126,7 @@ class PrefetchEngine:
         # On CUDA routed rows are read through the arena's mapped view, which needs it pinned.
         self.routed_max_tokens = routed_max_tokens if has_routed and (pinned or not self._cuda) else 0
         self.routing = False
-        self._routing_forwards = 0  # since the expert caches' last re-rank
+        self._caches = ExpertCaches([layer for ring in self.rings for layer in ring.layers])
         # copy_stream: runs every host-to-device weight copy. Ordered after the compute stream by a wait before each
         # copy (the slot may still be read by queued kernels); the compute stream is ordered after it by each layer's
         # `done` event.
@@ -328,7 +328,7 @@ class PrefetchEngine:
             return
         self.routing = tokens is not None and 0 < tokens <= self.routed_max_tokens
         if self.routing:
-            self._refresh_caches()
+            self._caches.before_routing_forward(self._non_blocking)
         if not self._cuda:
             return
         for transfers in self.rings:
@@ -345,17 +345,6 @@ class PrefetchEngine:
                     self._complete(transfers, position, capturing=False)
         if self.graphs:
             torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
-
-    def _refresh_caches(self) -> None:
-        # Before a routing forward: load expert caches that are not valid, and every `ExpertCache.REFRESH` routing
-        # forwards re-rank them all (one host synchronisation).
-        layers = [layer for transfers in self.rings for layer in transfers.layers if layer.cache is not None]
-        if not layers:
-            return
-        self._routing_forwards += 1
-        if self._routing_forwards >= layers[0].cache.REFRESH or not all(layer.cache.valid for layer in layers):
-            self._routing_forwards = 0
-            refresh_caches(layers, self._non_blocking)
 
     def finish(self) -> None:
         """After each forward, once a CUDA graph has recorded copies: start copying each ring's first layers into
@@ -469,7 +458,7 @@ class PrefetchEngine:
         """Wait for the device and fold every pending timing measurement and the expert caches' counts into the
         counters."""
         self._timings.collect()
-        collect_tallies([layer for transfers in self.rings for layer in transfers.layers])
+        self._caches.collect()
 
     def reset(self) -> None:
         self.collect()

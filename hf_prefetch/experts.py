@@ -14,7 +14,16 @@ import torch
 
 from .ring import ExpertCache, LayerTransfer
 
-__all__ = ["copy_routed_rows", "gather_with_cache", "count_picks", "refresh_caches", "collect_tallies", "forget_cache"]
+__all__ = [
+    "ExpertCaches",
+    "copy_routed_rows",
+    "gather_with_cache",
+    "count_picks",
+    "refresh_caches",
+    "collect_tallies",
+    "forget_cache",
+    "gather_kernel",
+]
 
 
 def copy_routed_rows(layer: LayerTransfer, index: torch.Tensor) -> None:
@@ -49,7 +58,7 @@ def gather_with_cache(layer: LayerTransfer, index: torch.Tensor) -> None:
     cache's rows where it holds them (the same values, no bytes saved)."""
     cache = layer.cache
     experts = _picked(cache, index)
-    kernel = _gather_kernel() if experts.is_cuda else None
+    kernel = gather_kernel() if experts.is_cuda else None
     if kernel is None:
         slots = cache.slot_of.index_select(0, experts)
         found = slots >= 0
@@ -57,8 +66,9 @@ def gather_with_cache(layer: LayerTransfer, index: torch.Tensor) -> None:
             values = tensor.source_rows.index_select(0, experts.to(tensor.source.device)).to(rows.device)
             cached = rows.index_select(0, slots.clamp(min=0))
             tensor.device_rows.index_copy_(0, experts, torch.where(found[:, None], cached, values))
-        cache.picks.index_add_(0, experts, torch.ones_like(experts))
-        cache.tallies.add_(torch.stack([found.sum(), found.numel() - found.sum()]))
+        _count(cache, experts)
+        hits = found.sum()
+        cache.tallies.add_(torch.stack([hits, found.numel() - hits]))
         return
     for number, (tensor, rows) in enumerate(zip(layer.routed, cache.rows, strict=True)):
         kernel(
@@ -75,19 +85,42 @@ def gather_with_cache(layer: LayerTransfer, index: torch.Tensor) -> None:
 
 def count_picks(layer: LayerTransfer, index: torch.Tensor) -> None:
     """A forward that does not gather (a whole one): its picks still count for the cache's next re-rank."""
-    experts = _picked(layer.cache, index)
-    layer.cache.picks.index_add_(0, experts, torch.ones_like(experts))
+    _count(layer.cache, _picked(layer.cache, index))
+
+
+def _count(cache: ExpertCache, experts: torch.Tensor) -> None:
+    cache.picks.index_add_(0, experts, torch.ones_like(experts))
+
+
+class ExpertCaches:
+    """The expert caches of one engine's layers: when they are loaded and re-ranked, and their counts."""
+
+    def __init__(self, layers: list[LayerTransfer]) -> None:
+        self.layers = [layer for layer in layers if layer.cache is not None]
+        self._routing_forwards = 0  # since the last re-rank
+
+    def before_routing_forward(self, non_blocking: bool) -> None:
+        """Load caches that are not valid, and every `ExpertCache.REFRESH` routing forwards re-rank them all."""
+        if not self.layers:
+            return
+        self._routing_forwards += 1
+        if self._routing_forwards >= ExpertCache.REFRESH or not all(layer.cache.valid for layer in self.layers):
+            self._routing_forwards = 0
+            refresh_caches(self.layers, non_blocking)
+
+    def collect(self) -> None:
+        """Fold the device's hit and miss counts into the layers' counters."""
+        if self.layers:
+            collect_tallies(self.layers)
 
 
 def refresh_caches(layers: list[LayerTransfer], non_blocking: bool) -> None:
-    """Re-rank the caches of `layers` by their picks since the last re-rank (the policy in `ring.ExpertCache`) and load
-    the rows whose expert changes, on the current stream. Reads every layer's picks in one host synchronisation."""
-    caches = [layer for layer in layers if layer.cache is not None]
-    if not caches:
-        return
-    counts = torch.cat([layer.cache.picks for layer in caches]).tolist()  # the synchronisation
+    """Re-rank the caches of `layers` (each has one) by their picks since the last re-rank (the policy in
+    `ring.ExpertCache`) and load the rows whose expert changes, on the current stream. Reads every layer's picks in one
+    host synchronisation."""
+    counts = torch.cat([layer.cache.picks for layer in layers]).tolist()  # the synchronisation
     start = 0
-    for layer in caches:
+    for layer in layers:
         cache = layer.cache
         picks, start = counts[start : start + len(cache.scores)], start + len(cache.scores)
         cache.picks.zero_()
@@ -124,9 +157,8 @@ def load_cache(layer: LayerTransfer, experts: list[int], non_blocking: bool) -> 
         return
     cache.valid = False
     kept = [-1] * cache.slot_of.numel()
-    for row, expert in enumerate(experts):
-        if row not in changed:
-            kept[expert] = row
+    for row in set(range(len(experts))) - set(changed):
+        kept[experts[row]] = row
     cache.slot_of.copy_(torch.tensor(kept))
     for row in changed:
         for tensor, cached in zip(layer.routed, cache.tensors, strict=True):
@@ -141,13 +173,10 @@ def load_cache(layer: LayerTransfer, experts: list[int], non_blocking: bool) -> 
 
 
 def collect_tallies(layers: list[LayerTransfer]) -> None:
-    """Fold the device's hit and miss counts of every cache into its layer's counters (one host synchronisation);
-    a miss is a routed row read from host memory."""
-    caches = [layer for layer in layers if layer.cache is not None]
-    if not caches:
-        return
-    tallies = torch.stack([layer.cache.tallies for layer in caches]).tolist()  # the synchronisation
-    for layer, (hits, misses) in zip(caches, tallies, strict=True):
+    """Fold the device's hit and miss counts of the caches of `layers` (each has one) into the layers' counters (one
+    host synchronisation); a miss is a routed row read from host memory."""
+    tallies = torch.stack([layer.cache.tallies for layer in layers]).tolist()  # the synchronisation
+    for layer, (hits, misses) in zip(layers, tallies, strict=True):
         layer.cache.tallies.zero_()
         row_bytes = sum(tensor.nbytes // tensor.num_experts for tensor in layer.routed)
         layer.counters.cache_hits += hits
@@ -166,9 +195,9 @@ def forget_cache(layer: LayerTransfer) -> None:
 
 
 @functools.cache
-def _gather_kernel():
-    # The cached gather as one Triton kernel per routed tensor, or None where Triton is missing. Built on first use,
-    # so that importing hf_prefetch imports no Triton.
+def gather_kernel():
+    """The cached gather as one Triton kernel per routed tensor, or None where Triton is missing. Built on first use,
+    so that importing hf_prefetch imports no Triton."""
     try:
         import triton
         import triton.language as tl
