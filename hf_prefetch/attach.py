@@ -131,7 +131,12 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
             transfers.append(transfer)
         rings.append(RingTransfers(transfers, pool))
     engine = state.engine = PrefetchEngine(
-        device, rings, pinned=state.arena.pinned, timing=state.timing, routed_max_tokens=plan.routed_max_tokens
+        device,
+        rings,
+        pinned=state.arena.pinned,
+        timing=state.timing,
+        routed_max_tokens=plan.routed_max_tokens,
+        links=[torch.device("cuda", index) for index in plan.links[1:]],
     )
     engine_id = register_engine(engine)
     for ring_index, ring in enumerate(plan.rings):

@@ -194,7 +194,9 @@ def resolve_budget(max_memory: MaxMemory, device: torch.device, model: nn.Module
         named = [("cuda" if index is None else index) for index in entries]
         raise ValueError(
             f"max_memory names the GPUs {named} but the model executes on {device}: hf_prefetch runs a model on one "
-            "device. Pass device= for one of them, or keep only the entry of the execution device."
+            "device. Pass device= for one of them and keep only its entry; other GPUs can carry a share of the "
+            "streamed bytes over their own host links with links=[0, 1] (their max_memory entries then bound their "
+            "staging buffers)."
         )
     host, reserve = max_memory.host_bytes, max_memory.reserve_bytes
     if entries[key] is not None:
@@ -227,11 +229,32 @@ def choose_plan(
     layers: str | Sequence[str] | None,
     device: torch.device,
     max_memory: MaxMemory | None,
+    links: tuple[int, ...] = (),
 ) -> OffloadPlan:
-    """The plan `dispatch_model` and the loaders execute: the config's group pattern, or the plan for a budget."""
+    """The plan `dispatch_model` and the loaders execute: the config's group pattern, or the plan for a budget; with
+    `links` (`links.resolve_links`), the other GPUs whose host links carry a share of every streamed layer."""
+    helpers = {index: None for index in links[1:]}
+    if max_memory is not None and helpers:
+        # The other links' entries bound their staging buffers; the execution device's entry plans the layers.
+        for index, limit in max_memory.gpus:
+            if index in helpers:
+                helpers[index] = limit
+        max_memory = replace(max_memory, gpus=tuple(e for e in max_memory.gpus if e[0] not in helpers))
     if max_memory is None:
-        return make_plan(model, config, layers)
-    return plan_for_budget(model, resolve_budget(max_memory, device, model), config, layers)
+        plan = make_plan(model, config, layers)
+    else:
+        plan = plan_for_budget(model, resolve_budget(max_memory, device, model), config, layers)
+    if not links:
+        return plan
+    plan = replace(plan, links=links)
+    for index, limit in helpers.items():
+        if limit is not None and plan.staging_bytes > limit:
+            raise ValueError(
+                f"max_memory[{index}] = {format_bytes(limit)} cannot hold GPU {index}'s staging buffers for links="
+                f"{list(links)}: {format_bytes(plan.staging_bytes)} ({len(links)} links, each copying 1/{len(links)} "
+                "of the largest streamed layer, twice). Raise that entry or drop the GPU from links=."
+            )
+    return plan
 
 
 def spread(num_layers: int, num_streamed: int) -> list[int]:

@@ -110,6 +110,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload-params", metavar="SEGMENTS", help="comma-separated name segments, e.g. experts")
     parser.add_argument("--no-routed-experts", action="store_true", help="stream expert tensors whole")
     parser.add_argument("--device", help="execution device (default: the current GPU, else cpu)")
+    parser.add_argument(
+        "--links", metavar="GPUS", help="GPUs whose host links share the streamed bytes: all, or indices like 0,1"
+    )
     parser.add_argument("--dtype", help="weights dtype, e.g. bfloat16 (default: the checkpoint's)")
 
 
@@ -121,6 +124,17 @@ def _positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
+
+
+def parse_links(text: str | None) -> list[int] | str | None:
+    """`all` stays a string; `0,1` -> `[0, 1]`. Whether the GPUs exist and reach each other is checked by the
+    library (`links`)."""
+    if text is None or text.strip() == "all":
+        return None if text is None else "all"
+    parts = [part.strip() for part in text.split(",")]
+    if not all(part.isascii() and part.isdigit() for part in parts):
+        raise CommandError(f"--links {text!r}: give 'all' or GPU indices separated by commas, e.g. --links 0,1")
+    return [int(part) for part in parts]
 
 
 def parse_budget(text: str | None) -> dict[int | str, str] | str | None:
@@ -199,7 +213,13 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
     device = args.device
     if device is not None and device.isascii() and device.isdigit():
         device = int(device)  # a GPU index
-    return dict(max_memory=parse_budget(args.max_memory), reserve_bytes=args.reserve, device=device, dtype=args.dtype)
+    return dict(
+        max_memory=parse_budget(args.max_memory),
+        reserve_bytes=args.reserve,
+        device=device,
+        dtype=args.dtype,
+        links=parse_links(args.links),
+    )
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -232,7 +252,9 @@ def _bound_seconds(model) -> tuple[float | None, str]:
         return None, "link: none (CPU execution: copies are synchronous; no transfer bound)"
     with torch.cuda.device(device):
         gbps = measure_link_gbps(device)
-    return per_token / (gbps * 1e9), f"link: {gbps:.1f} GB/s pinned host -> {device}; {per_token / 1e9:.3f} GB/token"
+    links = state.plan.num_links
+    speed = f"{gbps:.1f} GB/s" if links == 1 else f"{links} links x {gbps:.1f} GB/s"
+    return per_token / (gbps * 1e9 * links), f"link: {speed} pinned host -> {device}; {per_token / 1e9:.3f} GB/token"
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -19,6 +19,7 @@ from .attach import attach, begin, detach, finish_interrupted, host_layout, roll
 from .budget import choose_plan, device_argument, parse_max_memory
 from .config import PrefetchConfig
 from .host import HostArena
+from .links import resolve_links
 from .offload_config import OffloadConfig, UVAConfig, resolve_offload
 from .planner import make_uva_plan
 from .state import (
@@ -41,6 +42,7 @@ def dispatch_model(
     layers: str | Sequence[str] | None = None,
     max_memory: dict[int | str, int | str] | str | None = None,
     reserve_bytes: int | str | None = None,
+    links: str | Sequence[int | str | torch.device] | None = None,
     timing: bool = False,
     replace: bool = False,
     **unknown: Any,
@@ -65,6 +67,12 @@ def dispatch_model(
             memory. Replaces the config's `group_size` and `num_in_group`. `hf_prefetch.plan` shows the plan first.
         reserve_bytes (`int` or `str`, *optional*): Device memory kept free for activations and the KV cache with
             `max_memory`; defaults to 1 GiB (`hf_prefetch.budget.DEFAULT_RESERVE_BYTES`).
+        links (`"all"` or list of GPUs, *optional*): GPUs whose host-to-device links carry a share of every streamed
+            layer: each copies its share from pinned host memory into a staging buffer of its own and on over the
+            peer link (NVLink) into the slot, so a forward streams at the links' combined speed. May name the
+            execution device; `"all"`: every GPU with peer access to it. Their `max_memory` entries, if given, bound
+            their staging buffers (`OffloadPlan.staging_bytes`). CUDA graphs copy through the execution device's
+            link only. See docs/design.md ("Several host links").
         timing (`bool`): Measure copy and stall seconds per layer with CUDA events (see `hf_prefetch.stats`).
         replace (`bool`): Re-dispatch a dispatched model with a new configuration, without reloading it.
 
@@ -96,10 +104,13 @@ def dispatch_model(
     refuse_unknown_keywords("dispatch_model", unknown)
     config = resolve_offload(offload)
     uva = isinstance(config, UVAConfig)
-    if uva and (timing or max_memory is not None or reserve_bytes is not None):
-        raise ValueError("timing, max_memory and reserve_bytes work with the prefetch backend only, not with UVA.")
+    if uva and (timing or max_memory is not None or reserve_bytes is not None or links is not None):
+        raise ValueError(
+            "timing, max_memory, reserve_bytes and links work with the prefetch backend only, not with UVA."
+        )
     max_memory = None if uva else parse_max_memory(max_memory, reserve_bytes, config)
     exec_device = resolve_device(device_argument(max_memory, device))
+    link_indices = resolve_links(links, exec_device)
     state = get_state(model)
     if state is not None and state.lifecycle is not Lifecycle.ATTACHED:
         finish_interrupted(model, state)  # an interrupted dispatch or removal: complete it first
@@ -112,7 +123,10 @@ def dispatch_model(
     refuse_other_offload(model)
     _check_materialized(model)
     # Validated before the old dispatch is undone.
-    plan = make_uva_plan(model, config, layers) if uva else choose_plan(model, config, layers, exec_device, max_memory)
+    if uva:
+        plan = make_uva_plan(model, config, layers)
+    else:
+        plan = choose_plan(model, config, layers, exec_device, max_memory, link_indices)
     # UVA on the CPU leaves every weight where it is: host memory is the device's memory.
     layout = [] if uva and exec_device.type == "cpu" else host_layout(plan)
     if state is not None:

@@ -94,6 +94,7 @@ import torch
 
 from .driver import captured_copy
 from .experts import ExpertCaches, copy_routed_rows, count_picks, forget_cache, gather_with_cache
+from .links import SharedLinks
 from .ring import CopyEvent, Fill, LayerCounters, LayerTransfer, RingState, RingTransfers
 from .timing import Timings, timing_event
 
@@ -114,6 +115,7 @@ class PrefetchEngine:
         pinned: bool,
         timing: bool = False,
         routed_max_tokens: int = 0,
+        links: Sequence[torch.device] = (),
     ) -> None:
         self.device = device
         self.rings = list(rings)
@@ -132,6 +134,14 @@ class PrefetchEngine:
         # `done` event.
         self.copy_stream = torch.cuda.Stream(device) if self._cuda else None
         self._timings = Timings(device)
+        # [Note: shared links] in links.py: other GPUs copy a share of every layer; `_join` waits on the copy stream
+        # and on every helper's peer copy of a layer, then records the layer's `done`.
+        self._links = (
+            SharedLinks(device, links, [_pairs(layer, whole=True) for ring in self.rings for layer in ring.layers])
+            if links
+            else None
+        )
+        self._join = torch.cuda.Stream(device) if self._cuda and self._links is not None else None
         if self._cuda:
             for ring in self.rings:
                 for layer in ring.layers:
@@ -220,8 +230,16 @@ class PrefetchEngine:
                     self._timings.add(layer.counters, begin, layer.done, "copy_seconds")
                 elif layer.event is not CopyEvent.ON_STREAM or layer.done is None:
                     layer.done, layer.event = torch.cuda.Event(), CopyEvent.ON_STREAM
-                _copy_all(layer, self._non_blocking, self.copy_stream if capturing else None, whole)
-                layer.done.record()
+                if capturing or self._links is None:
+                    _copy_all(layer, self._non_blocking, self.copy_stream if capturing else None, whole)
+                    layer.done.record()
+                    return
+                # [Note: shared links]: the helpers' peer copies into the slot wait on the compute stream as well.
+                slot_free = torch.cuda.current_stream(self.device).record_event()
+                _copy_all(layer, self._non_blocking, None, whole, self._links, slot_free)
+                self._join.wait_stream(self.copy_stream)
+                self._links.order_after(self._join)
+                layer.done.record(self._join)
 
     def _load_now(self, transfers: RingTransfers, position: int) -> None:
         # [Note: misses]: copy on the compute stream, after any copy into the slot still in flight.
@@ -237,7 +255,9 @@ class PrefetchEngine:
                 self._copy_on_host(layer, whole)
                 return
             compute = torch.cuda.current_stream(self.device)
-            if not capturing or self._copy_stream_in_capture():
+            if not capturing:
+                self._after_copies(compute)
+            elif self._copy_stream_in_capture():
                 compute.wait_stream(self.copy_stream)
             if capturing:
                 self._check_capturable()
@@ -308,7 +328,7 @@ class PrefetchEngine:
             transfers.capture.copies.add(position)
             layer.fill = Fill.WHOLE
             return
-        compute.wait_stream(self.copy_stream)  # after any copy into the slot still in flight
+        self._after_copies(compute)  # after any copy into the slot still in flight
         for tensor in layer.routed:
             tensor.device.copy_(tensor.host, non_blocking=self._non_blocking)
         layer.fill = Fill.WHOLE
@@ -344,7 +364,7 @@ class PrefetchEngine:
                 for position in transfers.first_layers_without_routed():
                     self._complete(transfers, position, capturing=False)
         if self.graphs:
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            self._after_copies(torch.cuda.current_stream(self.device))
 
     def finish(self) -> None:
         """After each forward, once a CUDA graph has recorded copies: start copying each ring's first layers into
@@ -373,12 +393,16 @@ class PrefetchEngine:
         """Block the host until every copy issued so far has landed."""
         if self._cuda:
             self.copy_stream.synchronize()
+        if self._links is not None:
+            self._links.synchronize()
 
     def drain(self) -> None:
         """Block the host until every copy and every kernel queued so far have finished (before host storage or a
         slot is rewritten outside the forward: no copy may still read the one, no kernel the other)."""
         if self._cuda:
             torch.cuda.synchronize(self.device)
+        if self._links is not None:
+            self._links.synchronize()
         for transfers in self.rings:
             transfers.abort_capture()  # a capture under way would have joined: one that is still open was aborted
         self._settle()
@@ -410,7 +434,7 @@ class PrefetchEngine:
             layer.fill = Fill.WHOLE
             if self._cuda:
                 compute = torch.cuda.current_stream(self.device)
-                compute.wait_stream(self.copy_stream)
+                self._after_copies(compute)
                 _copy_all(layer, self._non_blocking, None, whole=True)
                 _loaded_on(layer, compute, capturing=False, timing=self.timing)
             else:
@@ -424,7 +448,7 @@ class PrefetchEngine:
         if not transfers.holds(position):
             raise RuntimeError(f"Layer {position} of ring {ring} does not own slot {layer.slot}: nothing to store.")
         if self._cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            self._after_copies(torch.cuda.current_stream(self.device))
         # Blocking: the host may read or rewrite its storage as soon as this returns. Routed tensors only from a whole
         # slot: a routed one holds copies of host rows, or another layer's.
         pairs = list(zip(layer.host, layer.device, strict=True))
@@ -450,7 +474,7 @@ class PrefetchEngine:
         self.invalidate()
         self.start()
         if self._cuda:  # a CUDA-graph replay, which waits for none of these copies, may come next
-            torch.cuda.current_stream(self.device).wait_stream(self.copy_stream)
+            self._after_copies(torch.cuda.current_stream(self.device))
 
     # --- Statistics -------------------------------------------------------------------------------------------------
 
@@ -469,7 +493,7 @@ class PrefetchEngine:
     def _copy_on_host(self, layer: LayerTransfer, whole: bool) -> None:
         # CPU execution: the copy is synchronous, so all of it is time the forward waits.
         begin = self._timings.begin_blocking() if self.timing else None
-        _copy_all(layer, False, None, whole)
+        _copy_all(layer, False, None, whole, self._links)
         if begin is not None:
             self._timings.end_blocking(layer.counters, begin)
 
@@ -478,6 +502,12 @@ class PrefetchEngine:
     def _settle(self) -> None:
         for transfers in self.rings:
             transfers.settle()
+
+    def _after_copies(self, stream: torch.cuda.Stream) -> None:
+        # Order `stream` after every copy issued so far, through every link (outside a capture).
+        stream.wait_stream(self.copy_stream)
+        if self._links is not None:
+            self._links.order_after(stream)
 
     def _capturing(self) -> bool:
         return self._cuda and torch.cuda.is_current_stream_capturing()
@@ -515,12 +545,25 @@ def _nbytes(layer: LayerTransfer, whole: bool) -> int:
     return layer.nbytes + (sum(t.nbytes for t in layer.routed) if whole else 0)
 
 
-def _copy_all(
-    layer: LayerTransfer, non_blocking: bool, captured_on: torch.cuda.Stream | None = None, whole: bool = True
-) -> None:
+def _pairs(layer: LayerTransfer, whole: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # (slot, host) of every tensor a copy brings: the routed ones only when whole.
     pairs = list(zip(layer.device, layer.host, strict=True))
     if whole:
         pairs += [(tensor.device, tensor.host) for tensor in layer.routed]
+    return pairs
+
+
+def _copy_all(
+    layer: LayerTransfer,
+    non_blocking: bool,
+    captured_on: torch.cuda.Stream | None = None,
+    whole: bool = True,
+    links: SharedLinks | None = None,
+    slot_free: torch.cuda.Event | None = None,
+) -> None:
+    pairs = _pairs(layer, whole)
+    if links is not None:  # the helpers' shares are issued; the execution device copies the rest
+        pairs = links.copy(pairs, non_blocking, slot_free)
     if captured_on is not None:
         for dst, src in pairs:
             captured_copy(dst, src, captured_on)

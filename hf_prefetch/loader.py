@@ -26,6 +26,7 @@ from .checkpoint import Checkpoint
 from .config import PrefetchConfig
 from .host import HostArena
 from .keymap import KeyMap, convert, filled_names, map_keys, region_view
+from .links import resolve_links
 from .reader import TensorReader
 from .state import (
     OffloadedParam,
@@ -53,6 +54,7 @@ def from_pretrained(
     timing: bool = False,
     max_memory: dict[int | str, int | str] | str | None = None,
     reserve_bytes: int | str | None = None,
+    links: str | Sequence[int | str | torch.device] | None = None,
     **unknown: Any,
 ) -> nn.Module:
     """Load a local transformers checkpoint straight into a dispatched model, without a full copy in host memory.
@@ -71,6 +73,7 @@ def from_pretrained(
         model_class (*optional*): A transformers Auto class or model class. Defaults to `AutoModelForCausalLM`.
         progress (`bool`, *optional*): Show a progress bar over bytes; by default only on a terminal.
         max_memory, reserve_bytes: Choose the streamed layers to fit a memory budget, as in `dispatch_model`.
+        links: Other GPUs whose host links carry a share of every streamed layer, as in `dispatch_model`.
 
     Returns:
         The model, dispatched and in eval mode.
@@ -98,6 +101,7 @@ def from_pretrained(
     config = resolve_config(offload, "from_pretrained")
     max_memory = parse_max_memory(max_memory, reserve_bytes, config)
     exec_device = resolve_device(device_argument(max_memory, device))
+    link_indices = resolve_links(links, exec_device)
     folder = checkpoint_folder(path)
     timeline = LoadTimeline()
     with Checkpoint.open(folder) as checkpoint:
@@ -115,6 +119,7 @@ def from_pretrained(
             progress=progress,
             timing=timing,
             max_memory=max_memory,
+            links=link_indices,
             timeline=timeline,
         )
     if (folder / "generation_config.json").is_file() and model.can_generate():
@@ -137,6 +142,7 @@ def load_checkpoint_and_dispatch(
     timing: bool = False,
     max_memory: dict[int | str, int | str] | str | None = None,
     reserve_bytes: int | str | None = None,
+    links: str | Sequence[int | str | torch.device] | None = None,
     **unknown: Any,
 ) -> nn.Module:
     """Load a checkpoint into a model built on the meta device and dispatch it, like `from_pretrained`.
@@ -147,7 +153,7 @@ def load_checkpoint_and_dispatch(
     Args:
         model (`nn.Module`): The model skeleton, parameters on the meta device.
         checkpoint (`str` or `os.PathLike`): A folder, a `.safetensors` file or a `model.safetensors.index.json`.
-        offload, device, layers, progress, max_memory, reserve_bytes: As in `from_pretrained`.
+        offload, device, layers, progress, max_memory, reserve_bytes, links: As in `from_pretrained`.
         dtype (`torch.dtype`, *optional*): Cast floating-point parameters to this dtype; by default each parameter
             keeps the model's dtype (the checkpoint's values are cast to it).
 
@@ -178,6 +184,7 @@ def load_checkpoint_and_dispatch(
     config = resolve_config(offload, "load_checkpoint_and_dispatch")
     max_memory = parse_max_memory(max_memory, reserve_bytes, config)
     exec_device = resolve_device(device_argument(max_memory, device))
+    link_indices = resolve_links(links, exec_device)
     if get_state(model) is not None:
         raise ValueError(
             f"{type(model).__name__} is already dispatched; call hf_prefetch.remove_offload(model) before loading."
@@ -197,6 +204,7 @@ def load_checkpoint_and_dispatch(
             progress=progress,
             timing=timing,
             max_memory=max_memory,
+            links=link_indices,
         )
     return model
 
@@ -213,6 +221,7 @@ def _load(
     progress: bool | None,
     timing: bool,
     max_memory: MaxMemory | None = None,
+    links: tuple[int, ...] = (),
     timeline: LoadTimeline | None = None,
 ) -> None:
     from transformers import PreTrainedModel
@@ -227,7 +236,7 @@ def _load(
     try:
         _set_dtypes(model, dtype, cast, journal)
         keymap = map_keys(model, checkpoint)
-        plan = choose_plan(model, config, layers, device, max_memory)
+        plan = choose_plan(model, config, layers, device, max_memory, links)
         timeline.mark("plan")
         # Everything is validated: allocate the host arena exactly as dispatch_model does, then the resident tensors.
         layout = attach.host_layout(plan)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .config import PrefetchConfig
+from .links import ALIGN_BYTES, STAGES
 from .offload_config import UVAConfig
 
 if TYPE_CHECKING:
@@ -214,6 +215,9 @@ class OffloadPlan:
     link_gbps: float | None = None
     # Experts of each streamed layer's routed tensors kept on the device (capped at the layer's num_experts).
     cached_experts: int = 0
+    # The CUDA devices whose host links carry the streamed bytes, the execution device's first; () for its link only.
+    # Each link copies an equal share of every streamed layer (links.py, [Note: shared links]).
+    links: tuple[int, ...] = ()
 
     @property
     def backend(self) -> str:
@@ -288,9 +292,34 @@ class OffloadPlan:
         return self.pool_bytes + self.cache_bytes < self.offloaded_bytes
 
     @property
+    def num_links(self) -> int:
+        """How many host links carry the streamed bytes (1: the execution device's own)."""
+        return max(1, len(self.links))
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device bytes of staging buffers on each other GPU of `links` (0 without): `STAGES` buffers that each hold
+        the largest share of a streamed layer."""
+        if not self.links:
+            return 0
+        largest = max(
+            (
+                -(-layer.offloaded_bytes // self.num_links // ALIGN_BYTES) * ALIGN_BYTES
+                + 2 * ALIGN_BYTES * len(layer.offloaded)
+                for ring in self.rings
+                for layer in ring.streamed
+            ),
+            default=0,
+        )
+        return STAGES * largest
+
+    @property
     def transfer_seconds_per_forward(self) -> float | None:
-        """`streamed_bytes_per_forward` at `link_gbps`: the least time a forward can take; None without a link."""
-        return None if self.link_gbps is None else self.streamed_bytes_per_forward / (self.link_gbps * 1e9)
+        """`streamed_bytes_per_forward` at `link_gbps` per link, over every link of `links` at once: the least time a
+        forward can take; None without a link speed."""
+        if self.link_gbps is None:
+            return None
+        return self.streamed_bytes_per_forward / (self.link_gbps * 1e9 * self.num_links)
 
     def __str__(self) -> str:
         from .render import render_text

@@ -20,6 +20,7 @@ from .budget import choose_plan, device_argument, parse_max_memory
 from .checkpoint import Checkpoint
 from .config import PrefetchConfig
 from .link import measure_link_gbps
+from .links import resolve_links
 from .offload_config import OffloadConfig, UVAConfig, resolve_offload
 from .placements import OffloadPlan
 from .planner import make_uva_plan
@@ -34,6 +35,7 @@ def plan(
     *,
     max_memory: dict[int | str, int | str] | str | None = None,
     reserve_bytes: int | str | None = None,
+    links: str | Sequence[int | str | torch.device] | None = None,
     device: str | int | torch.device | None = None,
     layers: str | Sequence[str] | None = None,
     dtype: torch.dtype | str | None = None,
@@ -49,7 +51,7 @@ def plan(
     Args:
         model_or_checkpoint: A built model (its parameters may be on the meta device), or a checkpoint folder as
             `from_pretrained` takes it.
-        offload, max_memory, reserve_bytes, device, layers: As in `dispatch_model`.
+        offload, max_memory, reserve_bytes, device, layers, links: As in `dispatch_model`.
         dtype, model_class: For a checkpoint folder, as in `from_pretrained`.
         link_gbps (`float`, *optional*): Host-to-device link speed in GB/s, for the transfer time per forward. On a
             GPU it is measured when not given (a few 256 MiB pinned copies, once per process and device, then
@@ -76,10 +78,11 @@ def plan(
     refuse_unknown_keywords("plan", unknown)
     config = resolve_offload(offload)
     uva = isinstance(config, UVAConfig)
-    if uva and (max_memory is not None or reserve_bytes is not None):
-        raise ValueError("max_memory and reserve_bytes work with the prefetch backend only, not with UVA.")
+    if uva and (max_memory is not None or reserve_bytes is not None or links is not None):
+        raise ValueError("max_memory, reserve_bytes and links work with the prefetch backend only, not with UVA.")
     max_memory = None if uva else parse_max_memory(max_memory, reserve_bytes, config)
     exec_device = resolve_device(device_argument(max_memory, device))
+    link_indices = resolve_links(links, exec_device)
     if link_gbps is not None and (isinstance(link_gbps, bool) or not isinstance(link_gbps, int | float)):
         raise ValueError(f"link_gbps={link_gbps!r} must be a number of GB/s, e.g. link_gbps=55.0, or None.")
     if link_gbps is not None and not link_gbps > 0:
@@ -98,7 +101,7 @@ def plan(
     if uva:
         result = make_uva_plan(model, config, layers)
     else:
-        result = choose_plan(model, config, layers, exec_device, max_memory)
+        result = choose_plan(model, config, layers, exec_device, max_memory, link_indices)
     if link_gbps is None and exec_device.type == "cuda":
         link_gbps = measure_link_gbps(exec_device)
     return dataclasses.replace(result, link_gbps=link_gbps)

@@ -85,9 +85,30 @@ def _totals(plan: OffloadPlan) -> list[tuple[str, str]]:
     if own:
         per_forward += f" ({own} layer{'s own' if own > 1 else ' owns'} a slot: copied once)"
     totals.append(("streamed per forward", per_forward))
+    if plan.links:
+        share = size(plan.streamed_bytes_per_forward // plan.num_links)
+        first, *others = plan.links
+        totals.append(
+            (
+                f"cuda:{first}",
+                f"resident {size(plan.resident_bytes)}, pool {size(plan.pool_bytes)}; its link copies {share} per "
+                "forward into the slots",
+            )
+        )
+        for index in others:
+            totals.append(
+                (
+                    f"cuda:{index}",
+                    f"staging {size(plan.staging_bytes)}; its link copies {share} per forward, passed on to "
+                    f"cuda:{first} over the peer link",
+                )
+            )
     if plan.link_gbps is not None:
         seconds = plan.transfer_seconds_per_forward
-        totals.append(("transfer per forward", f"{seconds * 1e3:.2f} ms at {plan.link_gbps:.1f} GB/s"))
+        speed = (
+            f"{plan.link_gbps:.1f} GB/s" if plan.num_links == 1 else f"{plan.num_links} x {plan.link_gbps:.1f} GB/s"
+        )
+        totals.append(("transfer per forward", f"{seconds * 1e3:.2f} ms at {speed}"))
     if plan.routed_bytes and plan.routed_max_tokens == 0:
         totals.append(
             ("routed experts", f"{size(plan.routed_bytes)}, copied whole in every forward (routed_max_tokens=0)")

@@ -173,3 +173,20 @@ def test_argument_errors_exit_with_argparse_status(capsys):
         main(["bench", "somewhere", "--rounds", "0"])
     assert exit_info.value.code == 2
     assert "--rounds: 0 must be at least 1" in capsys.readouterr().err
+
+
+def test_links_reach_the_library_and_wrong_ones_are_errors(checkpoint, capsys, monkeypatch):
+    import hf_prefetch.cli as cli
+
+    seen = {}
+    monkeypatch.setattr(hf_prefetch, "plan", lambda path, config, **options: seen.update(options) or "plan")
+    for given, passed in (("all", "all"), ("0,1", [0, 1]), (" 1 , 0 ", [1, 0])):
+        code, _, err = _run(capsys, "plan", checkpoint[0], "--links", given)
+        assert code == 0 and seen["links"] == passed, err
+    assert cli.parse_links(None) is None
+    code, out, err = _run(capsys, "plan", checkpoint[0], "--links", "0,cuda")
+    assert code == 2 and out == "" and "--links '0,cuda': give 'all' or GPU indices" in err
+    monkeypatch.undo()
+    code, out, err = _run(capsys, "plan", checkpoint[0], "--links", "0,1", "--device", "cpu")
+    assert code == 2 and "links=[0, 1] spreads copies over several GPUs' host links" in err
+    assert "Traceback" not in err

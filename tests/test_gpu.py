@@ -9,6 +9,7 @@ from transformers import LlamaForCausalLM
 
 import hf_prefetch
 from hf_prefetch.host import _clear_last_cuda_error
+from hf_prefetch.links import STAGES
 
 pytestmark = pytest.mark.gpu
 
@@ -417,3 +418,51 @@ def test_a_replacement_the_container_cannot_hold_keeps_the_current_dispatch(gpu_
     finally:
         hf_prefetch.remove_offload(model, device="cpu")
         model.to("cpu")
+
+
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs with peer access")
+
+
+@two_gpus
+@pytest.mark.parametrize("prefetch_step", [1, 2, 3])
+def test_shared_links_200_decode_steps_bitwise_equal_on_two_gpus(gpu_reference, prefetch_step):
+    model, ids, long_ids, expected, prefill = gpu_reference
+    before = torch.cuda.memory_allocated(1)
+    config = hf_prefetch.PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=prefetch_step)
+    hf_prefetch.dispatch_model(model, config, device="cuda:0", links="all")
+    try:
+        state = hf_prefetch.get_state(model)
+        assert state.plan.links[:2] == (0, 1)
+        staging = state.engine._links.staging_bytes
+        # The staging buffers, each rounded up by the caching allocator (to 2 MiB at most).
+        assert 0 < staging <= torch.cuda.memory_allocated(1) - before <= staging + STAGES * 2**21
+        _check_generate(model, ids, long_ids, expected, prefill)
+        assert hf_prefetch.stats(model).misses == 0
+        # Without a miss every copy went through the links: each helper carried its share of it.
+        share = hf_prefetch.stats(model).copied_bytes / len(state.plan.links)
+        for carried in [helper.copied_bytes for helper in state.engine._links.helpers]:
+            assert abs(carried - share) <= 0.01 * share
+    finally:
+        hf_prefetch.remove_offload(model, device="cpu")
+    assert torch.cuda.memory_allocated(1) == before  # the staging buffers left with the dispatch
+
+
+@two_gpus
+def test_shared_links_after_an_interrupted_forward_and_with_timing_on_two_gpus(gpu_reference):
+    model, ids, long_ids, _, prefill = gpu_reference
+    config = hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2)
+    hf_prefetch.dispatch_model(model, config, device="cuda:0", links=[0, 1], timing=True)
+    mlp = model.model.layers[3].mlp
+    try:
+        mlp.forward = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt())
+        with pytest.raises(KeyboardInterrupt), torch.no_grad():
+            model(long_ids)
+        del mlp.forward
+        with torch.no_grad():
+            for _ in range(3):
+                assert torch.equal(model(long_ids).logits, prefill)
+        stats = hf_prefetch.stats(model)
+        assert stats.misses > 0 and stats.copy_seconds > 0
+    finally:
+        mlp.__dict__.pop("forward", None)
+        hf_prefetch.remove_offload(model, device="cpu")
