@@ -7,6 +7,7 @@ they alternate in one process, several rounds, medians reported. bound = max(all
 with two GPUs:
 
     PYTHONUNBUFFERED=1 python benchmarks/links_decode.py [--shape 8b|32b] [--rounds 3] [--plans half all]
+        [--pipeline-gib 6 6]  (also pipeline placement: layers on both GPUs, bound = streamed bytes / one link)
 """
 
 from __future__ import annotations
@@ -87,6 +88,7 @@ def main() -> None:
     parser.add_argument("--plans", nargs="*", default=["half", "all"], choices=list(PLANS))
     parser.add_argument("--short", type=int, default=8)
     parser.add_argument("--long", type=int, default=40)
+    parser.add_argument("--pipeline-gib", type=float, nargs=2, help="also pipeline placement at these GPU budgets")
     args = parser.parse_args()
     assert torch.cuda.device_count() >= 2, "needs two GPUs"
     torch.cuda.set_device(0)
@@ -158,6 +160,41 @@ def main() -> None:
         rows[-1]["speedup"] = statistics.median(ratios)
         print(
             f"{name}: two links over one, per round {[f'{r:.3f}' for r in ratios]}, median {rows[-1]['speedup']:.3f}"
+        )
+    if args.pipeline_gib:
+        # Pipeline placement: layers in two runs, one per GPU, each streaming what its budget does not hold.
+        budget = {0: f"{args.pipeline_gib[0]}GiB", 1: f"{args.pipeline_gib[1]}GiB"}
+        config = hf_prefetch.PrefetchConfig(prefetch_step=2)
+        times, same, streamed = [], True, 0
+        for round_ in range(args.rounds):
+            hf_prefetch.dispatch_model(model, config, device="cuda:0", max_memory=budget, replace=True)
+            plan = hf_prefetch.get_state(model).plan
+            streamed = plan.streamed_bytes_per_forward
+            decode(model, ids, 1, 2)  # warm-up of this dispatch
+            hf_prefetch.reset_stats(model)
+            seconds, out = decode(model, ids, args.short, args.long)
+            times.append(seconds)
+            same = same and torch.equal(out.to(reference.device), reference)
+            per_gpu = [
+                round(sum(r.bytes_per_forward for r in plan.rings if r.device == i) / 1e9, 2) for i, _ in plan.gpus
+            ]
+            print(
+                f"round {round_} pipeline {budget}: {seconds:.4f} s/token, streamed per GPU {per_gpu} GB, misses "
+                f"{hf_prefetch.stats(model).misses}"
+            )
+        seconds = statistics.median(times)
+        bound = max(resident, streamed / (peak * 1e9))
+        rows.append(
+            dict(
+                plan="pipeline",
+                system="2 GPUs",
+                streamed_gb=streamed / 1e9,
+                s_per_token=seconds,
+                bound=bound,
+                x_bound=seconds / bound,
+                gbps=streamed / seconds / 1e9,
+                identical=same,
+            )
         )
     hf_prefetch.remove_offload(model)
 

@@ -30,7 +30,8 @@ from .hooks import (
 )
 from .host import HostArena
 from .ops import register_engine
-from .placements import OffloadPlan, ParamSpec, Placement, caches_experts
+from .pipeline import DeviceEngines, device_map, inputs_to
+from .placements import OffloadPlan, ParamSpec, Placement, RingPlan, caches_experts
 from .pool import BufferPool
 from .render import format_bytes
 from .ring import ExpertCache, LayerTransfer, RingTransfers, RoutedTensor
@@ -86,7 +87,14 @@ def attach(model: nn.Module, state: OffloadState) -> None:
     else:
         _attach_prefetch(model, state)
     journal, device = state.journal, state.device
-    journal.set_attribute(model, "hf_device_map", {"": device.index if device.type == "cuda" else "cpu"}, "device map")
+    first = device.index if device.type == "cuda" else "cpu"
+    if state.plan.gpus:
+        mapping = device_map(state.plan, model, first)
+        if device.type != "cuda":
+            mapping = dict.fromkeys(mapping, "cpu")
+    else:
+        mapping = {"": first}
+    journal.set_attribute(model, "hf_device_map", mapping, "device map")
     if state.engine is not None:
         state.engine.start()
     state.lifecycle = Lifecycle.ATTACHED
@@ -101,14 +109,23 @@ def attach(model: nn.Module, state: OffloadState) -> None:
 def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
     journal, device, plan = state.journal, state.device, state.plan
     by_name = {o.full_name: o for o in state.offloaded}
-    journal.move_tensors(model, device, skip={id(o.param) for o in state.offloaded})
-    routes = _routed_sources(state)
+    ring_devices = [_ring_device(ring, device) for ring in plan.rings]
+    skip = {id(o.param) for o in state.offloaded}
+    # Pipeline placement: each run of layers onto its GPU first, then everything else onto the execution device.
+    for ring, ring_device in zip(plan.rings, ring_devices, strict=True):
+        if ring_device != device:
+            for layer in ring.layers:
+                module = model.get_submodule(layer.path)
+                journal.move_tensors(module, ring_device, skip=skip)
+                skip |= {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
+    journal.move_tensors(model, device, skip=skip)
+    routes = {}  # device -> where its routed rows are gathered from (mapped only where a ring routes)
     # Routing needs the arena mapped on CUDA (pinned); without it no forward routes and a cache would stay unused.
     routable = device.type != "cuda" or state.arena.pinned
     rings: list[RingTransfers] = []
-    for ring in plan.rings:
+    for ring, ring_device in zip(plan.rings, ring_devices, strict=True):
         specs = [spec.key for layer in ring.streamed for spec in layer.offloaded]
-        pool = BufferPool(specs, ring.num_slots, device)
+        pool = BufferPool(specs, ring.num_slots, ring_device)
         transfers = []
         for layer in ring.streamed:
             host, slots, routed = [], [], []
@@ -120,25 +137,22 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
                 )
                 journal.freeze(offloaded.param, f"{offloaded.full_name} frozen")
                 if spec.placement is Placement.ROUTED:
-                    source = routes(offloaded.host)
+                    if ring_device not in routes:
+                        routes[ring_device] = _routed_sources(state, ring_device)
+                    source = routes[ring_device](offloaded.host)
                     routed.append(RoutedTensor(offloaded.host, source, slot_buffer, spec.routing.num_experts))
                 else:
                     host.append(offloaded.host)
                     slots.append(slot_buffer)
             nbytes = layer.offloaded_bytes - sum(spec.nbytes for spec in layer.routed)
             transfer = LayerTransfer(host, slots, layer.slot, layer.next_in_slot, nbytes, routed)
-            transfer.cache = _expert_cache(layer, routed, plan.cached_experts, device) if routable else None
+            transfer.cache = _expert_cache(layer, routed, plan.cached_experts, ring_device) if routable else None
             transfers.append(transfer)
         rings.append(RingTransfers(transfers, pool))
-    engine = state.engine = PrefetchEngine(
-        device,
-        rings,
-        pinned=state.arena.pinned,
-        timing=state.timing,
-        routed_max_tokens=plan.routed_max_tokens,
-        links=[torch.device("cuda", index) for index in plan.links[1:]],
-    )
+    engine = state.engine = _engines(state, rings, ring_devices)
     engine_id = register_engine(engine)
+    if plan.gpus:
+        _align_devices(model, state, ring_devices)
     for ring_index, ring in enumerate(plan.rings):
         for position, layer in enumerate(ring.streamed):
             hook = PrefetchHook(engine, engine_id, ring_index, position, layer.path)
@@ -150,6 +164,56 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
     state.write_throughs = _write_through_load_state_dict(model, state)
     _report_host_values(model, state)
     _guard_moves(model, state)
+
+
+def _ring_device(ring: RingPlan, device: torch.device) -> torch.device:
+    # Pipeline placement puts a ring on its GPU; on the CPU (planned as if it were each GPU) every ring stays there.
+    return device if ring.device is None or device.type != "cuda" else torch.device("cuda", ring.device)
+
+
+def _engines(state: OffloadState, rings: list[RingTransfers], ring_devices: list[torch.device]):
+    # One engine, or with pipeline placement one per GPU behind `DeviceEngines`.
+    def engine(device: torch.device, its_rings: list[RingTransfers]) -> PrefetchEngine:
+        return PrefetchEngine(
+            device,
+            its_rings,
+            pinned=state.arena.pinned,
+            timing=state.timing,
+            routed_max_tokens=state.plan.routed_max_tokens,
+            links=[torch.device("cuda", index) for index in state.plan.links[1:]],
+        )
+
+    if not state.plan.gpus:
+        return engine(state.device, rings)
+    # One engine per GPU of the plan (on the CPU, one per GPU entry all the same), in plan order.
+    groups = list(dict.fromkeys(ring.device for ring in state.plan.rings))
+    ring_of = [(groups.index(ring.device), 0) for ring in state.plan.rings]
+    members: list[list[RingTransfers]] = [[] for _ in groups]
+    for r, (group, _) in enumerate(ring_of):
+        ring_of[r] = (group, len(members[group]))
+        members[group].append(rings[r])
+    devices = [ring_devices[[g for g, _ in ring_of].index(group)] for group in range(len(groups))]
+    return DeviceEngines([engine(d, m) for d, m in zip(devices, members, strict=True)], ring_of)
+
+
+def _align_devices(model: nn.Module, state: OffloadState, ring_devices: list[torch.device]) -> None:
+    # Pipeline placement: a layer on another GPU receives its inputs there (hidden states, and what the model passes
+    # every layer: position embeddings, masks); a module outside the layer list that holds weights receives its inputs
+    # on the execution device (the final norm reads the last GPU's hidden states). As accelerate's hooks move them.
+    in_rings = set()
+    for ring, ring_device in zip(state.plan.rings, ring_devices, strict=True):
+        for layer in ring.layers:
+            in_rings.add(layer.path)
+            if ring_device != state.device:
+                hook = partial(inputs_to, ring_device)
+                register = partial(model.get_submodule(layer.path).register_forward_pre_hook, hook, with_kwargs=True)
+                state.journal.handle(register, f"inputs of {layer.path} to {ring_device}")
+    for path, module in model.named_modules():
+        inside = any(path == p or path.startswith(p + ".") for p in in_rings)
+        owns = any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
+        if path and owns and not inside:
+            register = partial(module.register_forward_pre_hook, partial(inputs_to, state.device), with_kwargs=True)
+            state.journal.handle(register, f"inputs of {path} to {state.device}")
 
 
 def _expert_cache(layer, routed: list[RoutedTensor], cached_experts: int, device: torch.device) -> ExpertCache | None:
@@ -178,12 +242,12 @@ def _expert_cache(layer, routed: list[RoutedTensor], cached_experts: int, device
     )
 
 
-def _routed_sources(state: OffloadState):
+def _routed_sources(state: OffloadState, device: torch.device):
     # What routed rows are gathered from: on CUDA the arena's mapped (UVA) view, read by the GPU; else host memory.
-    if state.device.type != "cuda" or not state.arena.pinned:
+    if device.type != "cuda" or not state.arena.pinned:
         return lambda host: host
-    with torch.cuda.device(state.device):
-        mapped = state.arena.map(state.device)
+    with torch.cuda.device(device):
+        mapped = state.arena.map(device)
     return lambda host: state.arena.mapped_like(host, mapped)
 
 

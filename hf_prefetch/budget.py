@@ -17,6 +17,7 @@ from torch import nn
 
 from .config import PrefetchConfig
 from .layers import candidate_layers, model_bytes, warn_unroutable
+from .pipeline import plan_pipeline
 from .placements import OffloadPlan, RingPlan, Source, cache_bytes, expert_row_bytes
 from .planner import make_plan, offload_params_error, plan_of, ring_plan
 from .render import format_bytes
@@ -210,6 +211,62 @@ def resolve_budget(max_memory: MaxMemory, device: torch.device, model: nn.Module
     return MemoryBudget(available_device_bytes(model, device), reserve, host, f"free memory of {device}")
 
 
+def resolve_budgets(max_memory: MaxMemory, device: torch.device, model: nn.Module) -> list[tuple[int, MemoryBudget]]:
+    """Pipeline placement: each GPU of `max_memory` with its budget in bytes, the execution device first, then the
+    others by index. On the CPU (no GPU, or `device="cpu"`) every GPU entry is planned for as if the CPU were that GPU,
+    and `"auto"` is refused."""
+    entries = dict(max_memory.gpus)
+    if None in entries:
+        raise ValueError(
+            "max_memory names several GPUs and 'cuda' (the execution device) among them; name every GPU by its index, "
+            "e.g. max_memory={0: '20GiB', 1: '20GiB', 'cpu': '64GiB'}."
+        )
+    if device.type == "cuda":
+        if device.index not in entries:
+            raise ValueError(
+                f"max_memory names the GPUs {sorted(entries)} but the model executes on {device}: the execution device "
+                "holds the first layers and everything outside the layer list. Add its entry, or pass device= for one "
+                "of them."
+            )
+        count = torch.cuda.device_count()
+        missing = [index for index in entries if index >= count]
+        if missing:
+            raise ValueError(
+                f"max_memory names GPU {missing[0]}, but this machine has {count} CUDA device(s) (0 to {count - 1}). "
+                "Name only GPUs that exist."
+            )
+        order = [device.index] + sorted(index for index in entries if index != device.index)
+    else:
+        order = sorted(entries)
+    budgets = []
+    for index in order:
+        if entries[index] is not None:
+            budgets.append(
+                (
+                    index,
+                    MemoryBudget(
+                        entries[index], max_memory.reserve_bytes, max_memory.host_bytes, f"max_memory[{index}]"
+                    ),
+                )
+            )
+        elif device.type != "cuda":
+            raise ValueError(
+                f"max_memory[{index}]='auto' measures a CUDA device's free memory, but the model executes on {device}. "
+                "Give a size instead, e.g. max_memory={0: '10GiB', 1: '10GiB'}."
+            )
+        else:
+            free = available_device_bytes(model, torch.device("cuda", index))
+            budgets.append(
+                (
+                    index,
+                    MemoryBudget(
+                        free, max_memory.reserve_bytes, max_memory.host_bytes, f"free memory of cuda:{index}"
+                    ),
+                )
+            )
+    return budgets
+
+
 def available_device_bytes(model: nn.Module, device: torch.device) -> int:
     """Memory a dispatch of `model` can use on `device`: free memory (`torch.cuda.mem_get_info`), plus what PyTorch
     has cached but not allocated, plus what the model's own tensors already take there."""
@@ -242,6 +299,14 @@ def choose_plan(
         max_memory = replace(max_memory, gpus=tuple(e for e in max_memory.gpus if e[0] not in helpers))
     if max_memory is None:
         plan = make_plan(model, config, layers)
+    elif len(max_memory.gpus) > 1:
+        if helpers:
+            raise ValueError(
+                f"max_memory names the GPUs {[i for i, _ in max_memory.gpus]} for layers besides links={list(links)}: "
+                "placing layers on several GPUs (pipeline placement) and sharing host links do not combine yet. "
+                "Give max_memory entries only for the execution device and the GPUs of links=, or drop links=."
+            )
+        plan = plan_pipeline(model, resolve_budgets(max_memory, device, model), config, layers)
     else:
         plan = plan_for_budget(model, resolve_budget(max_memory, device, model), config, layers)
     if not links:
@@ -297,6 +362,7 @@ def plan_for_budget(
     budget: MemoryBudget,
     config: PrefetchConfig | None = None,
     layers: str | Sequence[str] | None = None,
+    segment: tuple[range, int] | None = None,
 ) -> OffloadPlan:
     """The plan that streams the fewest bytes per forward while resident weights, the buffer pool and the reserve fit
     the device budget and the pinned bytes fit the host budget. Pure: the budget comes in as numbers.
@@ -310,6 +376,9 @@ def plan_for_budget(
     planned streaming only their experts modules' parameters (`offload_params` = those modules' names, e.g.
     `{"experts"}`): a decoded token then moves only its experts' rows, and attention stays resident. Of the two
     selections the plan that moves the fewest bytes per token wins; its config names the selection.
+
+    `segment` (pipeline placement, `pipeline.py`): `(layers, other_bytes)` plans only the layers whose indices are in
+    `layers` (of a model's one layer list), with `other_bytes` of weights outside the layer list resident beside them.
 
     Raises:
         `ValueError` when even streaming every layer does not fit the device budget, or when the plans that fit it
@@ -336,21 +405,32 @@ def plan_for_budget(
             f"reserve_bytes = {format_bytes(budget.reserve_bytes)}, kept free for activations and the KV cache. Give "
             "the device more memory, or lower reserve_bytes."
         )
-    candidates = candidate_layers(model, config.offload_params, layers)
+    candidates = _in_segment(candidate_layers(model, config.offload_params, layers), segment)
     if config.offload_params and not any(layer.matched for ring in candidates.values() for layer in ring):
         raise offload_params_error(model, config.offload_params, list(candidates), "offload_params")
-    total = model_bytes(model)
+    if segment is None:
+        total = model_bytes(model)
+    else:
+        total = segment[1] + sum(
+            model_bytes(model.get_submodule(c.path)) for ring in candidates.values() for c in ring
+        )
     explicit_cache = config.expert_cache or 0
     selections = [(config, candidates)]
     experts = _experts_segments(config, candidates)
     if experts:
         only = replace(config, offload_params=experts)
-        selections.append((only, candidate_layers(model, experts, layers)))
+        selections.append((only, _in_segment(candidate_layers(model, experts, layers), segment)))
     options = []
     for chosen, chosen_candidates in selections:
         per_ring = [
             [
-                ring_plan(path, ring, set(spread(len(ring), s)), config.prefetch_step, config.routed_experts)
+                ring_plan(
+                    path,
+                    ring,
+                    {ring[i].index for i in spread(len(ring), s)},
+                    config.prefetch_step,
+                    config.routed_experts,
+                )
                 for s in range(len(ring) + 1)
             ]
             for path, ring in chosen_candidates.items()
@@ -385,6 +465,13 @@ def plan_for_budget(
         )
         cached = min(most, (budget.weights_bytes - best.device_bytes) // per_expert) if per_expert else 0
     return plan_of(model, best.config, best.rings, Source.BUDGET, budget, cached_experts=max(0, cached))
+
+
+def _in_segment(candidates: dict, segment: tuple[range, int] | None) -> dict:
+    # The candidate layers of `segment`'s indices (of the one layer list), or all.
+    if segment is None:
+        return candidates
+    return {path: [c for c in ring if c.index in segment[0]] for path, ring in candidates.items()}
 
 
 def _experts_segments(config: PrefetchConfig, candidates: dict) -> frozenset[str]:

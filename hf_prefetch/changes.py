@@ -121,13 +121,13 @@ class Journal:
         param.requires_grad_(False)
 
     def move_tensors(self, model: nn.Module, device: torch.device, skip: set[int]) -> None:
-        """Every parameter (but those in `skip`, by id) and buffer onto `device`; undone by moving them back."""
+        """Every parameter and buffer (but those in `skip`, by id) onto `device`; undone by moving them back."""
         for name, param in model.named_parameters():
             if id(param) not in skip and param.device != device:
                 self.place(param, param.data.to(device), f"{name} to {device}")
         for module_name, module in model.named_modules():
             for name, buffer in module._buffers.items():
-                if buffer is not None and buffer.device != device:
+                if buffer is not None and id(buffer) not in skip and buffer.device != device:
                     self._set_buffer(module, name, buffer.to(device), f"{module_name}.{name} to {device}")
 
     def _set_buffer(self, module: nn.Module, name: str, value: torch.Tensor, what: str) -> None:

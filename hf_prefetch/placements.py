@@ -156,6 +156,8 @@ class RingPlan:
     path: str
     layers: tuple[LayerPlan, ...]
     num_slots: int
+    # Pipeline placement: the CUDA device index these layers live and compute on; None: the execution device.
+    device: int | None = None
 
     @property
     def streamed(self) -> tuple[LayerPlan, ...]:
@@ -218,6 +220,9 @@ class OffloadPlan:
     # The CUDA devices whose host links carry the streamed bytes, the execution device's first; () for its link only.
     # Each link copies an equal share of every streamed layer (links.py, [Note: shared links]).
     links: tuple[int, ...] = ()
+    # Pipeline placement (`pipeline.py`): each GPU, in layer order, with the budget its layers were planned for; the
+    # first is the execution device, which also holds everything outside the layer list. () on one device.
+    gpus: tuple[tuple[int, MemoryBudget], ...] = ()
 
     @property
     def backend(self) -> str:
@@ -290,6 +295,17 @@ class OffloadPlan:
         """Whether the plan keeps fewer bytes on the device than the unmodified model (the pool and the expert cache
         are smaller than what it offloads)."""
         return self.pool_bytes + self.cache_bytes < self.offloaded_bytes
+
+    def gpu_bytes(self, index: int) -> tuple[int, int]:
+        """Pipeline placement: (resident bytes, pool and expert-cache bytes) on GPU `index`. The first GPU holds the
+        weights outside the layer list as well."""
+        first = self.gpus[0][0] if self.gpus else index
+        mine = [ring for ring in self.rings if (ring.device if ring.device is not None else first) == index]
+        in_rings = sum(layer.resident_bytes for ring in self.rings for layer in ring.layers)
+        resident = sum(layer.resident_bytes for ring in mine for layer in ring.layers)
+        if index == first:
+            resident += self.resident_bytes - in_rings
+        return resident, sum(ring.pool_bytes for ring in mine) + cache_bytes(tuple(mine), self.cached_experts)
 
     @property
     def num_links(self) -> int:

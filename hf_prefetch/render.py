@@ -72,7 +72,21 @@ def _totals(plan: OffloadPlan) -> list[tuple[str, str]]:
         ),
     ]
     pinned = size(plan.offloaded_bytes)
-    if (budget := plan.budget) is not None:
+    for index, budget in plan.gpus:  # pipeline placement: each GPU's layers, bytes and budget
+        rings = [ring for ring in plan.rings if ring.device == index]
+        indices = [layer.index for ring in rings for layer in ring.layers]
+        resident, pool = plan.gpu_bytes(index)
+        streams = sum(ring.bytes_per_forward for ring in rings)
+        spare = budget.device_bytes - budget.reserve_bytes - resident - pool
+        totals.append(
+            (
+                f"cuda:{index}",
+                f"layers {min(indices)}-{max(indices)}: resident {size(resident)}, pool {size(pool)}, streams "
+                f"{size(streams)} per forward; budget {size(budget.device_bytes)} ({budget.source}), {size(spare)} "
+                "spare",
+            )
+        )
+    if (budget := plan.budget) is not None and not plan.gpus:
         spare = budget.device_bytes - budget.reserve_bytes - plan.device_bytes
         reserve = f"{size(budget.reserve_bytes)} reserved for activations and the KV cache"
         totals.append(

@@ -1,6 +1,7 @@
 """GPU tests: the same bitwise equality with real asynchronous copies, and the memory accounting."""
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -466,3 +467,36 @@ def test_shared_links_after_an_interrupted_forward_and_with_timing_on_two_gpus(g
     finally:
         mlp.__dict__.pop("forward", None)
         hf_prefetch.remove_offload(model, device="cpu")
+
+
+@two_gpus
+def test_pipeline_placement_200_decode_steps_bitwise_equal_on_two_gpus(gpu_reference):
+    from hf_prefetch.layers import model_bytes
+
+    model, ids, long_ids, expected, prefill = gpu_reference
+    layer = model_bytes(model.model.layers[0])
+    other = model_bytes(model) - 8 * layer
+    reserve = 2**20
+    # Each GPU holds about 2.5 of its 4 layers: both stream.
+    budgets = {0: other + int(2.5 * layer) + reserve, 1: int(2.5 * layer) + reserve}
+    # GPU 1's first matmul allocates cuBLAS's workspace (kept for the process, in memory_allocated): before counting.
+    x = torch.ones(64, 64, device="cuda:1", dtype=torch.bfloat16)
+    y = x @ x
+    del x, y
+    torch.cuda.synchronize(1)
+    before = torch.cuda.memory_allocated(1)
+    hf_prefetch.dispatch_model(model, max_memory=budgets, reserve_bytes=reserve, device="cuda:0")
+    try:
+        plan = hf_prefetch.get_state(model).plan
+        assert [ring.device for ring in plan.rings] == [0, 1] and all(ring.streamed for ring in plan.rings)
+        assert set(model.hf_device_map.values()) == {0, 1}
+        for ring in plan.rings:
+            for entry in ring.layers:
+                assert next(model.get_submodule(entry.path).parameters()).device == torch.device("cuda", ring.device)
+        _check_generate(model, ids, long_ids, expected, prefill)
+        assert hf_prefetch.stats(model).misses == 0
+    finally:
+        hf_prefetch.remove_offload(model, device="cpu")
+    gc.collect()  # generate's outputs (their caches hold GPU 1 tensors) may sit in reference cycles
+    torch.cuda.synchronize(1)
+    assert torch.cuda.memory_allocated(1) == before  # pools and layers left GPU 1 with the dispatch

@@ -1,0 +1,268 @@
+"""Pipeline placement: a model's layers in consecutive runs on several GPUs, each GPU streaming its own run's layers.
+
+`max_memory={0: "20GiB", 1: "20GiB", "cpu": ...}` (accelerate's format, without `links`) places the layer list as
+accelerate's `device_map` does: layers 0..k-1 on GPU 0, k..n-1 on GPU 1, everything outside the layer list (embeddings,
+final norm, head) on the first GPU, the execution device. Each GPU's run is planned against its own budget by the
+budget planner (`plan_for_budget` with a segment) and becomes a ring of its own, on its device (`RingPlan.device`),
+with its own buffer pool, copy stream and engine (`DeviceEngines`). A ring's first layers are copied at the end of
+the forward before, so a GPU's first streamed layers are in place while the GPUs before it compute.
+
+This module plans and routes calls; attach.py changes the model (it moves each run's tensors to its GPU and hooks each
+layer to move its inputs there). It knows nothing about streams or slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from .config import PrefetchConfig
+from .layers import candidate_layers, model_bytes
+from .placements import OffloadPlan, Source
+from .planner import plan_of
+from .render import format_bytes
+
+__all__ = ["plan_pipeline", "split_layers", "DeviceEngines", "device_map", "inputs_to"]
+
+
+def split_layers(layer_bytes: Sequence[int], capacity: Sequence[int]) -> list[range]:
+    """Consecutive runs of layers, one per device, each device's share of the layers' bytes as close as the layers
+    allow to its share of `capacity`; every run has at least one layer.
+
+    Example:
+
+    ```python
+    >>> from hf_prefetch.pipeline import split_layers
+    >>> split_layers([1] * 8, [1, 1]), split_layers([1] * 8, [3, 1]), split_layers([1, 1, 1], [100, 1])
+    ([range(0, 4), range(4, 8)], [range(0, 6), range(6, 8)], [range(0, 2), range(2, 3)])
+
+    ```
+    """
+    n, m = len(layer_bytes), len(capacity)
+    total_bytes, total_capacity = sum(layer_bytes), sum(capacity)
+    bounds, cumulative, start = [], 0, 0
+    for j in range(m - 1):
+        target = total_bytes * sum(capacity[: j + 1]) / total_capacity
+        end = start + 1
+        cumulative += layer_bytes[start]
+        # Take layers while that brings the run closer to its target; leave at least one layer for each device after.
+        while end < n - (m - 1 - j) and abs(cumulative + layer_bytes[end] - target) < abs(cumulative - target):
+            cumulative += layer_bytes[end]
+            end += 1
+        bounds.append(range(start, end))
+        start = end
+    bounds.append(range(start, n))
+    return bounds
+
+
+def plan_pipeline(
+    model: nn.Module,
+    budgets: Sequence[tuple[int, object]],
+    config: PrefetchConfig,
+    layers: str | Sequence[str] | None,
+) -> OffloadPlan:
+    """The plan of pipeline placement: `budgets` is each GPU's index and `MemoryBudget`, the execution device first.
+    The layer list is split by `split_layers` in proportion to what each budget leaves for weights (the first GPU's
+    less the weights outside the layer list); each run is planned by `plan_for_budget` against its GPU's budget."""
+    from .budget import plan_for_budget  # budget.py routes multi-GPU budgets here
+
+    candidates = candidate_layers(model, config.offload_params, layers)
+    if len(candidates) != 1:
+        raise ValueError(
+            f"max_memory names {len(budgets)} GPUs, which places consecutive layers of one layer list on each (pipeline "
+            f"placement), but {type(model).__name__} has {len(candidates)} layer lists ({', '.join(candidates)}). "
+            "Give max_memory one GPU (other GPUs can still carry streamed bytes: links=[0, 1])."
+        )
+    ((path, ring),) = candidates.items()
+    if len(ring) < len(budgets):
+        raise ValueError(
+            f"max_memory names {len(budgets)} GPUs but {path} has {len(ring)} layer(s): each GPU needs at least one. "
+            "Name fewer GPUs."
+        )
+    layer_bytes = [model_bytes(model.get_submodule(c.path)) for c in ring]
+    other = model_bytes(model) - sum(layer_bytes)
+    capacity = []
+    for j, (index, budget) in enumerate(budgets):
+        left = budget.weights_bytes - (other if j == 0 else 0)
+        if left <= 0:
+            held = f" and the {format_bytes(other)} outside {path} (embeddings, head, norms)" if j == 0 else ""
+            raise ValueError(
+                f"{budget.source} = {format_bytes(budget.device_bytes)} leaves nothing for layers after reserve_bytes = "
+                f"{format_bytes(budget.reserve_bytes)}{held}. Give GPU {index} more memory, or lower reserve_bytes."
+            )
+        capacity.append(left)
+    runs = split_layers(layer_bytes, capacity)
+
+    def plan_runs(selection: PrefetchConfig) -> list[OffloadPlan]:
+        return [
+            plan_for_budget(model, budget, selection, layers, segment=(_indices(ring, run), other if j == 0 else 0))
+            for j, ((_, budget), run) in enumerate(zip(budgets, runs, strict=True))
+        ]
+
+    parts = plan_runs(config)
+    # One selection of parameters for every run (an experts-only plan on one GPU and whole layers on another would
+    # need two configs): where the runs chose differently, all are planned with the first run's.
+    chosen = parts[0].config
+    if any(part.config != chosen for part in parts):
+        parts = plan_runs(chosen)
+    rings = tuple(replace(part.rings[0], device=index) for (index, _), part in zip(budgets, parts, strict=True))
+    routed = [layer.path for ring in rings[1:] for layer in ring.streamed if layer.routed]
+    if routed:
+        # Routed rows are read through the arena's mapped view, which torch can only give the device it was pinned
+        # under (the execution device).
+        raise ValueError(
+            f"Pipeline placement would route the experts of {routed[0]} (and {len(routed) - 1} more) on GPU "
+            f"{rings[1].device}: routed experts stream only on the execution device for now. Pass "
+            "PrefetchConfig(routed_experts=False) to stream their expert tensors whole, or use one GPU (with "
+            "links=[0, 1] for the other's host link)."
+        )
+    cached = min(part.cached_experts for part in parts)
+    plan = plan_of(model, chosen, rings, Source.BUDGET, budgets[0][1], cached_experts=cached)
+    return replace(plan, gpus=tuple(budgets))
+
+
+def _indices(ring: list, run: range) -> range:
+    # The layer indices of positions `run` of a layer list's candidates.
+    return range(ring[run.start].index, ring[run.stop - 1].index + 1)
+
+
+def device_map(plan: OffloadPlan, model: nn.Module, first: int) -> dict[str, int]:
+    """accelerate's `hf_device_map` of a pipeline placement: each layer of the layer list on its ring's GPU, every
+    other module on `first` (the modules beside each ancestor of the layer list, named as high up as possible)."""
+    path = plan.rings[0].path
+    result: dict[str, int] = {}
+    parts = path.split(".")
+    for depth in range(len(parts)):
+        parent = model.get_submodule(".".join(parts[:depth]))
+        prefix = ".".join(parts[:depth])
+        for name, _ in parent.named_children():
+            full = f"{prefix}.{name}" if prefix else name
+            if name != parts[depth]:
+                result[full] = first
+    for ring in plan.rings:
+        for layer in ring.layers:
+            result[layer.path] = ring.device if ring.device is not None else first
+    for name, _ in model.named_parameters(recurse=False):
+        result[name] = first
+    return result
+
+
+def inputs_to(device: torch.device, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A forward pre-hook's body: the module's tensor arguments (in tuples, lists and dicts too) on `device`."""
+    return _to(args, device), _to(kwargs, device)
+
+
+def _to(value, device: torch.device):
+    if isinstance(value, torch.Tensor):
+        if value.device == device:
+            return value
+        # Between GPUs a copy is ordered on both devices' current streams: asynchronous for the host, never early.
+        return value.to(device, non_blocking=value.device.type == device.type == "cuda")
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a named tuple
+        return type(value)(*(_to(v, device) for v in value))
+    if type(value) in (list, tuple):
+        return type(value)(_to(v, device) for v in value)
+    if type(value) is dict:
+        return {k: _to(v, device) for k, v in value.items()}
+    return value
+
+
+class DeviceEngines:
+    """One `PrefetchEngine` per GPU of a pipeline placement, behind the interface of one: the rings in plan order, a
+    ring's calls routed to its GPU's engine, the calls around a forward to every engine."""
+
+    def __init__(self, engines: Sequence, ring_of: Sequence[tuple[int, int]]) -> None:
+        self.engines = list(engines)
+        self._ring_of = list(ring_of)  # plan ring -> (engine, its ring there)
+        self.rings = [self.engines[e].rings[r] for e, r in self._ring_of]
+        self.device = self.engines[0].device
+        self.timing = self.engines[0].timing
+
+    @property
+    def graphs(self) -> bool:
+        return any(engine.graphs for engine in self.engines)
+
+    @property
+    def routing(self) -> bool:
+        return self.engines[0].routing
+
+    def _at(self, ring: int):
+        e, r = self._ring_of[ring]
+        return self.engines[e], r
+
+    # A ring's calls, on its GPU's engine.
+    def prefetch(self, ring: int, position: int) -> None:
+        engine, r = self._at(ring)
+        engine.prefetch(r, position)
+
+    def wait(self, ring: int, position: int) -> None:
+        engine, r = self._at(ring)
+        engine.wait(r, position)
+
+    def release(self, ring: int, position: int) -> None:
+        engine, r = self._at(ring)
+        engine.release(r, position)
+
+    def gather(self, ring: int, position: int, index: torch.Tensor) -> None:
+        engine, r = self._at(ring)
+        engine.gather(r, position, index)
+
+    def holds(self, ring: int, position: int) -> bool:
+        engine, r = self._at(ring)
+        return engine.holds(r, position)
+
+    def load(self, ring: int, position: int) -> None:
+        engine, r = self._at(ring)
+        engine.load(r, position)
+
+    def store(self, ring: int, position: int) -> None:
+        engine, r = self._at(ring)
+        engine.store(r, position)
+
+    def refresh(self, ring: int, position: int) -> None:
+        engine, r = self._at(ring)
+        engine.refresh(r, position)
+
+    def invalidate(self, ring: int | None = None, position: int | None = None) -> None:
+        if ring is None:
+            for engine in self.engines:
+                engine.invalidate()
+            return
+        engine, r = self._at(ring)
+        engine.invalidate(r, position)
+
+    # Every engine's.
+    def prepare(self, tokens: int | None = None) -> None:
+        for engine in self.engines:
+            engine.prepare(tokens)
+
+    def finish(self) -> None:
+        for engine in self.engines:
+            engine.finish()
+
+    def start(self) -> None:
+        for engine in self.engines:
+            engine.start()
+
+    def synchronize(self) -> None:
+        for engine in self.engines:
+            engine.synchronize()
+
+    def drain(self) -> None:
+        for engine in self.engines:
+            engine.drain()
+
+    def refill(self) -> None:
+        for engine in self.engines:
+            engine.refill()
+
+    def collect(self) -> None:
+        for engine in self.engines:
+            engine.collect()
+
+    def reset(self) -> None:
+        for engine in self.engines:
+            engine.reset()
