@@ -9,7 +9,6 @@ import torch
 from models import tiny_llama
 from test_engine import copies, misses
 
-
 import hf_prefetch
 from hf_prefetch.budget import choose_plan, parse_max_memory
 from hf_prefetch.config import PrefetchConfig
