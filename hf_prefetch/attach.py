@@ -31,7 +31,8 @@ from .hooks import (
 from .host import HostArena
 from .ops import register_engine
 from .pipeline import DeviceEngines, device_map, inputs_to
-from .placements import OffloadPlan, ParamSpec, Placement, RingPlan, caches_experts
+from .pipeline import ring_device as device_of_ring
+from .placements import OffloadPlan, ParamSpec, Placement, caches_experts
 from .pool import BufferPool
 from .render import format_bytes
 from .ring import ExpertCache, LayerTransfer, RingTransfers, RoutedTensor
@@ -109,7 +110,7 @@ def attach(model: nn.Module, state: OffloadState) -> None:
 def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
     journal, device, plan = state.journal, state.device, state.plan
     by_name = {o.full_name: o for o in state.offloaded}
-    ring_devices = [_ring_device(ring, device) for ring in plan.rings]
+    ring_devices = [device_of_ring(ring, device) for ring in plan.rings]
     skip = {id(o.param) for o in state.offloaded}
     # Pipeline placement: each run of layers onto its GPU first, then everything else onto the execution device.
     for ring, ring_device in zip(plan.rings, ring_devices, strict=True):
@@ -164,11 +165,6 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
     state.write_throughs = _write_through_load_state_dict(model, state)
     _report_host_values(model, state)
     _guard_moves(model, state)
-
-
-def _ring_device(ring: RingPlan, device: torch.device) -> torch.device:
-    # Pipeline placement puts a ring on its GPU; on the CPU (planned as if it were each GPU) every ring stays there.
-    return device if ring.device is None or device.type != "cuda" else torch.device("cuda", ring.device)
 
 
 def _engines(state: OffloadState, rings: list[RingTransfers], ring_devices: list[torch.device]):

@@ -27,6 +27,7 @@ from .config import PrefetchConfig
 from .host import HostArena
 from .keymap import KeyMap, convert, filled_names, map_keys, region_view
 from .links import resolve_links
+from .pipeline import home_of
 from .reader import TensorReader
 from .state import (
     OffloadedParam,
@@ -247,10 +248,11 @@ def _load(
         for i, (path, spec) in enumerate(layout):
             dests[f"{path}.{spec.name}"] = arena.view(i, spec.shape, spec.stride, spec.dtype)
         offloaded_names = list(dests)
+        home = home_of(plan, device)  # pipeline placement: a layer's resident tensors are read onto its GPU
         for name in filled_names(keymap):
             if name not in dests:
                 tensor = keymap.model_tensors[name]
-                dests[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+                dests[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device=home(name))
         timeline.mark("allocate", device)
         seconds, bytes_read = _read_all(checkpoint, keymap, dests, model, progress)
         _install(keymap, dests, journal)

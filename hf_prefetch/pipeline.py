@@ -21,11 +21,11 @@ from torch import nn
 
 from .config import PrefetchConfig
 from .layers import candidate_layers, model_bytes
-from .placements import OffloadPlan, Source
+from .placements import OffloadPlan, RingPlan, Source
 from .planner import plan_of
 from .render import format_bytes
 
-__all__ = ["plan_pipeline", "split_layers", "DeviceEngines", "device_map", "inputs_to"]
+__all__ = ["plan_pipeline", "split_layers", "DeviceEngines", "device_map", "inputs_to", "ring_device", "home_of"]
 
 
 def split_layers(layer_bytes: Sequence[int], capacity: Sequence[int]) -> list[range]:
@@ -127,6 +127,28 @@ def plan_pipeline(
 def _indices(ring: list, run: range) -> range:
     # The layer indices of positions `run` of a layer list's candidates.
     return range(ring[run.start].index, ring[run.stop - 1].index + 1)
+
+
+def ring_device(ring: RingPlan, device: torch.device) -> torch.device:
+    """Where a ring's layers live and compute: its GPU with pipeline placement, else the execution `device`. On the CPU
+    (planned as if it were each GPU) every ring stays there."""
+    return device if ring.device is None or device.type != "cuda" else torch.device("cuda", ring.device)
+
+
+def home_of(plan: OffloadPlan, device: torch.device):
+    """A function from a parameter's or buffer's full name to the device it stays on when resident: its layer's ring's
+    device, or the execution `device` for everything outside the layer lists."""
+    layers = {layer.path: ring_device(ring, device) for ring in plan.rings for layer in ring.layers}
+
+    def home(name: str) -> torch.device:
+        parts = name.split(".")
+        for end in range(len(parts) - 1, 0, -1):
+            found = layers.get(".".join(parts[:end]))
+            if found is not None:
+                return found
+        return device
+
+    return home
 
 
 def device_map(plan: OffloadPlan, model: nn.Module, first: int) -> dict[str, int]:

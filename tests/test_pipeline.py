@@ -167,3 +167,17 @@ def test_routed_experts_on_a_later_gpu_are_refused_with_the_fix():
         assert all(ring.streamed for ring in hf_prefetch.get_state(model).plan.rings)
     finally:
         hf_prefetch.remove_offload(model)
+
+
+def test_each_resident_tensor_is_read_onto_its_layers_gpu():
+    from hf_prefetch.pipeline import home_of
+
+    with torch.device("meta"):
+        model = tiny_llama(num_layers=8)
+    plan = hf_prefetch.plan(model, max_memory=TWO, reserve_bytes=RESERVE, device="cpu")
+    first_on_1 = plan.rings[1].layers[0].index
+    home = home_of(plan, torch.device("cuda", 0))  # as the loader sees it on a GPU
+    assert home(f"model.layers.{first_on_1}.mlp.up_proj.weight") == torch.device("cuda", 1)
+    assert home("model.layers.0.self_attn.q_proj.weight") == torch.device("cuda", 0)
+    assert home("model.norm.weight") == home("lm_head.weight") == torch.device("cuda", 0)
+    assert home_of(plan, CPU)(f"model.layers.{first_on_1}.mlp.up_proj.weight") == CPU

@@ -238,7 +238,10 @@ def test_replace_switches_between_backends(reference):
             {"offload": UVAConfig(cpu_offload_gb=1), "group_size": 2},
             r"\['group_size'\].*PrefetchConfig\(group_size=2\)",
         ),
-        ({"offload": UVAConfig(cpu_offload_gb=1), "timing": True}, r"timing, max_memory, reserve_bytes and links work with"),
+        (
+            {"offload": UVAConfig(cpu_offload_gb=1), "timing": True},
+            r"timing, max_memory, reserve_bytes and links work with",
+        ),
         ({"offload": UVAConfig(cpu_offload_gb=1), "max_memory": "auto"}, r"work with the prefetch backend only"),
         ({"offload": OffloadConfig()}, r"selects no backend"),
         ({"offload": UVAConfig(cpu_offload_gb=1, cpu_offload_params={"w2"})}, r"\{'w2'\} matched no parameter"),
