@@ -138,8 +138,8 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
                 )
                 journal.freeze(offloaded.param, f"{offloaded.full_name} frozen")
                 if spec.placement is Placement.ROUTED:
-                    if ring_device not in routes:
-                        routes[ring_device] = _routed_sources(state, ring_device)
+                    if ring_device not in routes:  # no forward routes (routed_max_tokens=0): never read
+                        routes[ring_device] = _routed_sources(state, ring_device) if plan.routed_max_tokens else _host
                     source = routes[ring_device](offloaded.host)
                     routed.append(RoutedTensor(offloaded.host, source, slot_buffer, spec.routing.num_experts))
                 else:
@@ -236,6 +236,10 @@ def _expert_cache(layer, routed: list[RoutedTensor], cached_experts: int, device
         experts=list(range(capacity)),
         scores=[0.0] * num_experts,
     )
+
+
+def _host(host: torch.Tensor) -> torch.Tensor:
+    return host
 
 
 def _routed_sources(state: OffloadState, device: torch.device):

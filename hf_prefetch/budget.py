@@ -406,7 +406,8 @@ def plan_for_budget(
             "the device more memory, or lower reserve_bytes."
         )
     candidates = _in_segment(candidate_layers(model, config.offload_params, layers), segment)
-    if config.offload_params and not any(layer.matched for ring in candidates.values() for layer in ring):
+    # (A pipeline's run that matches nothing streams nothing; `plan_pipeline` checks the whole layer list.)
+    if config.offload_params and segment is None and not any(c.matched for r in candidates.values() for c in r):
         raise offload_params_error(model, config.offload_params, list(candidates), "offload_params")
     if segment is None:
         total = model_bytes(model)
@@ -447,7 +448,9 @@ def plan_for_budget(
 
     fits_device = [o for o in options if o.device_bytes <= budget.weights_bytes]
     if not fits_device:
-        raise _device_error(model, budget, config, candidates, total, min(options, key=lambda o: o.device_bytes))
+        # The least device memory; of equals, the one that streams most (the message's "even streaming every layer").
+        least = min(options, key=lambda o: (o.device_bytes, -o.pinned_bytes))
+        raise _device_error(model, budget, config, candidates, total, least)
     fits = [o for o in fits_device if budget.host_bytes is None or o.pinned_bytes <= budget.host_bytes]
     if not fits:
         raise _host_error(budget, candidates, min(fits_device, key=lambda o: o.pinned_bytes))
@@ -496,7 +499,8 @@ def _device_error(model, budget, config, candidates, total, least: _Option) -> V
     hint = ""
     if config.prefetch_step > 1:
         one_slot = [
-            ring_plan(path, ring, set(range(len(ring))), 1, config.routed_experts) for path, ring in candidates.items()
+            ring_plan(path, ring, {c.index for c in ring}, 1, config.routed_experts)
+            for path, ring in candidates.items()
         ]
         needs = total - sum(r.offloaded_bytes for r in one_slot) + sum(r.pool_bytes for r in one_slot)
         needs += cache_bytes(one_slot, config.expert_cache or 0)

@@ -22,7 +22,7 @@ from torch import nn
 from .config import PrefetchConfig
 from .layers import candidate_layers, model_bytes
 from .placements import OffloadPlan, RingPlan, Source
-from .planner import plan_of
+from .planner import offload_params_error, plan_of
 from .render import format_bytes
 
 __all__ = ["plan_pipeline", "split_layers", "DeviceEngines", "device_map", "inputs_to", "ring_device", "home_of"]
@@ -77,6 +77,8 @@ def plan_pipeline(
             "Give max_memory one GPU (other GPUs can still carry streamed bytes: links=[0, 1])."
         )
     ((path, ring),) = candidates.items()
+    if config.offload_params and not any(layer.matched for layer in ring):
+        raise offload_params_error(model, config.offload_params, [path], "offload_params")
     if len(ring) < len(budgets):
         raise ValueError(
             f"max_memory names {len(budgets)} GPUs but {path} has {len(ring)} layer(s): each GPU needs at least one. "
@@ -94,23 +96,25 @@ def plan_pipeline(
                 f"{format_bytes(budget.reserve_bytes)}{held}. Give GPU {index} more memory, or lower reserve_bytes."
             )
         capacity.append(left)
-    runs = split_layers(layer_bytes, capacity)
+    host_bytes = budgets[0][1].host_bytes
+    # Each run is planned for its GPU alone; the host budget holds for all of them together (checked below).
+    per_gpu = [(index, replace(budget, host_bytes=None)) for index, budget in budgets]
 
-    def plan_runs(selection: PrefetchConfig) -> list[OffloadPlan]:
-        return [
-            plan_for_budget(model, budget, selection, layers, segment=(_indices(ring, run), other if j == 0 else 0))
-            for j, ((_, budget), run) in enumerate(zip(budgets, runs, strict=True))
-        ]
+    def plan_run(selection: PrefetchConfig, j: int, run: range) -> OffloadPlan:
+        segment = (_indices(ring, run), other if j == 0 else 0)
+        return plan_for_budget(model, per_gpu[j][1], selection, layers, segment=segment)
 
-    parts = plan_runs(config)
+    parts = _repaired(split_layers(layer_bytes, capacity), lambda j, run: plan_run(config, j, run))
     # One selection of parameters for every run (an experts-only plan on one GPU and whole layers on another would
     # need two configs): where the runs chose differently, all are planned with the first run's.
     chosen = parts[0].config
     if any(part.config != chosen for part in parts):
-        parts = plan_runs(chosen)
+        runs = [range(r.layers[0].index, r.layers[-1].index + 1) for part in parts for r in part.rings]
+        parts = _repaired(runs, lambda j, run: plan_run(chosen, j, run))
     rings = tuple(replace(part.rings[0], device=index) for (index, _), part in zip(budgets, parts, strict=True))
+    plan = plan_of(model, chosen, rings, Source.BUDGET, budgets[0][1])
     routed = [layer.path for ring in rings[1:] for layer in ring.streamed if layer.routed]
-    if routed:
+    if routed and plan.routed_max_tokens:
         # Routed rows are read through the arena's mapped view, which torch can only give the device it was pinned
         # under (the execution device).
         raise ValueError(
@@ -119,9 +123,40 @@ def plan_pipeline(
             "PrefetchConfig(routed_experts=False) to stream their expert tensors whole, or use one GPU (with "
             "links=[0, 1] for the other's host link)."
         )
-    cached = min(part.cached_experts for part in parts)
-    plan = plan_of(model, chosen, rings, Source.BUDGET, budgets[0][1], cached_experts=cached)
-    return replace(plan, gpus=tuple(budgets))
+    if host_bytes is not None and plan.offloaded_bytes > host_bytes:
+        raise ValueError(
+            f"The GPUs' runs of layers pin {format_bytes(plan.offloaded_bytes)} of host memory in all, more than "
+            f"max_memory['cpu'] = {format_bytes(host_bytes)}. Raise max_memory['cpu'] to at least "
+            f"{format_bytes(plan.offloaded_bytes)}, or give the GPUs more memory."
+        )
+    # The expert cache lives where layers route: the runs that have routed layers (the first GPU's).
+    cached = [part.cached_experts for part in parts if any(layer.routed for layer in part.rings[0].streamed)]
+    return replace(plan, gpus=tuple(budgets), cached_experts=min(cached, default=0))
+
+
+def _repaired(runs: list[range], plan_run) -> list[OffloadPlan]:
+    """Each run planned (`plan_run(j, run)`); where GPU j's run does not fit its budget, the same with that run one
+    layer shorter (the layer going to the next run, or the previous for the last), while every run keeps a layer. The
+    first error when no split fits."""
+    lengths = [len(run) for run in runs]
+    first_error, seen = None, set()
+    while tuple(lengths) not in seen:  # a split tried before: moving layers goes round in circles
+        seen.add(tuple(lengths))
+        starts = [sum(lengths[:j]) for j in range(len(lengths))]
+        parts = []
+        for j, (start, n) in enumerate(zip(starts, lengths, strict=True)):
+            try:
+                parts.append(plan_run(j, range(start, start + n)))
+            except ValueError as error:
+                first_error = first_error or error
+                if lengths[j] <= 1 or len(lengths) == 1:
+                    raise first_error from None
+                lengths[j] -= 1
+                lengths[j + 1 if j + 1 < len(lengths) else j - 1] += 1
+                break
+        else:
+            return parts
+    raise first_error
 
 
 def _indices(ring: list, run: range) -> range:

@@ -86,6 +86,8 @@ def _totals(plan: OffloadPlan) -> list[tuple[str, str]]:
                 "spare",
             )
         )
+    if plan.gpus and plan.gpus[0][1].host_bytes is not None:
+        pinned += f" of {size(plan.gpus[0][1].host_bytes)} (max_memory['cpu'])"
     if (budget := plan.budget) is not None and not plan.gpus:
         spare = budget.device_bytes - budget.reserve_bytes - plan.device_bytes
         reserve = f"{size(budget.reserve_bytes)} reserved for activations and the KV cache"

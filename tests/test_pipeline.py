@@ -181,3 +181,87 @@ def test_each_resident_tensor_is_read_onto_its_layers_gpu():
     assert home("model.layers.0.self_attn.q_proj.weight") == torch.device("cuda", 0)
     assert home("model.norm.weight") == home("lm_head.weight") == torch.device("cuda", 0)
     assert home_of(plan, CPU)(f"model.layers.{first_on_1}.mlp.up_proj.weight") == CPU
+
+
+L_BYTES, O_BYTES = 147_968, 65_856  # tiny_llama(8), fp32: one layer, and everything outside the layer list
+
+
+def test_a_split_that_does_not_fit_is_repaired_by_moving_layers():
+    # Proportionally GPU 0 would get 2 layers, which do not fit 1.5 layers' memory with 2 slots; 1 + 1 + 6 does.
+    with torch.device("meta"):
+        model = tiny_llama(num_layers=8)
+    budgets = {0: O_BYTES + int(1.5 * L_BYTES) + RESERVE, 1: int(1.5 * L_BYTES) + RESERVE, 2: 4 * L_BYTES + RESERVE}
+    plan = hf_prefetch.plan(model, max_memory=budgets, reserve_bytes=RESERVE, device="cpu")
+    assert [len(ring.layers) for ring in plan.rings] == [1, 1, 6]
+    for index, budget in plan.gpus:
+        assert sum(plan.gpu_bytes(index)) <= budget.weights_bytes
+
+
+def test_the_host_budget_holds_for_all_gpus_together():
+    with torch.device("meta"):
+        model = tiny_llama(num_layers=8)
+    budgets = {0: O_BYTES + int(2.5 * L_BYTES) + RESERVE, 1: int(2.5 * L_BYTES) + RESERVE, "cpu": 5 * L_BYTES}
+    with pytest.raises(ValueError, match=r"pin 1.1 MiB of host memory in all, more than max_memory\['cpu'\]"):
+        hf_prefetch.plan(model, max_memory=budgets, reserve_bytes=RESERVE, device="cpu")
+    budgets["cpu"] = "1GiB"
+    assert "of 1.00 GiB (max_memory['cpu'])" in str(
+        hf_prefetch.plan(model, max_memory=budgets, reserve_bytes=RESERVE, device="cpu")
+    )
+
+
+def test_offload_params_may_match_nothing_in_one_gpus_run():
+    from moe_models import moe_model
+
+    from hf_prefetch.layers import model_bytes
+
+    model = moe_model("deepseek_v3")  # layer 0 is dense: no experts
+    layer = model_bytes(model.model.layers[1])
+    other = model_bytes(model) - sum(model_bytes(m) for m in model.model.layers)
+    config = hf_prefetch.PrefetchConfig(prefetch_step=1, offload_params={"experts"}, routed_experts=False)
+    budgets = {0: other + model_bytes(model.model.layers[0]) + RESERVE, 1: 2 * layer + RESERVE}
+    plan = hf_prefetch.plan(model, config, max_memory=budgets, reserve_bytes=RESERVE, device="cpu")
+    assert [layer.index for layer in plan.rings[0].layers] == [0] and plan.rings[1].streamed
+    with pytest.raises(ValueError, match="matched no parameter"):
+        hf_prefetch.plan(
+            model,
+            hf_prefetch.PrefetchConfig(offload_params={"nothing"}),
+            max_memory=budgets,
+            reserve_bytes=RESERVE,
+            device="cpu",
+        )
+
+
+def test_the_expert_cache_of_the_first_gpu_is_kept():
+    from moe_models import moe_model
+
+    from hf_prefetch.layers import model_bytes
+
+    model = moe_model("qwen3_moe")
+    layer = model_bytes(model.model.layers[0])
+    other = model_bytes(model) - 4 * layer
+    budgets = {0: other + int(2.6 * layer) + RESERVE, 1: layer + RESERVE + 100}
+    config = hf_prefetch.PrefetchConfig(prefetch_step=1, expert_cache=2)
+    plan = hf_prefetch.plan(model, config, max_memory=budgets, reserve_bytes=RESERVE, device="cpu")
+    assert plan.rings[0].streamed and not plan.rings[1].streamed and plan.cached_experts == 2
+
+
+def test_routed_max_tokens_0_never_routes_so_a_later_gpu_may_hold_expert_layers():
+    from moe_models import moe_model
+
+    from hf_prefetch.layers import model_bytes
+
+    model = moe_model("qwen3_moe")
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        expected = model(ids).logits
+    layer = model_bytes(model.model.layers[0])
+    other = model_bytes(model) - 4 * layer
+    budgets = {0: other + int(1.5 * layer) + RESERVE, 1: int(1.5 * layer) + RESERVE}
+    config = hf_prefetch.PrefetchConfig(prefetch_step=1, routed_max_tokens=0)
+    hf_prefetch.dispatch_model(model, config, max_memory=budgets, reserve_bytes=RESERVE, device="cpu")
+    try:
+        assert hf_prefetch.get_state(model).plan.rings[1].streamed
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, expected)
+    finally:
+        hf_prefetch.remove_offload(model)
