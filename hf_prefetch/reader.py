@@ -65,7 +65,10 @@ class TensorReader:
                 raise ValueError(f"{entry.key!r} has shape {list(entry.shape)}, the destination {list(out.shape)}.")
         futures = [f for entry, out in reads if out.device.type == "cpu" for f in self._submit_host(entry, out)]
         try:
-            self._to_device([(entry, out) for entry, out in reads if out.device.type != "cpu"])
+            # One device at a time: a staging ring's copies and events are on that device's stream (pipeline
+            # placement reads layers onto several GPUs).
+            for device in dict.fromkeys(out.device for _, out in reads if out.device.type != "cpu"):
+                self._to_device([(entry, out) for entry, out in reads if out.device == device])
             for future in futures:
                 future.result()
         finally:
@@ -128,7 +131,7 @@ class TensorReader:
                 pieces += [(entry, a, flat[a:b]) for a, b in _spans(flat.numel(), step)]
         if not pieces:
             return
-        device = pieces[0][2].device
+        device = pieces[0][2].device  # every piece's (`load` groups reads by device)
         # stream: runs the staging -> device copies, ordered after the work queued on the current stream so far (the
         # destinations were allocated there). copied[k]: recorded on `stream` after the last copy out of ring[k].
         stream = torch.cuda.Stream(device)

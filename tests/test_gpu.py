@@ -500,3 +500,25 @@ def test_pipeline_placement_200_decode_steps_bitwise_equal_on_two_gpus(gpu_refer
     gc.collect()  # generate's outputs (their caches hold GPU 1 tensors) may sit in reference cycles
     torch.cuda.synchronize(1)
     assert torch.cuda.memory_allocated(1) == before  # pools and layers left GPU 1 with the dispatch
+
+
+@two_gpus
+def test_pipeline_placement_from_a_checkpoint_on_two_gpus(gpu_reference, tmp_path):
+    from hf_prefetch.layers import model_bytes
+
+    model, _, long_ids, _, prefill = gpu_reference
+    model.save_pretrained(tmp_path)
+    layer = model_bytes(model.model.layers[0])
+    other = model_bytes(model) - 8 * layer
+    budgets = {0: other + int(2.5 * layer) + 2**20, 1: int(2.5 * layer) + 2**20}
+    loaded = hf_prefetch.from_pretrained(tmp_path, max_memory=budgets, reserve_bytes=2**20, device="cuda:0")
+    try:
+        plan = hf_prefetch.get_state(loaded).plan
+        for ring in plan.rings:  # each layer's resident tensors were read onto its GPU
+            for entry in ring.layers:
+                for param in loaded.get_submodule(entry.path).parameters():
+                    assert param.device == torch.device("cuda", ring.device)
+        with torch.no_grad():
+            assert torch.equal(loaded(long_ids).logits, prefill)
+    finally:
+        hf_prefetch.remove_offload(loaded)
