@@ -125,11 +125,9 @@ def test_memory_accounting_on_cuda(gpu_reference):
     assert torch.cuda.memory_allocated() == before
 
 
-def test_interrupted_forward_on_cuda(gpu_reference):
-    model, ids, long_ids, _, prefill = gpu_reference
-    hf_prefetch.dispatch_model(
-        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2), device="cuda"
-    )
+def _interrupt_then_check(model, long_ids, prefill) -> None:
+    """A KeyboardInterrupt inside layer 3's MLP, then three prefills bitwise equal to the resident model's (misses
+    load what the interrupted forward left out); the dispatch is removed at the end."""
     mlp = model.model.layers[3].mlp
     try:
         mlp.forward = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt())
@@ -143,6 +141,14 @@ def test_interrupted_forward_on_cuda(gpu_reference):
     finally:
         mlp.__dict__.pop("forward", None)
         hf_prefetch.remove_offload(model, device="cpu")
+
+
+def test_interrupted_forward_on_cuda(gpu_reference):
+    model, ids, long_ids, _, prefill = gpu_reference
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2), device="cuda"
+    )
+    _interrupt_then_check(model, long_ids, prefill)
 
 
 def test_arena_of_a_dropped_model_is_unregistered():
@@ -453,20 +459,10 @@ def test_shared_links_after_an_interrupted_forward_and_with_timing_on_two_gpus(g
     model, ids, long_ids, _, prefill = gpu_reference
     config = hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2)
     hf_prefetch.dispatch_model(model, config, device="cuda:0", links=[0, 1], timing=True)
-    mlp = model.model.layers[3].mlp
-    try:
-        mlp.forward = lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt())
-        with pytest.raises(KeyboardInterrupt), torch.no_grad():
-            model(long_ids)
-        del mlp.forward
-        with torch.no_grad():
-            for _ in range(3):
-                assert torch.equal(model(long_ids).logits, prefill)
-        stats = hf_prefetch.stats(model)
-        assert stats.misses > 0 and stats.copy_seconds > 0
-    finally:
-        mlp.__dict__.pop("forward", None)
-        hf_prefetch.remove_offload(model, device="cpu")
+    with torch.no_grad():
+        model(long_ids)
+    assert hf_prefetch.stats(model).copy_seconds > 0  # timed copies through both links
+    _interrupt_then_check(model, long_ids, prefill)
 
 
 @two_gpus
