@@ -134,14 +134,12 @@ class PrefetchEngine:
         # `done` event.
         self.copy_stream = torch.cuda.Stream(device) if self._cuda else None
         self._timings = Timings(device)
-        # [Note: shared links] in links.py: other GPUs copy a share of every layer; `_join` waits on the copy stream
-        # and on every helper's peer copy of a layer, then records the layer's `done`.
+        # [Note: shared links] in links.py: other GPUs copy a share of every layer, joined into its `done` event.
         self._links = (
             SharedLinks(device, links, [_pairs(layer, whole=True) for ring in self.rings for layer in ring.layers])
             if links
             else None
         )
-        self._join = torch.cuda.Stream(device) if self._cuda and self._links is not None else None
         if self._cuda:
             for ring in self.rings:
                 for layer in ring.layers:
@@ -237,9 +235,7 @@ class PrefetchEngine:
                 # [Note: shared links]: the helpers' peer copies into the slot wait on the compute stream as well.
                 slot_free = torch.cuda.current_stream(self.device).record_event()
                 _copy_all(layer, self._non_blocking, None, whole, self._links, slot_free)
-                self._join.wait_stream(self.copy_stream)
-                self._links.order_after(self._join)
-                layer.done.record(self._join)
+                self._links.land(layer.done, self.copy_stream)
 
     def _load_now(self, transfers: RingTransfers, position: int) -> None:
         # [Note: misses]: copy on the compute stream, after any copy into the slot still in flight.

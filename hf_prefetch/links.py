@@ -14,8 +14,8 @@ A helper GPU has two streams and `STAGES` staging buffers:
 - `peer_stream` waits for the staging copy (`staged`) and for the slot to be free (`slot_free`, recorded on the
   compute stream when the copy was issued, as the engine's own copy stream waits on it), copies the staging buffer
   into the slot's bytes over the peer link, and records `freed` and `done`.
-- The engine's join (`PrefetchEngine._join`) waits on every helper's `done` and on its own copy stream before it
-  records the layer's `done` event: the compute stream sees one event per layer, as with one link.
+- `join` (`land`) waits on every helper's `done` and on the engine's copy stream before it records the layer's
+  `done` event: the compute stream sees one event per layer, as with one link.
 - A copy across devices in torch also orders itself against the current stream of the destination device; here that is
   `barrier`, a stream of the execution device that nothing else uses, so the peer copy waits for nothing else.
 Every helper's last `done` is kept (`order_after`): a stream that must come after every copy issued so far (a miss, a
@@ -176,6 +176,8 @@ class SharedLinks:
         ]
         # barrier: the execution device's current stream during peer copies (see the Note); nothing waits on it.
         self.barrier = torch.cuda.Stream(device) if cuda else None
+        # join: waits on the engine's copy stream and every helper's peer copy of a layer, then records its `done`.
+        self.join = torch.cuda.Stream(device) if cuda else None
 
     @property
     def staging_bytes(self) -> int:
@@ -218,6 +220,13 @@ class SharedLinks:
                 dst.copy_(buffer, non_blocking=True)
             helper.freed[stage] = helper.done = helper.peer_stream.record_event()
 
+    def land(self, done: Any, copy_stream: Any) -> None:
+        """Record `done` once the layer's copies through every link have landed: the execution device's on
+        `copy_stream`, the helpers' last peer copies."""
+        self.join.wait_stream(copy_stream)
+        self.order_after(self.join)
+        done.record(self.join)
+
     def issued(self) -> list[Any]:
         """Each helper's last peer-copy event (CUDA): what a stream waits on to come after every shared copy."""
         return [helper.done for helper in self.helpers if helper.done is not None]
@@ -233,3 +242,5 @@ class SharedLinks:
             if helper.peer_stream is not None:
                 helper.host_stream.synchronize()
                 helper.peer_stream.synchronize()
+        if self.join is not None:
+            self.join.synchronize()
