@@ -502,8 +502,15 @@ def test_pipeline_placement_200_decode_steps_bitwise_equal_on_two_gpus(gpu_refer
 def test_pipeline_placement_from_a_checkpoint_on_two_gpus(gpu_reference, tmp_path):
     from hf_prefetch.layers import model_bytes
 
-    model, _, long_ids, _, prefill = gpu_reference
+    model, _, long_ids, _, _ = gpu_reference
     model.save_pretrained(tmp_path)
+    # The reference is transformers' own load: `model.to(bfloat16)` also rounded its rotary `inv_freq` buffer to
+    # bf16, which a load from the checkpoint (transformers' or ours) computes in float32.
+    resident = LlamaForCausalLM.from_pretrained(tmp_path).to("cuda:0")
+    with torch.no_grad():
+        prefill = resident(long_ids).logits
+    del resident
+    torch.cuda.empty_cache()
     layer = model_bytes(model.model.layers[0])
     other = model_bytes(model) - 8 * layer
     budgets = {0: other + int(2.5 * layer) + 2**20, 1: int(2.5 * layer) + 2**20}
