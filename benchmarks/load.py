@@ -1,9 +1,12 @@
 """Checkpoint to first token: hf_prefetch.from_pretrained against transformers' from_pretrained(device_map="auto").
 
-Writes (once, reused afterwards) a bf16 Llama-3.1-8B-shaped checkpoint of random weights in ~5 GB shards, reads it
-once to warm the page cache, then runs each system in a fresh subprocess so that its peak host RSS (VmHWM) is its
-own. transformers gets the same GPU budget as hf_prefetch's resident + pool bytes; the rest it offloads to the CPU.
-Run on a GPU machine:  PYTHONUNBUFFERED=1 python benchmarks/load.py [--dir /tmp/ckpt8b] [--rounds 1] [--layers 32]
+Writes (once, reused afterwards) a bf16 Llama-3.1-8B-shaped checkpoint of random weights in ~5 GB shards, then runs
+each system in a fresh subprocess so that its peak host RSS (VmHWM) is its own, with the page cache warm (the
+checkpoint read once before) and, with --cold, cold (the checkpoint evicted from the page cache before each run; the
+disk's own sequential read speed is measured in the same run with dd, O_DIRECT, 64 MiB blocks). transformers gets
+the same GPU budget as hf_prefetch's resident + pool bytes; the rest it offloads to the CPU. Each hf_prefetch row
+prints its load timeline and where the time to the first token went.
+Run on a GPU machine:  PYTHONUNBUFFERED=1 python benchmarks/load.py [--dir /tmp/ckpt8b] [--rounds 1] [--cold]
 """
 
 from __future__ import annotations
@@ -85,6 +88,38 @@ def warm_page_cache(folder: Path) -> int:
     return total
 
 
+def evict(folder: Path) -> str:
+    """Drop the checkpoint from the page cache: all clean pages (drop_caches) where allowed, else its own files'."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1")
+        return "drop_caches"
+    except OSError:
+        for file in folder.glob("*.safetensors"):
+            fd = os.open(file, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        return "fadvise"
+
+
+def cached_gb(folder: Path) -> float:
+    from hf_prefetch.diskio import cached_fraction
+
+    return sum((cached_fraction(f) or 0.0) * f.stat().st_size for f in folder.glob("*.safetensors")) / 1e9
+
+
+def disk_read_gbps(folder: Path) -> float:
+    """The disk's sequential read speed: dd of every shard with O_DIRECT and 64 MiB blocks, one after another."""
+    total, seconds = 0, 0.0
+    for file in sorted(folder.glob("*.safetensors")):
+        started = time.perf_counter()
+        subprocess.run(["dd", f"if={file}", "of=/dev/null", "bs=64M", "iflag=direct"], check=True, capture_output=True)
+        seconds += time.perf_counter() - started
+        total += file.stat().st_size
+    return total / seconds / 1e9
+
+
 def gpu_budget_bytes(folder: Path) -> int:
     """hf_prefetch's device bytes (resident + buffer pool) for PREFETCH, planned on a meta model."""
     from accelerate import init_empty_weights
@@ -107,11 +142,12 @@ def run_system(system: str, folder: Path, budget_gib: int) -> dict:
     logging.getLogger("hf_prefetch").setLevel(logging.INFO)  # the loader's GB/s line, on stderr
     result = {"system": system}
     started = time.perf_counter()
-    if system == "hf_prefetch":
+    if system.startswith("hf_prefetch"):
         import hf_prefetch
 
+        direct_io = {"hf_prefetch": None, "hf_prefetch direct": True, "hf_prefetch cached": False}[system]
         model = hf_prefetch.from_pretrained(
-            folder, device="cuda", progress=False, offload=hf_prefetch.PrefetchConfig(**PREFETCH)
+            folder, device="cuda", progress=False, offload=hf_prefetch.PrefetchConfig(**PREFETCH), direct_io=direct_io
         )
         state = hf_prefetch.get_state(model)
         result["timeline"] = dict(state.load_timeline)  # seconds per phase of from_pretrained
@@ -134,10 +170,14 @@ def run_system(system: str, folder: Path, budget_gib: int) -> dict:
     torch.cuda.synchronize()
     result["load_s"] = time.perf_counter() - started
     ids = torch.randint(3, 1000, (1, PROMPT_TOKENS), device="cuda")
+    forward_starts = []
+    hook = model.register_forward_pre_hook(lambda *_: forward_starts.append(time.perf_counter()))
     with torch.no_grad():
         model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, min_new_tokens=1, do_sample=False)
     torch.cuda.synchronize()
+    hook.remove()
     result["first_token_s"] = time.perf_counter() - started
+    result["first_forward_at_s"] = forward_starts[0] - started  # generate()'s own setup ends here
     # The first forward's one-time costs (kernel loading, cuBLAS handles, allocator growth): a second token, timed.
     again = time.perf_counter()
     with torch.no_grad():
@@ -157,6 +197,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--layers", type=int, default=LLAMA_8B["num_hidden_layers"])
     parser.add_argument("--systems", nargs="*", default=["hf_prefetch", "transformers"])
+    parser.add_argument("--cold-systems", nargs="*", default=["hf_prefetch", "hf_prefetch cached", "transformers"])
+    parser.add_argument("--cold", action="store_true", help="also load with the checkpoint evicted from the cache")
     parser.add_argument("--run", help=argparse.SUPPRESS)  # internal: the child process for one system
     parser.add_argument("--budget-gib", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -169,14 +211,27 @@ def main() -> None:
 
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}")
     build_checkpoint(folder, args.layers)
-    checkpoint_bytes = warm_page_cache(folder)
+    checkpoint_bytes = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
     budget = gpu_budget_bytes(folder)
     budget_gib = math.ceil(budget / 2**30)
     print(f"GPU budget: hf_prefetch resident + pool = {budget / 2**30:.2f} GiB -> max_memory {{0: '{budget_gib}GiB'}}")
+    disk = None
+    if args.cold:
+        how = evict(folder)
+        print(f"evicted the checkpoint ({how}): {cached_gb(folder):.2f} GB of it cached")
+        disk = disk_read_gbps(folder)
+        print(f"disk: dd of every shard, O_DIRECT, 64 MiB blocks: {disk:.2f} GB/s")
 
+    # One discarded run first: a fresh machine's first CUDA process also reads the CUDA libraries from the disk.
+    runs = [("hf_prefetch", "prime")] + [(system, "warm") for system in args.systems]
+    runs += [(system, "cold") for system in args.cold_systems] if args.cold else []
     rows = []
-    for _ in range(args.rounds):
-        for system in args.systems:
+    for round_index in range(args.rounds):
+        for system, cache in runs[round_index > 0 :]:
+            if cache == "cold":
+                evict(folder)
+            else:
+                warm_page_cache(folder)
             command = [
                 sys.executable,
                 __file__,
@@ -193,31 +248,39 @@ def main() -> None:
             if child.returncode != 0 or not results:
                 print(f"{system} failed (exit {child.returncode}):\n{child.stderr[-3000:]}")
                 continue
-            rows.append(json.loads(results[-1].removeprefix(RESULT_MARK)))
+            row = json.loads(results[-1].removeprefix(RESULT_MARK))
+            row.update(cache=cache, cached_after_gb=cached_gb(folder))
+            if cache != "prime":
+                rows.append(row)
 
     gib = 2**30
     header = (
-        f"{'system':<14} {'load s':>7} {'1st token s':>11} {'load GB/s':>9} {'peak RSS GiB':>12} "
-        f"{'pinned GiB':>10} {'offloaded GiB':>13} {'GPU peak GiB':>12}"
+        f"{'system':<20} {'cache':<5} {'load s':>7} {'1st token s':>11} {'load GB/s':>9} {'x disk':>6} "
+        f"{'peak RSS GiB':>12} {'pinned GiB':>10} {'offloaded GiB':>13} {'GPU peak GiB':>12} {'cached after GB':>15}"
     )
     lines = [
         f"checkpoint {checkpoint_bytes / 1e9:.1f} GB, {PROMPT_TOKENS}-token prompt, 1 new token, "
-        f"GPU budget {budget_gib} GiB, {torch.cuda.get_device_name()}",
+        f"GPU budget {budget_gib} GiB, {torch.cuda.get_device_name()}"
+        + (f", disk (dd, O_DIRECT) {disk:.2f} GB/s" if disk else ""),
         header,
     ]
     for r in rows:
+        rate = checkpoint_bytes / r["load_s"] / 1e9
+        versus_disk = f"{rate / disk:.2f}" if disk and r["cache"] == "cold" else "-"
         lines.append(
-            f"{r['system']:<14} {r['load_s']:>7.2f} {r['first_token_s']:>11.2f} "
-            f"{checkpoint_bytes / r['load_s'] / 1e9:>9.2f} {r['peak_rss_bytes'] / gib:>12.2f} "
-            f"{r['pinned_bytes'] / gib:>10.2f} {r['offloaded_bytes'] / gib:>13.2f} {r['gpu_peak_bytes'] / gib:>12.2f}"
+            f"{r['system']:<20} {r['cache']:<5} {r['load_s']:>7.2f} {r['first_token_s']:>11.2f} {rate:>9.2f} "
+            f"{versus_disk:>6} {r['peak_rss_bytes'] / gib:>12.2f} {r['pinned_bytes'] / gib:>10.2f} "
+            f"{r['offloaded_bytes'] / gib:>13.2f} {r['gpu_peak_bytes'] / gib:>12.2f} {r['cached_after_gb']:>15.2f}"
         )
     for r in rows:
         if "timeline" in r:
             phases = ", ".join(f"{phase} {seconds:.2f}" for phase, seconds in r["timeline"].items())
-            first = r["first_token_s"] - r["load_s"]
+            setup = r["first_forward_at_s"] - r["load_s"]
+            forward = r["first_token_s"] - r["first_forward_at_s"]
             lines.append(
-                f"{r['system']} timeline (s): {phases}; load {r['load_s']:.2f}, then the first token {first:.2f} "
-                f"(the same call again: {r['second_token_s']:.2f})"
+                f"{r['system']} ({r['cache']}) timeline (s): {phases}; load {r['load_s']:.2f}; generate() until its "
+                f"first forward {setup:.2f}, from there to the token {forward:.2f} (the same call again: "
+                f"{r['second_token_s']:.2f})"
             )
     table = "\n".join(lines)
     print(table)

@@ -137,7 +137,7 @@ class Checkpoint:
         if start < 0 or start + out.nbytes > entry.nbytes:
             raise ValueError(f"Bytes [{start}, {start + out.nbytes}) are outside {entry.key!r} ({entry.nbytes} B).")
         view = memoryview(out).cast("B")
-        fd, position, done = self._fd(entry.path), entry.offset + start, 0
+        fd, position, done = self.fd(entry.path), entry.offset + start, 0
         while done < len(view):
             got = os.preadv(fd, [view[done:]], position + done)
             if got == 0:
@@ -163,7 +163,8 @@ class Checkpoint:
         files = len({entry.path for entry in self.entries.values()})
         return f"Checkpoint({str(self.folder)!r}, tensors={len(self)}, files={files}, nbytes={self.nbytes})"
 
-    def _fd(self, path: Path) -> int:
+    def fd(self, path: Path) -> int:
+        """A descriptor of one of the checkpoint's files, opened once and shared (positional reads only)."""
         with self._lock:
             if path not in self._fds:
                 self._fds[path] = os.open(path, os.O_RDONLY)

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from .state import (
     resolve_config,
     resolve_device,
 )
+from .warmup import Warmup
 
 __all__ = ["from_pretrained", "load_checkpoint_and_dispatch"]
 
@@ -56,6 +58,7 @@ def from_pretrained(
     max_memory: dict[int | str, int | str] | str | None = None,
     reserve_bytes: int | str | None = None,
     links: str | Sequence[int | str | torch.device] | None = None,
+    direct_io: bool | None = None,
     **unknown: Any,
 ) -> nn.Module:
     """Load a local transformers checkpoint straight into a dispatched model, without a full copy in host memory.
@@ -75,6 +78,10 @@ def from_pretrained(
         progress (`bool`, *optional*): Show a progress bar over bytes; by default only on a terminal.
         max_memory, reserve_bytes: Choose the streamed layers to fit a memory budget, as in `dispatch_model`.
         links: Other GPUs whose host links carry a share of every streamed layer, as in `dispatch_model`.
+        direct_io (`bool`, *optional*): Read the shards with direct I/O (`O_DIRECT`), around the page cache. By
+            default each shard the page cache holds less than half of is read directly (a checkpoint fresh from the
+            disk: large reads, and no second copy of the weights in the cache) and the others through the cache.
+            `True` reads every shard directly where the file system allows it, `False` none.
 
     Returns:
         The model, dispatched and in eval mode.
@@ -98,13 +105,15 @@ def from_pretrained(
 
     ```
     """
+    timeline = LoadTimeline()
     refuse_unknown_keywords("from_pretrained", unknown)
     config = resolve_config(offload, "from_pretrained")
     max_memory = parse_max_memory(max_memory, reserve_bytes, config)
     exec_device = resolve_device(device_argument(max_memory, device))
     link_indices = resolve_links(links, exec_device)
+    _check_direct_io(direct_io)
     folder = checkpoint_folder(path)
-    timeline = LoadTimeline()
+    timeline.mark("device")
     with Checkpoint.open(folder) as checkpoint:
         timeline.mark("open")
         model, torch_dtype = build_skeleton(folder, checkpoint, dtype, model_class)
@@ -122,6 +131,7 @@ def from_pretrained(
             max_memory=max_memory,
             links=link_indices,
             timeline=timeline,
+            direct_io=direct_io,
         )
     if (folder / "generation_config.json").is_file() and model.can_generate():
         from transformers import GenerationConfig
@@ -144,6 +154,7 @@ def load_checkpoint_and_dispatch(
     max_memory: dict[int | str, int | str] | str | None = None,
     reserve_bytes: int | str | None = None,
     links: str | Sequence[int | str | torch.device] | None = None,
+    direct_io: bool | None = None,
     **unknown: Any,
 ) -> nn.Module:
     """Load a checkpoint into a model built on the meta device and dispatch it, like `from_pretrained`.
@@ -154,7 +165,7 @@ def load_checkpoint_and_dispatch(
     Args:
         model (`nn.Module`): The model skeleton, parameters on the meta device.
         checkpoint (`str` or `os.PathLike`): A folder, a `.safetensors` file or a `model.safetensors.index.json`.
-        offload, device, layers, progress, max_memory, reserve_bytes, links: As in `from_pretrained`.
+        offload, device, layers, progress, max_memory, reserve_bytes, links, direct_io: As in `from_pretrained`.
         dtype (`torch.dtype`, *optional*): Cast floating-point parameters to this dtype; by default each parameter
             keeps the model's dtype (the checkpoint's values are cast to it).
 
@@ -186,6 +197,7 @@ def load_checkpoint_and_dispatch(
     max_memory = parse_max_memory(max_memory, reserve_bytes, config)
     exec_device = resolve_device(device_argument(max_memory, device))
     link_indices = resolve_links(links, exec_device)
+    _check_direct_io(direct_io)
     if get_state(model) is not None:
         raise ValueError(
             f"{type(model).__name__} is already dispatched; call hf_prefetch.remove_offload(model) before loading."
@@ -206,6 +218,7 @@ def load_checkpoint_and_dispatch(
             timing=timing,
             max_memory=max_memory,
             links=link_indices,
+            direct_io=direct_io,
         )
     return model
 
@@ -224,6 +237,7 @@ def _load(
     max_memory: MaxMemory | None = None,
     links: tuple[int, ...] = (),
     timeline: LoadTimeline | None = None,
+    direct_io: bool | None = None,
 ) -> None:
     from transformers import PreTrainedModel
 
@@ -233,12 +247,14 @@ def _load(
         # weights that __init__ tied; tie them again so that a tied tensor is one parameter (kept resident).
         model.tie_weights()
     journal = Journal()
-    arena = state = None
+    arena = state = warmup = None
     try:
         _set_dtypes(model, dtype, cast, journal)
         keymap = map_keys(model, checkpoint)
         plan = choose_plan(model, config, layers, device, max_memory, links)
         timeline.mark("plan")
+        # The first forward's one-time costs, paid while the reads run, in device memory the pool gets afterwards.
+        warmup = Warmup(model, device, spare_bytes=plan.gpu_bytes(device.index)[1] if device.type == "cuda" else 0)
         # Everything is validated: allocate the host arena exactly as dispatch_model does, then the resident tensors.
         layout = attach.host_layout(plan)
         arena = HostArena([spec.nbytes for _, spec in layout])
@@ -254,17 +270,22 @@ def _load(
                 tensor = keymap.model_tensors[name]
                 dests[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device=home(name))
         timeline.mark("allocate", device)
-        seconds, bytes_read = _read_all(checkpoint, keymap, dests, model, progress)
+        pin = arena.pin if device.type == "cuda" else None
+        seconds, bytes_read, direct_bytes = _read_all(
+            checkpoint, keymap, dests, model, progress, direct_io, pin, timeline
+        )
         _install(keymap, dests, journal)
-        timeline.mark("read", device)  # reads into host memory and the device's resident tensors
-        if device.type == "cuda":
-            arena.pin()  # after the reads: page-locking memory the readers already touched is ~10x faster
-        timeline.mark("pin")
+        warmup.join()
+        if warmup.seconds is not None:
+            torch.cuda.empty_cache()  # the twin's blocks: the pool is allocated next, in sizes of its own
+        timeline.mark("warm-up")  # what was left of it after the reads
         tensors = keymap.model_tensors
         state.offloaded = [OffloadedParam(n, tensors[n], dests[n]) for n in offloaded_names]
         attach.attach(model, state)
         timeline.mark("attach", device)  # the pool, the hooks, and the copies of each ring's first layers
     except BaseException:
+        if warmup is not None:
+            warmup.join()
         if state is not None:
             attach.rollback(model, state)
         else:
@@ -277,8 +298,17 @@ def _load(
     model.eval()
     gb, pinned_gib = bytes_read / 1e9, (arena.nbytes if arena.pinned else 0) / 2**30
     gpu_gib = (plan.device_bytes if device.type == "cuda" else 0) / 2**30
-    message = "Loaded %s: read %.2f GB in %.2f s (%.2f GB/s); pinned host %.2f GiB, GPU %.2f GiB"
-    logger.info(message, checkpoint.folder, gb, seconds, gb / max(seconds, 1e-9), pinned_gib, gpu_gib)
+    message = "Loaded %s: read %.2f GB (%.2f GB direct) in %.2f s (%.2f GB/s); pinned host %.2f GiB, GPU %.2f GiB"
+    direct_gb, rate = direct_bytes / 1e9, gb / max(seconds, 1e-9)
+    logger.info(message, checkpoint.folder, gb, direct_gb, seconds, rate, pinned_gib, gpu_gib)
+
+
+def _check_direct_io(direct_io: object) -> None:
+    if direct_io is not None and not isinstance(direct_io, bool):
+        raise ValueError(
+            f"direct_io={direct_io!r} must be True (read every shard around the page cache), False (through it) or "
+            "None (directly only the shards the page cache does not hold)."
+        )
 
 
 class LoadTimeline:
@@ -403,7 +433,10 @@ def _set_dtypes(model: nn.Module, dtype: torch.dtype | None, cast: bool, journal
             journal.point(Phase.PLACE, param, param.data.to(target), f"{name} as {target}")
 
 
-def _read_all(checkpoint, keymap, dests, model, progress) -> tuple[float, int]:
+def _read_all(checkpoint, keymap, dests, model, progress, direct_io, pin, timeline) -> tuple[float, int, int]:
+    # Host destinations (the arena) first, then the device's: `pin` (the arena's page-locking, CUDA only) runs in a
+    # thread meanwhile. Page-locking memory the readers already touched is ~10x faster than fresh memory, and the
+    # arena is not written again once its reads are done (conversions aside, which page-locking does not disturb).
     reads = [(e, region_view(dests[name], region)) for name, pieces in keymap.streamed.items() for e, region in pieces]
     total = sum(e.nbytes for e, _ in reads) + sum(e.nbytes for e, _ in keymap.duplicates)
     total += sum(e.nbytes for _, _, sources, _ in keymap.converted for _, e in sources)
@@ -413,9 +446,17 @@ def _read_all(checkpoint, keymap, dests, model, progress) -> tuple[float, int]:
     started = time.perf_counter()
     with (
         tqdm(total=total, unit="B", unit_scale=True, desc="Loading checkpoint", disable=disable) as bar,
-        TensorReader(checkpoint, on_read=bar.update) as reader,
+        TensorReader(checkpoint, on_read=bar.update, direct=direct_io) as reader,
     ):
-        reader.load(reads)
+        reader.load([(entry, out) for entry, out in reads if out.device.type == "cpu"])
+        timeline.mark("read host")
+        pinning = _Background(pin) if pin is not None else None
+        try:
+            reader.load([(entry, out) for entry, out in reads if out.device.type != "cpu"])
+        finally:
+            if pinning is not None:
+                pinning.join()
+        timeline.mark("read device")  # and the page-locking of the arena, meanwhile
         if keymap.converted:
             logger.info("Not streamed (converted through transformers): %s", [t for _, t, _, _ in keymap.converted])
         for converter, target_key, sources, names in keymap.converted:
@@ -429,7 +470,28 @@ def _read_all(checkpoint, keymap, dests, model, progress) -> tuple[float, int]:
                     f"{entry.path}: {entry.key!r} and {keymap.streamed[name][0][0].key!r} fill one tensor ({name}: "
                     "the config ties them) but hold different values. Set tie_word_embeddings=False in config.json."
                 )
-    return time.perf_counter() - started, reader.bytes_read
+        timeline.mark("convert")  # tensors transformers converts, and tied duplicates checked
+    return time.perf_counter() - started, reader.bytes_read, reader.direct_bytes
+
+
+class _Background:
+    """`fn()` in a thread; `join()` waits and re-raises what it raised."""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(fn,), name="hf_prefetch-pin", daemon=True)
+        self._thread.start()
+
+    def _run(self, fn: Callable[[], object]) -> None:
+        try:
+            fn()
+        except BaseException as err:
+            self._error = err
+
+    def join(self) -> None:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
 
 
 def _install(keymap: KeyMap, dests: dict[str, torch.Tensor], journal: Journal) -> None:

@@ -1,36 +1,44 @@
 """Reading a checkpoint's tensors into caller-owned tensors, in host memory or on a CUDA device, from a thread pool.
 
-Big tensors are split into chunks so that every reader thread has work; a CUDA destination is filled through a small
-ring of pinned staging buffers. The reader knows byte ranges (`checkpoint.TensorEntry`); which tensor goes where is
-the loader's call.
+Two ways to read, chosen per file. Through the page cache (a file the cache holds): big tensors are split into chunks
+so that every reader thread has work, and a CUDA destination is filled through a small ring of pinned staging
+buffers. Direct (a file mostly on the disk only, see `diskio`): the needed byte ranges are read in aligned windows
+into bounce buffers and copied from there to every destination in the window, host or device. The reader knows byte
+ranges (`checkpoint.TensorEntry`); which tensor goes where is the loader's call.
 """
 
 from __future__ import annotations
 
 import os
+import queue
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
 from .checkpoint import Checkpoint, TensorEntry
+from .diskio import Window, cached_fraction, open_direct, plan_windows, pread
+from .host import HostArena
 
 __all__ = ["TensorReader"]
 
 _CHUNK_BYTES = 16 * 2**20  # one positional read; big tensors are split so that every reader thread has work
-_READERS = min(8, os.cpu_count() or 4)
-_STAGING_BYTES = 32 * 2**20  # one pinned staging buffer (CUDA destinations only)
-_STAGING_BUFFERS = 4
+_READERS = min(16, os.cpu_count() or 4)
+_WINDOW_BYTES = 8 * 2**20  # one windowed read (a multiple of diskio.DIRECT_ALIGN_BYTES)
+_BOUNCE_BUFFERS = 2 * _READERS  # windows being read or copied out
+_DIRECT_BELOW = 0.5  # `direct=None`: a file is read directly when the page cache holds less than this share of it
 
 
 class TensorReader:
     """Fills tensors with checkpoint tensors, casting where the dtypes differ.
 
     Host destinations (pinned or not) are written in place by positional reads from a thread pool; CUDA destinations
-    are filled through a small ring of pinned staging buffers whose asynchronous copies overlap the next reads. No
+    (and every destination of a file read directly) through windows of bounce buffers ([Note: windowed reads]),
+    whose asynchronous copies to the device overlap the next reads. No
     intermediate copy of a whole tensor is made, except for the rare destination that is not contiguous.
 
     Example:
@@ -51,24 +59,36 @@ class TensorReader:
     ```
     """
 
-    def __init__(self, checkpoint: Checkpoint, on_read: Callable[[int], Any] | None = None) -> None:
+    def __init__(
+        self, checkpoint: Checkpoint, on_read: Callable[[int], Any] | None = None, direct: bool | None = None
+    ) -> None:
         self.checkpoint = checkpoint
         self.on_read = on_read
+        self.direct = direct
         self.bytes_read = 0
+        self.direct_bytes = 0  # of bytes_read, read with direct I/O
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(_READERS, thread_name_prefix="hf_prefetch-read")
+        self._direct_fds: dict[Path, int | None] = {}  # None: read this file through the page cache
 
     def load(self, reads: Sequence[tuple[TensorEntry, torch.Tensor]]) -> None:
         """Fill each `(entry, out)` pair's `out` (same shape as the entry) and return once all are filled."""
         for entry, out in reads:
             if tuple(out.shape) != entry.shape:
                 raise ValueError(f"{entry.key!r} has shape {list(entry.shape)}, the destination {list(out.shape)}.")
-        futures = [f for entry, out in reads if out.device.type == "cpu" for f in self._submit_host(entry, out)]
+        reads = [(entry, out) for entry, out in reads if out.numel()]
+        windowed = [(entry, out) for entry, out in reads if self._through_windows(entry, out)]
+        chosen = {id(out) for _, out in windowed}
+        rest = [(entry, out) for entry, out in reads if id(out) not in chosen]
+        futures = [f for entry, out in rest if out.device.type == "cpu" for f in self._submit_host(entry, out)]
+        windows = None
         try:
-            # One device at a time: a staging ring's copies and events are on that device's stream (pipeline
-            # placement reads layers onto several GPUs).
-            for device in dict.fromkeys(out.device for _, out in reads if out.device.type != "cpu"):
-                self._to_device([(entry, out) for entry, out in reads if out.device == device])
+            if windowed:
+                windows = _Windows(self, windowed)
+                futures += windows.submit()
+            for entry, out in rest:
+                if out.device.type != "cpu":  # rare (a cast or a permuted layout): synchronous, via pageable memory
+                    out.copy_(self.read_tensor(entry))
             for future in futures:
                 future.result()
         finally:
@@ -77,6 +97,8 @@ class TensorReader:
             for future in futures:
                 if not future.cancelled():
                     future.exception()  # wait: nothing may still write into `out` once this returns
+            if windows is not None:
+                windows.finish()
 
     def read_tensor(self, entry: TensorEntry) -> torch.Tensor:
         """A new host tensor holding `entry`."""
@@ -87,6 +109,10 @@ class TensorReader:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        fds, self._direct_fds = self._direct_fds, {}
+        for fd in fds.values():
+            if fd is not None:
+                os.close(fd)
 
     def __enter__(self) -> TensorReader:
         return self
@@ -96,10 +122,14 @@ class TensorReader:
 
     def _read(self, entry: TensorEntry, out: np.ndarray, start: int) -> None:
         self.checkpoint.read(entry, out, start)
+        self._count(out.nbytes, direct=False)
+
+    def _count(self, nbytes: int, direct: bool) -> None:
         with self._lock:
-            self.bytes_read += out.nbytes
+            self.bytes_read += nbytes
+            self.direct_bytes += nbytes if direct else 0
             if self.on_read is not None:
-                self.on_read(out.nbytes)
+                self.on_read(nbytes)
 
     def _read_cast(self, entry: TensorEntry, out: torch.Tensor, first: int) -> None:
         # Elements [first, first + out.numel()) of `entry`, through a small temporary, cast into `out`.
@@ -108,8 +138,6 @@ class TensorReader:
         out.copy_(staged.view(out.shape))
 
     def _submit_host(self, entry: TensorEntry, out: torch.Tensor) -> list[Future]:
-        if out.numel() == 0:
-            return []
         if not out.is_contiguous():
             return [self._pool.submit(lambda: out.copy_(self.read_tensor(entry)))]
         if out.dtype == entry.dtype:
@@ -118,49 +146,98 @@ class TensorReader:
         flat, step = out.view(-1), max(1, _CHUNK_BYTES // entry.dtype.itemsize)
         return [self._pool.submit(self._read_cast, entry, flat[a:b], a) for a, b in _spans(flat.numel(), step)]
 
-    def _to_device(self, reads: list[tuple[TensorEntry, torch.Tensor]]) -> None:
-        # [Note: staging ring] A CUDA destination is read in pieces of at most _STAGING_BYTES into the next pinned
-        # staging buffer and copied to the device asynchronously on `stream`, so reading the next pieces overlaps the
-        # copy. A staging buffer is refilled only after the event recorded behind its last copy has completed.
-        pieces = []
-        for entry, out in reads:
-            if out.numel() and not out.is_contiguous():
-                out.copy_(self.read_tensor(entry))  # rare (a permuted layout): synchronous, through pageable memory
-            elif out.numel():
-                flat, step = out.view(-1), _STAGING_BYTES // entry.dtype.itemsize
-                pieces += [(entry, a, flat[a:b]) for a, b in _spans(flat.numel(), step)]
-        if not pieces:
-            return
-        device = pieces[0][2].device  # every piece's (`load` groups reads by device)
-        # stream: runs the staging -> device copies, ordered after the work queued on the current stream so far (the
-        # destinations were allocated there). copied[k]: recorded on `stream` after the last copy out of ring[k].
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        ring = [torch.empty(_STAGING_BYTES, dtype=torch.uint8, pin_memory=True) for _ in range(_STAGING_BUFFERS)]
-        copied: list[torch.cuda.Event | None] = [None] * len(ring)
-        # Own reader threads: the shared pool may be busy with host destinations queued before.
-        stagers = ThreadPoolExecutor(_STAGING_BUFFERS, thread_name_prefix="hf_prefetch-stage")
-        try:
-            for i, (entry, first, out) in enumerate(pieces):
-                k = i % len(ring)
-                if copied[k] is not None:
-                    copied[k].synchronize()
-                nbytes, start = out.numel() * entry.dtype.itemsize, first * entry.dtype.itemsize
-                raw = ring[k].numpy()
-                spans = _spans(nbytes, _STAGING_BYTES // _STAGING_BUFFERS)
-                for future in [stagers.submit(self._read, entry, raw[a:b], start + a) for a, b in spans]:
-                    future.result()
-                staged = ring[k][:nbytes]
-                with torch.cuda.stream(stream):
-                    if out.dtype == entry.dtype:
-                        out.view(torch.uint8).copy_(staged, non_blocking=True)
-                    else:
-                        out.copy_(staged.view(entry.dtype), non_blocking=True)  # cast on the device
-                    copied[k] = torch.cuda.Event()
-                    copied[k].record(stream)
-        finally:
-            stagers.shutdown(wait=True, cancel_futures=True)
+    def _through_windows(self, entry: TensorEntry, out: torch.Tensor) -> bool:
+        # Windows copy raw bytes: the destination must be contiguous and of the checkpoint's dtype. They carry every
+        # such device destination, and host destinations of files read directly (a host destination of a cached
+        # file is read straight into place, with no bounce).
+        if not out.is_contiguous() or out.dtype != entry.dtype:
+            return False
+        return out.device.type != "cpu" or self._direct_fd(entry.path) is not None
+
+    def _direct_fd(self, path: Path) -> int | None:
+        if path not in self._direct_fds:
+            wanted = self.direct
+            if wanted is None:
+                fraction = cached_fraction(path)
+                wanted = fraction is not None and fraction < _DIRECT_BELOW
+            self._direct_fds[path] = open_direct(path) if wanted else None
+        return self._direct_fds[path]
+
+
+class _Windows:
+    """One `load`'s windowed reads. [Note: windowed reads] The byte ranges of the reads are cut into aligned windows
+    (`diskio.plan_windows`); a reader thread takes a free bounce buffer, reads one window into it (with O_DIRECT for
+    a file read directly, else through the page cache), and copies each piece of the window to its destination: a
+    host destination at once, a device destination asynchronously on a copy stream of its device, behind which an
+    event is recorded. A bounce buffer goes back to the free queue after its host copies returned and is refilled
+    only after its events completed. The buffers are page-locked when a destination is on a device, so those copies
+    are asynchronous and overlap the next reads."""
+
+    def __init__(self, reader: TensorReader, reads: list[tuple[TensorEntry, torch.Tensor]]) -> None:
+        self.reader = reader
+        dests = [out.reshape(-1).view(torch.uint8) for _, out in reads]
+        ranges = [(e.path, e.offset, e.nbytes, (dest, e.offset)) for (e, _), dest in zip(reads, dests, strict=True)]
+        self.windows = plan_windows(ranges, _WINDOW_BYTES)
+        # fds[path]: the descriptor each window of the file is read with (direct, or the checkpoint's own).
+        self.direct = {w.path: reader._direct_fd(w.path) is not None for w in self.windows}
+        self.fds = {path: reader._direct_fd(path) if direct else reader.checkpoint.fd(path) for path, direct in
+                    self.direct.items()}  # fmt: skip
+        devices = list(dict.fromkeys(d.device for d in dests if d.device.type == "cuda"))
+        buffers = min(_BOUNCE_BUFFERS, len(self.windows))
+        self.bounce = HostArena([_WINDOW_BYTES] * buffers)
+        # streams[device]: the copies out of bounce buffers into that device, ordered after the work queued on the
+        # device's current stream so far (the destinations were allocated there).
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        if devices:
+            self.bounce.bytes_view(0, self.bounce.nbytes).zero_()  # touched pages page-lock ~10x faster
+            self.bounce.pin()
+        for device in devices:
+            self.streams[device] = torch.cuda.Stream(device)
+            self.streams[device].wait_stream(torch.cuda.current_stream(device))
+        # free: (bounce buffer index, events recorded behind its last device copies)
+        self.free: queue.SimpleQueue[tuple[int, list[torch.cuda.Event]]] = queue.SimpleQueue()
+        for index in range(len(self.bounce.offsets)):
+            self.free.put((index, []))
+
+    def submit(self) -> list[Future]:
+        return [self.reader._pool.submit(self._read_window, window) for window in self.windows]
+
+    def finish(self) -> None:
+        """After every submitted window has ended: wait for the device copies, then release the buffers."""
+        for stream in self.streams.values():
             stream.synchronize()
+        self.bounce.release()
+
+    def _read_window(self, window: Window) -> None:
+        index, pending = self.free.get()
+        try:
+            for event in pending:
+                event.synchronize()  # the last copies out of this buffer have finished
+            pending = []
+            buffer = self.bounce.bytes_view(index, window.stop - window.start)
+            got = pread(self.fds[window.path], buffer.numpy(), window.start)
+            needed = max(offset + nbytes for offset, nbytes, _ in window.pieces) - window.start
+            if got < needed:
+                raise ValueError(
+                    f"{window.path}: the file ended at byte {window.start + got} while reading up to byte "
+                    f"{window.start + needed}; it was truncated after it was opened. Re-download or re-save the "
+                    "checkpoint."
+                )
+            for offset, nbytes, (dest, first) in window.pieces:
+                source = buffer[offset - window.start : offset - window.start + nbytes]
+                target = dest[offset - first : offset - first + nbytes]
+                if target.device.type == "cpu":
+                    target.copy_(source)
+                    continue
+                stream = self.streams[target.device]
+                with torch.cuda.stream(stream):
+                    target.copy_(source, non_blocking=True)
+                    event = torch.cuda.Event()
+                    event.record(stream)
+                pending.append(event)
+            self.reader._count(sum(nbytes for _, nbytes, _ in window.pieces), direct=self.direct[window.path])
+        finally:
+            self.free.put((index, pending))
 
 
 def _bytes_of(tensor: torch.Tensor) -> np.ndarray:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 
 import pytest
 import torch
@@ -202,7 +203,7 @@ def test_conversion_that_cannot_stream_goes_through_transformers(tmp_path, caplo
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16])
 @pytest.mark.parametrize("name", ["llama-sharded", "qwen2_moe-sharded", "gpt2-tied-sharded"])
 def test_cuda_load_matches_transformers(saved, monkeypatch, name, dtype):
-    monkeypatch.setattr(reader_module, "_STAGING_BYTES", 4096)  # many pieces through the staging ring
+    monkeypatch.setattr(reader_module, "_WINDOW_BYTES", 4096)  # many windows
     model = hf_prefetch.from_pretrained(
         saved(name), device="cuda", dtype=dtype, offload=hf_prefetch.PrefetchConfig(**PATTERNS["every-second"])
     )
@@ -369,6 +370,42 @@ def test_failed_read_releases_everything(saved, monkeypatch, arenas):
     assert all(b is buffers[name] for name, b in model.named_buffers())
 
 
+@pytest.mark.parametrize("name", ["llama-sharded", "qwen2_moe-sharded", "gpt2-tied-sharded"])
+@pytest.mark.parametrize("real_direct_io", [False, True])
+def test_direct_reads_match_transformers(saved, monkeypatch, name, real_direct_io):
+    # real_direct_io=False: windows through ordinary descriptors, so that CI runs them where tmpfs refuses O_DIRECT.
+    if not real_direct_io:
+        monkeypatch.setattr(reader_module, "open_direct", lambda path: os.open(path, os.O_RDONLY))
+    monkeypatch.setattr(reader_module, "_WINDOW_BYTES", 8192)
+    folder = saved(name)
+    offload = hf_prefetch.PrefetchConfig(**PATTERNS["every-second"] if "moe" not in name else MOE_PATTERN)
+    model = hf_prefetch.from_pretrained(folder, device="cpu", offload=offload, direct_io=True)
+    assert torch.equal(logits(model), logits(reference(folder)))
+
+
+def test_failed_direct_read_releases_everything(saved, monkeypatch, arenas):
+    folder = saved("llama-sharded")
+    model = empty_model(folder)
+    monkeypatch.setattr(reader_module, "open_direct", lambda path: os.open(path, os.O_RDONLY))
+    monkeypatch.setattr(reader_module, "_WINDOW_BYTES", 8192)
+    calls, real_pread = [], reader_module.pread
+
+    def failing_pread(fd, out, position):
+        calls.append(position)
+        if len(calls) == 10:
+            raise OSError("Input/output error")
+        return real_pread(fd, out, position)
+
+    monkeypatch.setattr(reader_module, "pread", failing_pread)
+    monkeypatch.setattr(reader_module, "HostArena", loader.HostArena)  # the recording arena: bounce buffers too
+    with pytest.raises(OSError, match="Input/output error"):
+        hf_prefetch.load_checkpoint_and_dispatch(
+            model, folder, device="cpu", offload=hf_prefetch.PrefetchConfig(**PATTERNS["every-second"]), direct_io=True
+        )
+    assert len(arenas) == 2 and all(arena._buffer.numel() == 0 for arena in arenas)  # the weights' and the bounce
+    assert_left_as_given(model)
+
+
 def test_failed_attach_is_rolled_back(saved, monkeypatch, arenas):
     folder = saved("llama-sharded")
     model = empty_model(folder)
@@ -403,6 +440,8 @@ def test_argument_errors(saved):
         hf_prefetch.from_pretrained(folder, device="cpu", group=2)
     with pytest.raises(TypeError, match=r"device_map= is called device=.*torch_dtype= is called dtype="):
         hf_prefetch.from_pretrained(folder, device_map="auto", torch_dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"direct_io='yes' must be True .*, False .* or None"):
+        hf_prefetch.from_pretrained(folder, device="cpu", direct_io="yes")
     json.loads((folder / "config.json").read_text())  # untouched
 
 
@@ -427,7 +466,8 @@ def test_the_load_timeline_names_every_phase_in_order(saved):
     model = hf_prefetch.from_pretrained(folder, device="cpu")
     elapsed = time.perf_counter() - started
     timeline = hf_prefetch.get_state(model).load_timeline
-    assert list(timeline) == ["open", "skeleton", "plan", "allocate", "read", "pin", "attach", "generation config"]
+    phases = ["device", "open", "skeleton", "plan", "allocate", "read host", "read device", "convert", "warm-up"]
+    assert list(timeline) == [*phases, "attach", "generation config"]
     assert all(seconds >= 0 for seconds in timeline.values())
     assert sum(timeline.values()) <= elapsed
     hf_prefetch.remove_offload(model)

@@ -645,7 +645,7 @@ def _cuda_llama(seed: int):
 
 @pytest.mark.gpu
 def test_reload_on_cuda_matches_a_fresh_load(tmp_path, monkeypatch):
-    monkeypatch.setattr(reader_module, "_STAGING_BYTES", 4096)  # many pieces through the staging ring
+    monkeypatch.setattr(reader_module, "_WINDOW_BYTES", 4096)  # many windows
     for seed in (0, 1):
         _cuda_llama(seed).save_pretrained(tmp_path / str(seed), max_shard_size="1MB")
     pattern = dict(group_size=2, num_in_group=1, prefetch_step=2)

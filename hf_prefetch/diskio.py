@@ -1,0 +1,153 @@
+"""Reading checkpoint files from the disk: how much of a file the page cache holds, and direct I/O around it.
+
+A checkpoint read right after its download comes from the disk, not from the page cache. Read through the cache,
+every byte then lives twice (in the cache and where the loader put it) until the kernel reclaims the cache, and the
+kernel's readahead decides the request sizes. Direct I/O (`O_DIRECT`) reads from the disk into aligned buffers:
+large requests, several in flight, and no second copy. Bytes the cache already holds are faster read through it, so
+`cached_fraction` asks the kernel (`mincore`) and the reader reads a file directly only when most of it is not
+cached. `plan_windows` cuts the byte ranges a load needs into aligned windows, one direct read each. This module
+knows files and byte ranges; which tensor goes where is the reader's job.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import mmap
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["DIRECT_ALIGN_BYTES", "Window", "aligned_buffer", "cached_fraction", "open_direct", "plan_windows", "pread"]
+
+# O_DIRECT wants the file offset, the length and the buffer address aligned to the device's logical block size:
+# 4096 covers every block size in use (512 and 4096).
+DIRECT_ALIGN_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class Window:
+    """One direct read: bytes [start, stop) of `path` (aligned), and the `(file_offset, nbytes, key)` pieces of the
+    load that lie in it (each piece is a part of one destination; `key` says which, for the caller)."""
+
+    path: Path
+    start: int
+    stop: int
+    pieces: tuple[tuple[int, int, object], ...]
+
+
+def plan_windows(ranges: Sequence[tuple[Path, int, int, object]], window_bytes: int) -> list[Window]:
+    """Cut `(path, file_offset, nbytes, key)` ranges into aligned windows of at most `window_bytes`, in file order.
+
+    A window spans one aligned stretch of one file and reads only from its first needed byte to its last (rounded
+    out to the alignment), so bytes between needed ranges are read only when they share a window with them.
+
+    Example:
+
+    ```python
+    >>> from pathlib import Path
+    >>> from hf_prefetch.diskio import plan_windows
+    >>> windows = plan_windows([(Path("a"), 100, 10_000, "w"), (Path("a"), 20_000, 50, "b")], window_bytes=8192)
+    >>> [(w.start, w.stop, [(o, n) for o, n, _ in w.pieces]) for w in windows]
+    [(0, 8192, [(100, 8092)]), (8192, 12288, [(8192, 1908)]), (16384, 20480, [(20000, 50)])]
+
+    ```
+    """
+    if window_bytes <= 0 or window_bytes % DIRECT_ALIGN_BYTES:
+        raise ValueError(f"window_bytes={window_bytes} must be a positive multiple of {DIRECT_ALIGN_BYTES}.")
+    by_window: dict[tuple[Path, int], list[tuple[int, int, object]]] = {}
+    for path, offset, nbytes, key in ranges:
+        end = offset + nbytes
+        while offset < end:
+            index = offset // window_bytes
+            cut = min(end, (index + 1) * window_bytes)
+            by_window.setdefault((path, index), []).append((offset, cut - offset, key))
+            offset = cut
+    windows = []
+    for (path, _), pieces in sorted(by_window.items(), key=lambda item: (str(item[0][0]), item[0][1])):
+        first = min(offset for offset, _, _ in pieces)
+        last = max(offset + nbytes for offset, nbytes, _ in pieces)
+        start = first - first % DIRECT_ALIGN_BYTES
+        stop = -(-last // DIRECT_ALIGN_BYTES) * DIRECT_ALIGN_BYTES
+        windows.append(Window(path, start, stop, tuple(sorted(pieces, key=lambda piece: piece[0]))))
+    return windows
+
+
+def open_direct(path: Path) -> int | None:
+    """A descriptor of `path` opened for direct I/O, or None where the platform or file system refuses it (tmpfs,
+    some overlay and network file systems, macOS)."""
+    flag = getattr(os, "O_DIRECT", None)
+    if flag is None:
+        return None
+    try:
+        return os.open(path, os.O_RDONLY | flag)
+    except OSError as err:
+        if err.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+            return None
+        raise
+
+
+def aligned_buffer(nbytes: int) -> np.ndarray:
+    """`nbytes` of page-aligned anonymous memory (uint8), usable as a direct-I/O destination."""
+    return np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+
+
+def pread(fd: int, out: np.ndarray, position: int) -> int:
+    """Fill `out` from byte `position` of the file; stops early only at the end of the file. Returns bytes read."""
+    view, done = memoryview(out).cast("B"), 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], position + done)
+        if got == 0:
+            break
+        done += got
+    return done
+
+
+_libc: ctypes.CDLL | None = None
+
+
+def cached_fraction(path: Path) -> float | None:
+    """The share of `path`'s pages the page cache holds now (0.0 to 1.0), or None where the kernel cannot say.
+
+    Asks `mincore` about a read-only mapping of the file; nothing is read and no page is brought in.
+    """
+    global _libc
+    size = os.stat(path).st_size
+    if size == 0:
+        return 1.0
+    if _libc is None:
+        name = ctypes.util.find_library("c")
+        if name is None:
+            return None
+        _libc = ctypes.CDLL(name, use_errno=True)
+        _libc.mmap.restype = ctypes.c_void_p
+        _libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    if not hasattr(_libc, "mincore"):
+        return None
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if address in (None, ctypes.c_void_p(-1).value):
+            return None
+        try:
+            pages = np.zeros(-(-size // mmap.PAGESIZE), dtype=np.uint8)
+            if _libc.mincore(address, size, pages.ctypes.data) != 0:
+                return None
+            return float(np.count_nonzero(pages & 1)) / len(pages)
+        finally:
+            _libc.munmap(address, size)
+    finally:
+        os.close(fd)

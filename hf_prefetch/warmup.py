@@ -1,0 +1,124 @@
+"""A process's first-forward costs, paid in the background while the loader reads the checkpoint.
+
+The first forward of a process on a GPU pays for what no later forward does: the CUDA context, cuBLAS's handle and
+workspace, each kernel's module (CUDA loads them lazily, cuBLAS per GEMM shape), and transformers' first-call setup
+of `generate()`. Measured on an H100 (`benchmarks/first_forward.py`): 0.3-0.4 s for the context, then 0.5 s for the
+first forward of an 8B-shaped model against 0.005 s for the second, and 0.15 s for the first `generate()` call's own
+setup. None of it needs the weights, so `Warmup` runs it while the weights are read: a one-layer twin of the model
+(its class and config with one decoder layer, a small vocabulary, uninitialised weights) runs `generate()` for two
+tokens from a 16-token prompt (a prefill and a decode step) on the execution device, in a thread.
+
+The twin's memory comes out of the buffer pool's share of the budget, which the loader allocates only after the
+reads: a warm-up whose twin is larger than the pool does not run. The warm-up never touches the model and never
+fails a load: an error is logged (debug) and costs only the time it would have saved.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import threading
+import time
+
+import torch
+from torch import nn
+
+__all__ = ["Warmup"]
+
+logger = logging.getLogger(__name__)
+
+_PROMPT_TOKENS = 16
+_TWIN_VOCAB = 512  # the twin's vocabulary: its embedding and head stay small; token ids 0 only
+
+
+class Warmup:
+    """Starts the warm-up of `device` for `model` (built on the meta device) in a thread; `join()` waits for it.
+
+    Nothing runs where the device is not CUDA, the model's config cannot make a one-layer twin, or the twin needs
+    more than `spare_bytes` of device memory. `seconds` is how long the thread ran (None when it did not run).
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, spare_bytes: int) -> None:
+        self.seconds: float | None = None
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+        twin = _twin(model) if device.type == "cuda" else None
+        if twin is None:
+            return
+        nbytes = sum(p.numel() * p.element_size() for p in twin.parameters())
+        if nbytes > spare_bytes:
+            logger.debug("No warm-up: its one-layer twin (%d bytes) exceeds the spare device memory (%d)", nbytes,
+                         spare_bytes)  # fmt: skip
+            return
+        self._thread = threading.Thread(target=self._run, args=(twin, device), name="hf_prefetch-warmup", daemon=True)
+        self._thread.start()
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self, twin: nn.Module, device: torch.device) -> None:
+        started = time.perf_counter()
+        try:
+            with torch.cuda.device(device):
+                _warm(twin, device)
+                torch.cuda.current_stream(device).synchronize()
+        except Exception as err:  # a warm-up that cannot run costs only the time it would have saved
+            self.error = err
+            logger.debug("The warm-up forward failed (the load goes on): %r", err)
+        finally:
+            del twin
+            self.seconds = time.perf_counter() - started
+
+
+def _warm(twin: nn.Module, device: torch.device) -> None:
+    # A prefill of _PROMPT_TOKENS and one decode step (generate() where the model generates), token ids 0.
+    _materialise(twin, device)
+    ids = torch.zeros(1, _PROMPT_TOKENS, dtype=torch.long, device=device)
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        if hasattr(twin, "generate") and twin.can_generate():
+            twin.generate(ids, attention_mask=mask, max_new_tokens=2, min_new_tokens=2, do_sample=False)
+        else:
+            twin(input_ids=ids, attention_mask=mask)
+
+
+def _twin(model: nn.Module) -> nn.Module | None:
+    # The model's class with one decoder layer and a small vocabulary, on the meta device (buffers real, as the
+    # loader's skeleton). None where the config does not say how many layers the model has.
+    from accelerate import init_empty_weights
+
+    config = getattr(model, "config", None)
+    if config is None or not isinstance(getattr(config, "num_hidden_layers", None), int):
+        return None
+    config = copy.deepcopy(config)
+    for name in ("num_hidden_layers", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers"):
+        if isinstance(getattr(config, name, None), int):  # encoder-decoder configs count each stack
+            setattr(config, name, 1)
+    if isinstance(getattr(config, "layer_types", None), list):  # one entry per layer
+        config.layer_types = config.layer_types[:1]
+    if isinstance(getattr(config, "vocab_size", None), int):
+        config.vocab_size = min(config.vocab_size, _TWIN_VOCAB)
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+        if getattr(config, name, None) is not None:
+            setattr(config, name, 0)
+    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
+    try:
+        with init_empty_weights(include_buffers=False):
+            return type(model)._from_config(config, dtype=dtype)
+    except Exception as err:
+        logger.debug("No warm-up: the model's config does not build a one-layer twin: %r", err)
+        return None
+
+
+def _materialise(twin: nn.Module, device: torch.device) -> None:
+    # Parameters as uninitialised device memory (only the kernels matter), buffers (rotary tables, ...) moved.
+    for module in twin.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                empty = torch.empty(param.shape, dtype=param.dtype, device=device)
+                module._parameters[name] = nn.Parameter(empty, requires_grad=False)
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)

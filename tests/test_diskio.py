@@ -1,0 +1,75 @@
+import os
+from pathlib import Path
+
+import pytest
+
+from hf_prefetch.diskio import DIRECT_ALIGN_BYTES, aligned_buffer, cached_fraction, open_direct, plan_windows, pread
+
+A, B = Path("a"), Path("b")
+
+
+@pytest.mark.parametrize(
+    "ranges, window, expected",
+    [
+        # one range inside one window: read from its first aligned byte to its last
+        ([(A, 5000, 100, "x")], 8192, [(A, 4096, 8192, [(5000, 100, "x")])]),
+        # a range across a window boundary is cut there
+        ([(A, 8000, 400, "x")], 8192, [(A, 4096, 8192, [(8000, 192, "x")]), (A, 8192, 12288, [(8192, 208, "x")])]),
+        # two ranges of one window share its read, in file order whatever the order given
+        ([(A, 300, 10, "y"), (A, 0, 10, "x")], 8192, [(A, 0, 4096, [(0, 10, "x"), (300, 10, "y")])]),
+        # files never share a window
+        ([(B, 0, 10, "y"), (A, 0, 10, "x")], 8192, [(A, 0, 4096, [(0, 10, "x")]), (B, 0, 4096, [(0, 10, "y")])]),
+        # empty ranges read nothing
+        ([(A, 0, 0, "x")], 8192, []),
+    ],
+)
+def test_plan_windows(ranges, window, expected):
+    windows = plan_windows(ranges, window)
+    assert [(w.path, w.start, w.stop, list(w.pieces)) for w in windows] == expected
+    for w in windows:
+        assert w.start % DIRECT_ALIGN_BYTES == 0 and w.stop % DIRECT_ALIGN_BYTES == 0
+        assert w.stop - w.start <= window
+
+
+def test_plan_windows_covers_every_byte_once():
+    ranges = [(A, 17, 100_000, "x"), (A, 100_017, 3, "y"), (A, 300_001, 70_000, "z")]
+    covered = {}
+    for w in plan_windows(ranges, 16384):
+        for offset, nbytes, key in w.pieces:
+            assert w.start <= offset and offset + nbytes <= w.stop
+            for byte in range(offset, offset + nbytes):
+                assert byte not in covered
+                covered[byte] = key
+    assert len(covered) == sum(n for _, _, n, _ in ranges)
+
+
+@pytest.mark.parametrize("window", [0, 1000, -4096])
+def test_plan_windows_refuses_unaligned_windows(window):
+    with pytest.raises(ValueError, match="window_bytes=.* must be a positive multiple of 4096"):
+        plan_windows([(A, 0, 1, "x")], window)
+
+
+def test_cached_fraction_of_a_file_just_written_and_read(tmp_path):
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(3 * 4096 + 5))
+    path.read_bytes()
+    fraction = cached_fraction(path)
+    assert fraction is None or fraction == 1.0  # None only where the kernel cannot say
+    (tmp_path / "empty").write_bytes(b"")
+    assert cached_fraction(tmp_path / "empty") == 1.0
+
+
+def test_direct_reads_into_an_aligned_buffer(tmp_path):
+    data = os.urandom(5 * 4096 + 123)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    buffer = aligned_buffer(8 * 4096)
+    assert buffer.ctypes.data % DIRECT_ALIGN_BYTES == 0 and buffer.nbytes == 8 * 4096
+    fd = open_direct(path)
+    if fd is None:
+        pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT")
+    try:
+        got = pread(fd, buffer[: 6 * 4096], 4096)  # past the end: stops at the end of the file
+    finally:
+        os.close(fd)
+    assert got == len(data) - 4096 and bytes(buffer[:got]) == data[4096:]

@@ -1,0 +1,80 @@
+import pytest
+import torch
+from accelerate import init_empty_weights
+from moe_models import FAMILIES, moe_model
+from zoo import ARCHS
+
+from hf_prefetch import warmup
+from hf_prefetch.warmup import Warmup
+
+
+def _on_meta(model):
+    with init_empty_weights(include_buffers=False):
+        return type(model)._from_config(model.config)
+
+
+def _layers(model) -> int:
+    return max(int(name.split(".")[i + 1]) for name, _ in model.named_parameters() for i, part in
+               enumerate(name.split(".")[:-1]) if part in ("layers", "h", "layer", "block") and
+               name.split(".")[i + 1].isdigit()) + 1  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=[a.name for a in ARCHS])
+def test_the_twin_of_every_architecture_runs_a_prefill_and_a_decode_step(arch):
+    if reason := arch.missing():
+        pytest.skip(reason)
+    model = _on_meta(arch.build())
+    before = [(name, p.device, p.shape) for name, p in model.named_parameters()]
+    twin = warmup._twin(model)
+    assert twin is not None and twin is not model
+    if not arch.seq2seq:
+        assert _layers(twin) == 1
+    assert all(p.is_meta for p in twin.parameters())
+    warmup._warm(twin, torch.device("cpu"))  # raises if the twin cannot run
+    assert all(not p.is_meta for p in twin.parameters())
+    assert [(name, p.device, p.shape) for name, p in model.named_parameters()] == before  # the model is untouched
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_twin_of_every_moe_family_runs(family):
+    model = _on_meta(moe_model(family))
+    twin = warmup._twin(model)
+    assert twin is not None and _layers(twin) == 1
+    warmup._warm(twin, torch.device("cpu"))
+
+
+def test_no_twin_without_a_layer_count():
+    assert warmup._twin(torch.nn.Linear(2, 2)) is None
+
+
+def test_no_warmup_on_the_cpu_or_beyond_the_spare_memory(monkeypatch):
+    model = _on_meta(ARCHS[0].build())
+    started = []
+    monkeypatch.setattr(warmup.threading.Thread, "start", lambda self: started.append(self))
+    Warmup(model, torch.device("cpu"), spare_bytes=2**40).join()
+    assert started == []
+    Warmup(model, torch.device("cuda", 0), spare_bytes=0).join()  # the twin needs more than 0 bytes
+    assert started == []
+
+
+def test_a_failing_warmup_is_logged_and_the_load_goes_on(monkeypatch, caplog):
+    model = _on_meta(ARCHS[0].build())
+    monkeypatch.setattr(warmup.torch.cuda, "device", lambda device: (_ for _ in ()).throw(RuntimeError("no GPU")))
+    with caplog.at_level("DEBUG", logger="hf_prefetch.warmup"):
+        run = Warmup(model, torch.device("cuda", 0), spare_bytes=2**40)
+        run.join()
+    assert isinstance(run.error, RuntimeError) and run.seconds is not None
+    assert "The warm-up forward failed (the load goes on)" in caplog.text
+
+
+@pytest.mark.gpu
+def test_the_warmup_runs_on_cuda_and_leaves_no_memory_behind():
+    from models import gpu_llama
+
+    model = _on_meta(gpu_llama(2))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    run = Warmup(model, torch.device("cuda", 0), spare_bytes=2**40)
+    run.join()
+    assert run.error is None and run.seconds is not None
+    assert torch.cuda.memory_allocated() == before
