@@ -77,4 +77,6 @@ def test_the_warmup_runs_on_cuda_and_leaves_no_memory_behind():
     run = Warmup(model, torch.device("cuda", 0), spare_bytes=2**40)
     run.join()
     assert run.error is None and run.seconds is not None
-    assert torch.cuda.memory_allocated() == before
+    # What stays is cuBLAS's workspace for the warm-up thread's handle (32 MiB, kept by torch for the process, and
+    # what the first real forward would allocate); the twin itself (~190 MB) is gone.
+    assert torch.cuda.memory_allocated() - before <= 32 * 2**20
