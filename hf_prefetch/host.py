@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import mmap
 import os
 import warnings
 import weakref
@@ -303,7 +302,11 @@ class HostArena:
         self.nbytes = _round_up(total, _PAGE_BYTES)
         if self.nbytes > 0:
             check_host_memory(self.nbytes, host_limits(), freed_bytes=freed_bytes)
-        self._buffer = _anonymous(self.nbytes)
+        # Over-allocate one page so that the registered range starts on a page boundary and shares no page with
+        # another allocation (two registrations of one page fail).
+        raw = torch.empty(self.nbytes + _PAGE_BYTES, dtype=torch.uint8)
+        start = (-raw.data_ptr()) % _PAGE_BYTES
+        self._buffer = raw[start : start + self.nbytes]
         self.pinned = False
         self._unpin: weakref.finalize | None = None
         self._mapping: weakref.ref[_DeviceArray] | None = None  # alive while a device view from `map` is
@@ -390,22 +393,6 @@ class HostArena:
             self._unpin()
         self.pinned = False
         self._buffer = torch.empty(0, dtype=torch.uint8)
-
-
-def _anonymous(nbytes: int) -> torch.Tensor:
-    # Anonymous memory of its own (mmap), as uint8: page-aligned, so the registered range shares no page with another
-    # allocation (two registrations of one page fail), and marked for transparent huge pages where the kernel offers
-    # them: the first write into fresh memory then faults in 2 MiB at a time instead of 4 KiB. The tensor holds the
-    # mapping; it is unmapped when the last view of it dies.
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    memory = mmap.mmap(-1, nbytes)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            memory.madvise(mmap.MADV_HUGEPAGE)
-        except OSError:  # a kernel without transparent huge pages: 4 KiB pages
-            pass
-    return torch.frombuffer(memory, dtype=torch.uint8)
 
 
 class _DeviceArray:
