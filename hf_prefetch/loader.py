@@ -270,7 +270,7 @@ def _load(
                 tensor = keymap.model_tensors[name]
                 dests[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device=home(name))
         timeline.mark("allocate", device)
-        pin = arena.pin if device.type == "cuda" else None
+        pin = (lambda: _pin_on(arena, device)) if device.type == "cuda" else None
         seconds, bytes_read, direct_bytes = _read_all(
             checkpoint, keymap, dests, model, progress, direct_io, pin, timeline
         )
@@ -453,9 +453,12 @@ def _read_all(checkpoint, keymap, dests, model, progress, direct_io, pin, timeli
         pinning = _Background(pin) if pin is not None else None
         try:
             reader.load([(entry, out) for entry, out in reads if out.device.type != "cpu"])
-        finally:
+        except BaseException:
             if pinning is not None:
-                pinning.join()
+                pinning.join(raise_error=False)  # the read's error is the one to report
+            raise
+        if pinning is not None:
+            pinning.join()
         timeline.mark("read device")  # and the page-locking of the arena, meanwhile
         if keymap.converted:
             logger.info("Not streamed (converted through transformers): %s", [t for _, t, _, _ in keymap.converted])
@@ -488,10 +491,15 @@ class _Background:
         except BaseException as err:
             self._error = err
 
-    def join(self) -> None:
+    def join(self, raise_error: bool = True) -> None:
         self._thread.join()
-        if self._error is not None:
+        if raise_error and self._error is not None:
             raise self._error
+
+
+def _pin_on(arena: HostArena, device: torch.device) -> None:
+    with torch.cuda.device(device):  # registered under the execution device, as dispatch_model does
+        arena.pin()
 
 
 def _install(keymap: KeyMap, dests: dict[str, torch.Tensor], journal: Journal) -> None:

@@ -9,6 +9,7 @@ ranges (`checkpoint.TensorEntry`); which tensor goes where is the loader's call.
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
 import threading
@@ -155,13 +156,14 @@ class TensorReader:
         return out.device.type != "cpu" or self._direct_fd(entry.path) is not None
 
     def _direct_fd(self, path: Path) -> int | None:
-        if path not in self._direct_fds:
-            wanted = self.direct
-            if wanted is None:
-                fraction = cached_fraction(path)
-                wanted = fraction is not None and fraction < _DIRECT_BELOW
-            self._direct_fds[path] = open_direct(path) if wanted else None
-        return self._direct_fds[path]
+        with self._lock:  # one descriptor per file, whichever thread asks first
+            if path not in self._direct_fds:
+                wanted = self.direct
+                if wanted is None:
+                    fraction = cached_fraction(path)
+                    wanted = fraction is not None and fraction < _DIRECT_BELOW
+                self._direct_fds[path] = open_direct(path) if wanted else None
+            return self._direct_fds[path]
 
 
 class _Windows:
@@ -188,12 +190,16 @@ class _Windows:
         # streams[device]: the copies out of bounce buffers into that device, ordered after the work queued on the
         # device's current stream so far (the destinations were allocated there).
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
-        if devices:
-            self.bounce.bytes_view(0, self.bounce.nbytes).zero_()  # touched pages page-lock ~10x faster
-            self.bounce.pin()
-        for device in devices:
-            self.streams[device] = torch.cuda.Stream(device)
-            self.streams[device].wait_stream(torch.cuda.current_stream(device))
+        try:
+            if devices:
+                self.bounce.bytes_view(0, self.bounce.nbytes).zero_()  # touched pages page-lock ~10x faster
+                self.bounce.pin()
+            for device in devices:
+                self.streams[device] = torch.cuda.Stream(device)
+                self.streams[device].wait_stream(torch.cuda.current_stream(device))
+        except BaseException:
+            self.bounce.release()
+            raise
         # free: (bounce buffer index, events recorded behind its last device copies)
         self.free: queue.SimpleQueue[tuple[int, list[torch.cuda.Event]]] = queue.SimpleQueue()
         for index in range(len(self.bounce.offsets)):
@@ -215,7 +221,16 @@ class _Windows:
                 event.synchronize()  # the last copies out of this buffer have finished
             pending = []
             buffer = self.bounce.bytes_view(index, window.stop - window.start)
-            got = pread(self.fds[window.path], buffer.numpy(), window.start)
+            direct = self.direct[window.path]
+            try:
+                got = pread(self.fds[window.path], buffer.numpy(), window.start)
+            except OSError as err:
+                if not direct or err.errno != errno.EINVAL:
+                    raise
+                # A file system that opens files for direct I/O but refuses a read (a block size above 4096, some
+                # FUSE mounts): this window through the page cache.
+                direct = False
+                got = pread(self.reader.checkpoint.fd(window.path), buffer.numpy(), window.start)
             needed = max(offset + nbytes for offset, nbytes, _ in window.pieces) - window.start
             if got < needed:
                 raise ValueError(
@@ -235,7 +250,7 @@ class _Windows:
                     event = torch.cuda.Event()
                     event.record(stream)
                 pending.append(event)
-            self.reader._count(sum(nbytes for _, nbytes, _ in window.pieces), direct=self.direct[window.path])
+            self.reader._count(sum(nbytes for _, nbytes, _ in window.pieces), direct=direct)
         finally:
             self.free.put((index, pending))
 

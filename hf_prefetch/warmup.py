@@ -85,26 +85,29 @@ def _warm(twin: nn.Module, device: torch.device) -> None:
 
 
 def _twin(model: nn.Module) -> nn.Module | None:
-    # The model's class with one decoder layer and a small vocabulary, on the meta device (buffers real, as the
-    # loader's skeleton). None where the config does not say how many layers the model has.
+    # The model's class with one decoder layer of each kind its config lists (hybrid models: attention and linear
+    # attention, sliding and full) and a small vocabulary, on the meta device (buffers real, as the loader's skeleton).
+    # None where the config does not say how many layers the model has, or refuses the changes.
     from accelerate import init_empty_weights
 
     config = getattr(model, "config", None)
     if config is None or not isinstance(getattr(config, "num_hidden_layers", None), int):
         return None
-    config = copy.deepcopy(config)
-    for name in ("num_hidden_layers", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers"):
-        if isinstance(getattr(config, name, None), int):  # encoder-decoder configs count each stack
-            setattr(config, name, 1)
-    if isinstance(getattr(config, "layer_types", None), list):  # one entry per layer
-        config.layer_types = config.layer_types[:1]
-    if isinstance(getattr(config, "vocab_size", None), int):
-        config.vocab_size = min(config.vocab_size, _TWIN_VOCAB)
-    for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
-        if getattr(config, name, None) is not None:
-            setattr(config, name, 0)
-    dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
     try:
+        config = copy.deepcopy(config)
+        kinds = getattr(config, "layer_types", None)
+        kinds = list(dict.fromkeys(kinds)) if isinstance(kinds, list) and kinds else None
+        for name in ("num_hidden_layers", "num_layers", "num_decoder_layers", "encoder_layers", "decoder_layers"):
+            if isinstance(getattr(config, name, None), int):  # encoder-decoder configs count each stack
+                setattr(config, name, len(kinds) if kinds and name == "num_hidden_layers" else 1)
+        if kinds:
+            config.layer_types = kinds
+        if isinstance(getattr(config, "vocab_size", None), int):
+            config.vocab_size = min(config.vocab_size, _TWIN_VOCAB)
+        for name in ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id"):
+            if getattr(config, name, None) is not None:
+                setattr(config, name, 0)
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
         with init_empty_weights(include_buffers=False):
             return type(model)._from_config(config, dtype=dtype)
     except Exception as err:
