@@ -16,10 +16,11 @@ from torch import nn
 
 from . import host
 from .attach import attach, begin, detach, finish_interrupted, host_layout, rollback
-from .budget import choose_plan, device_argument, parse_max_memory
+from .budget import choose_plan
 from .config import PrefetchConfig
 from .host import HostArena
 from .links import resolve_links
+from .memory_budget import device_argument, parse_max_memory
 from .offload_config import OffloadConfig, UVAConfig, resolve_offload
 from .planner import make_uva_plan
 from .state import (
@@ -66,7 +67,7 @@ def dispatch_model(
             layer list, and the pinned bytes fit `"cpu"`. `"auto"` (or a GPU entry `"auto"`) is the device's free
             memory. Replaces the config's `group_size` and `num_in_group`. `hf_prefetch.plan` shows the plan first.
         reserve_bytes (`int` or `str`, *optional*): Device memory kept free for activations and the KV cache with
-            `max_memory`; defaults to 1 GiB (`hf_prefetch.budget.DEFAULT_RESERVE_BYTES`).
+            `max_memory`; defaults to 1 GiB (`hf_prefetch.memory_budget.DEFAULT_RESERVE_BYTES`).
         links (`"all"` or list of GPUs, *optional*): GPUs whose host-to-device links carry a share of every streamed
             layer: each copies its share from pinned host memory into a staging buffer of its own and on over the
             peer link (NVLink) into the slot, so a forward streams at the links' combined speed. May name the

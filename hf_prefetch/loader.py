@@ -14,22 +14,23 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from . import attach
-from .budget import MaxMemory, choose_plan, device_argument, parse_max_memory
+from .budget import choose_plan
 from .changes import Journal, Phase
 from .checkpoint import Checkpoint
 from .config import PrefetchConfig
 from .host import HostArena
 from .keymap import KeyMap, convert, filled_names, map_keys, region_view
 from .links import resolve_links
+from .memory_budget import MaxMemory, device_argument, parse_max_memory
 from .pipeline import home_of
 from .reader import TensorReader
+from .skeleton import build_skeleton, checkpoint_folder, set_dtypes
 from .state import (
     OffloadedParam,
     get_state,
@@ -249,7 +250,7 @@ def _load(
     journal = Journal()
     arena = state = warmup = None
     try:
-        _set_dtypes(model, dtype, cast, journal)
+        set_dtypes(model, dtype, cast, journal)
         keymap = map_keys(model, checkpoint)
         plan = choose_plan(model, config, layers, device, max_memory, links)
         timeline.mark("plan")
@@ -325,112 +326,6 @@ class LoadTimeline:
         now = time.perf_counter()
         self.phases[phase] = self.phases.get(phase, 0.0) + now - self._last
         self._last = now
-
-
-def checkpoint_folder(path: str | os.PathLike) -> Path:
-    """`path` as a folder that holds a config.json (nothing is downloaded)."""
-    folder = Path(path)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(
-            f"{folder} has no config.json. hf_prefetch reads local folders only (nothing is downloaded): pass "
-            "the folder written by save_pretrained, or a local snapshot (huggingface_hub.snapshot_download)."
-        )
-    return folder
-
-
-def build_skeleton(
-    folder: Path, checkpoint: Checkpoint, dtype: Any, model_class: type | None
-) -> tuple[nn.Module, torch.dtype]:
-    """The model of a checkpoint folder on the meta device (buffers real), with the dtypes it will be loaded in."""
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
-
-    model_config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    quantization = getattr(model_config, "quantization_config", None)
-    if quantization is not None:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        method = getattr(quantization, "quant_method", method)
-        raise ValueError(
-            f"{folder} is a quantized checkpoint (config.json quantization_config.quant_method = "
-            f"{getattr(method, 'value', method)!r}); from_pretrained loads unquantized checkpoints only. A model "
-            "quantized in memory whose packed weights are plain tensors (transformers' fine-grained FP8, "
-            "FP8Linear) streams its packed bytes through hf_prefetch.dispatch_model; tensor-subclass quantizations "
-            "(torchao, bitsandbytes) are not supported yet."
-        )
-    torch_dtype = _auto_dtype(dtype, model_config, checkpoint)
-    model = _build_empty(model_class or AutoModelForCausalLM, model_config, torch_dtype)
-    model.config.name_or_path = str(folder)
-    if isinstance(model, PreTrainedModel):
-        model.tie_weights()  # as _load does: the plan must see tied tensors as one parameter
-    _set_dtypes(model, torch_dtype, cast=False, journal=Journal())
-    return model, torch_dtype
-
-
-def _build_empty(model_class: type, config: Any, dtype: torch.dtype) -> nn.Module:
-    from accelerate import init_empty_weights
-
-    # Parameters on the meta device, buffers real: non-persistent buffers (rotary tables, ...) are computed by the
-    # modules' own __init__, under the same default dtype as transformers' from_pretrained uses.
-    with init_empty_weights(include_buffers=False):
-        if not hasattr(model_class, "from_config"):
-            return model_class._from_config(config, dtype=dtype)
-        try:  # an Auto class
-            return model_class.from_config(config, dtype=dtype)
-        except ValueError as err:
-            if "Unrecognized configuration class" not in str(err):
-                raise
-            raise ValueError(_auto_class_hint(model_class, config)) from None
-
-
-def _auto_class_hint(model_class: type, config: Any) -> str:
-    # transformers' own message lists every model type the Auto class knows (thousands of characters): name the
-    # Auto classes that do know this config instead.
-    import transformers
-
-    fitting = [
-        name
-        for name in ("AutoModelForSeq2SeqLM", "AutoModelForImageTextToText", "AutoModelForCausalLM", "AutoModel")
-        if type(config) in getattr(transformers, name)._model_mapping
-    ]
-    architectures = getattr(config, "architectures", None) or []
-    hint = f"pass model_class=transformers.{fitting[0]}" if fitting else "pass its model class as model_class="
-    if architectures:
-        hint += f" (its config.json names {architectures})"
-    return (
-        f"{model_class.__name__} cannot build a {type(config).__name__} (model_type={config.model_type!r}): {hint}, "
-        f"e.g. hf_prefetch.from_pretrained(path, model_class=transformers.{fitting[0] if fitting else 'AutoModel'})."
-    )
-
-
-def _auto_dtype(dtype: Any, config: Any, checkpoint: Checkpoint) -> torch.dtype:
-    if dtype is None or dtype == "auto":
-        dtype = getattr(config, "dtype", None)
-        if dtype is None:
-            floating = [e.dtype for e in checkpoint.entries.values() if e.dtype.is_floating_point]
-            dtype = floating[0] if floating else torch.get_default_dtype()
-    given = dtype
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(
-            f"dtype={given!r} must be a floating-point torch.dtype such as torch.bfloat16 (or its name, "
-            "'bfloat16'), 'auto' or None."
-        )
-    return dtype
-
-
-def _set_dtypes(model: nn.Module, dtype: torch.dtype | None, cast: bool, journal: Journal) -> None:
-    # transformers keeps some modules in float32 (`_keep_in_fp32_modules`) whatever the requested dtype.
-    from transformers.core_model_loading import build_glob_alternation
-
-    dtype_plan = model._get_dtype_plan(dtype) if dtype is not None and hasattr(model, "_get_dtype_plan") else {}
-    if dtype_plan:
-        alternation, glob_of_group, _ = build_glob_alternation(list(dtype_plan))
-    for name, param in model.named_parameters():
-        target = dtype if cast and dtype is not None and param.is_floating_point() else param.dtype
-        if dtype_plan and (match := alternation.search(name)):
-            target = dtype_plan[glob_of_group[match.lastgroup]]
-        if target != param.dtype:
-            journal.point(Phase.PLACE, param, param.data.to(target), f"{name} as {target}")
 
 
 def _read_all(checkpoint, keymap, dests, model, progress, direct_io, pin, timeline) -> tuple[float, int, int]:

@@ -72,8 +72,8 @@ def plan_pipeline(
     candidates = candidate_layers(model, config.offload_params, layers)
     if len(candidates) != 1:
         raise ValueError(
-            f"max_memory names {len(budgets)} GPUs, which places consecutive layers of one layer list on each (pipeline "
-            f"placement), but {type(model).__name__} has {len(candidates)} layer lists ({', '.join(candidates)}). "
+            f"max_memory names {len(budgets)} GPUs, which places consecutive layers of one layer list on each "
+            f"(pipeline placement), but {type(model).__name__} has {len(candidates)} layer lists ({', '.join(candidates)}). "
             "Give max_memory one GPU (other GPUs can still carry streamed bytes: links=[0, 1])."
         )
     ((path, ring),) = candidates.items()
@@ -92,8 +92,8 @@ def plan_pipeline(
         if left <= 0:
             held = f" and the {format_bytes(other)} outside {path} (embeddings, head, norms)" if j == 0 else ""
             raise ValueError(
-                f"{budget.source} = {format_bytes(budget.device_bytes)} leaves nothing for layers after reserve_bytes = "
-                f"{format_bytes(budget.reserve_bytes)}{held}. Give GPU {index} more memory, or lower reserve_bytes."
+                f"{budget.source} = {format_bytes(budget.device_bytes)} leaves nothing for layers after "
+                f"reserve_bytes = {format_bytes(budget.reserve_bytes)}{held}. Give GPU {index} more memory, or lower reserve_bytes."
             )
         capacity.append(left)
     host_bytes = budgets[0][1].host_bytes

@@ -19,7 +19,7 @@ from .links import ALIGN_BYTES, STAGES
 from .offload_config import UVAConfig
 
 if TYPE_CHECKING:
-    from .budget import MemoryBudget
+    from .memory_budget import MemoryBudget
 
 __all__ = ["OffloadPlan", "RingPlan", "LayerPlan", "ParamSpec", "Placement", "Routing", "Source", "PoolKey"]
 

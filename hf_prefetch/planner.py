@@ -21,7 +21,7 @@ from .offload_config import UVAConfig
 from .placements import OffloadPlan, Placement, RingPlan, Source
 
 if TYPE_CHECKING:
-    from .budget import MemoryBudget
+    from .memory_budget import MemoryBudget
 
 __all__ = ["make_plan", "make_uva_plan", "ring_plan", "plan_of", "offload_params_error"]
 

@@ -15,12 +15,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import loader
-from .budget import choose_plan, device_argument, parse_max_memory
+from . import skeleton
+from .budget import choose_plan
 from .checkpoint import Checkpoint
 from .config import PrefetchConfig
 from .link import measure_link_gbps
 from .links import resolve_links
+from .memory_budget import device_argument, parse_max_memory
 from .offload_config import OffloadConfig, UVAConfig, resolve_offload
 from .placements import OffloadPlan
 from .planner import make_uva_plan
@@ -95,9 +96,9 @@ def plan(
             )
         model = model_or_checkpoint
     else:
-        folder = loader.checkpoint_folder(model_or_checkpoint)
+        folder = skeleton.checkpoint_folder(model_or_checkpoint)
         with Checkpoint.open(folder) as checkpoint:
-            model, _ = loader.build_skeleton(folder, checkpoint, dtype, model_class)
+            model, _ = skeleton.build_skeleton(folder, checkpoint, dtype, model_class)
     if uva:
         result = make_uva_plan(model, config, layers)
     else:

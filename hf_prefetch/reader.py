@@ -1,10 +1,10 @@
 """Reading a checkpoint's tensors into caller-owned tensors, in host memory or on a CUDA device, from a thread pool.
 
-Two ways to read, chosen per file. Through the page cache (a file the cache holds): big tensors are split into chunks
-so that every reader thread has work, and a CUDA destination is filled through a small ring of pinned staging
-buffers. Direct (a file mostly on the disk only, see `diskio`): the needed byte ranges are read in aligned windows
-into bounce buffers and copied from there to every destination in the window, host or device. The reader knows byte
-ranges (`checkpoint.TensorEntry`); which tensor goes where is the loader's call.
+Host destinations of a file the page cache holds are filled straight by positional reads, big tensors split into
+chunks so that every reader thread has work. Device destinations, and every destination of a file read directly (one
+the cache mostly does not hold, see `diskio`), go through windows: aligned byte ranges read into bounce buffers and
+copied from there to each destination in the window. The reader knows byte ranges (`checkpoint.TensorEntry`); which
+tensor goes where is the loader's call.
 """
 
 from __future__ import annotations
@@ -39,8 +39,9 @@ class TensorReader:
 
     Host destinations (pinned or not) are written in place by positional reads from a thread pool; CUDA destinations
     (and every destination of a file read directly) through windows of bounce buffers ([Note: windowed reads]),
-    whose asynchronous copies to the device overlap the next reads. No
-    intermediate copy of a whole tensor is made, except for the rare destination that is not contiguous.
+    whose asynchronous copies to the device overlap the next reads. No intermediate copy of a whole tensor is made,
+    except for the rare destination that is not contiguous, or a device cast of a tensor whose offset in its file is
+    not a multiple of its element size.
 
     Example:
 
@@ -88,7 +89,7 @@ class TensorReader:
                 windows = _Windows(self, windowed)
                 futures += windows.submit()
             for entry, out in rest:
-                if out.device.type != "cpu":  # rare (a cast or a permuted layout): synchronous, via pageable memory
+                if out.device.type != "cpu":  # rare (see `_through_windows`): synchronous, via pageable memory
                     out.copy_(self.read_tensor(entry))
             for future in futures:
                 future.result()
@@ -148,11 +149,15 @@ class TensorReader:
         return [self._pool.submit(self._read_cast, entry, flat[a:b], a) for a, b in _spans(flat.numel(), step)]
 
     def _through_windows(self, entry: TensorEntry, out: torch.Tensor) -> bool:
-        # Windows copy raw bytes: the destination must be contiguous and of the checkpoint's dtype. They carry every
-        # such device destination, and host destinations of files read directly (a host destination of a cached
-        # file is read straight into place, with no bounce).
-        if not out.is_contiguous() or out.dtype != entry.dtype:
+        # Windows carry every contiguous device destination, and the contiguous host destinations of files read
+        # directly (a host destination of a cached file is read straight into place, with no bounce). A window copies
+        # raw bytes, or casts whole elements: a cast needs the tensor's elements aligned in the file (window
+        # boundaries are multiples of every element size) and is done for device destinations only (host casts go
+        # through `_read_cast`).
+        if not out.is_contiguous():
             return False
+        if out.dtype != entry.dtype:
+            return out.device.type != "cpu" and entry.offset % entry.dtype.itemsize == 0
         return out.device.type != "cpu" or self._direct_fd(entry.path) is not None
 
     def _direct_fd(self, path: Path) -> int | None:
@@ -177,14 +182,17 @@ class _Windows:
 
     def __init__(self, reader: TensorReader, reads: list[tuple[TensorEntry, torch.Tensor]]) -> None:
         self.reader = reader
-        dests = [out.reshape(-1).view(torch.uint8) for _, out in reads]
-        ranges = [(e.path, e.offset, e.nbytes, (dest, e.offset)) for (e, _), dest in zip(reads, dests, strict=True)]
+        # A piece's key: (entry, the destination as a flat tensor of its elements).
+        ranges = [(e.path, e.offset, e.nbytes, (e, out.reshape(-1))) for e, out in reads]
         self.windows = plan_windows(ranges, _WINDOW_BYTES)
-        # fds[path]: the descriptor each window of the file is read with (direct, or the checkpoint's own).
-        self.direct = {w.path: reader._direct_fd(w.path) is not None for w in self.windows}
-        self.fds = {path: reader._direct_fd(path) if direct else reader.checkpoint.fd(path) for path, direct in
-                    self.direct.items()}  # fmt: skip
-        devices = list(dict.fromkeys(d.device for d in dests if d.device.type == "cuda"))
+        # fds[path]: the descriptor each window of the file is read with; direct[path]: whether that is direct I/O.
+        self.fds: dict[Path, int] = {}
+        self.direct: dict[Path, bool] = {}
+        for path in dict.fromkeys(w.path for w in self.windows):
+            fd = reader._direct_fd(path)
+            self.direct[path] = fd is not None
+            self.fds[path] = fd if fd is not None else reader.checkpoint.fd(path)
+        devices = list(dict.fromkeys(out.device for _, out in reads if out.device.type == "cuda"))
         buffers = min(_BOUNCE_BUFFERS, len(self.windows))
         self.bounce = HostArena([_WINDOW_BYTES] * buffers)
         # streams[device]: the copies out of bounce buffers into that device, ordered after the work queued on the
@@ -238,9 +246,14 @@ class _Windows:
                     f"{window.start + needed}; it was truncated after it was opened. Re-download or re-save the "
                     "checkpoint."
                 )
-            for offset, nbytes, (dest, first) in window.pieces:
+            for offset, nbytes, (entry, flat) in window.pieces:
                 source = buffer[offset - window.start : offset - window.start + nbytes]
-                target = dest[offset - first : offset - first + nbytes]
+                if flat.dtype == entry.dtype:  # raw bytes, whatever their alignment
+                    target = flat.view(torch.uint8)[offset - entry.offset : offset - entry.offset + nbytes]
+                else:  # whole elements, cast on the way (`_through_windows` checked their alignment)
+                    size = entry.dtype.itemsize
+                    first = (offset - entry.offset) // size
+                    target, source = flat[first : first + nbytes // size], source.view(entry.dtype)
                 if target.device.type == "cpu":
                     target.copy_(source)
                     continue

@@ -14,17 +14,9 @@ from models import prompt, tiny_llama
 from zoo import ARCHS_BY_NAME
 
 import hf_prefetch
-from hf_prefetch import PrefetchConfig
-from hf_prefetch import budget as budget_module
-from hf_prefetch.budget import (
-    DEFAULT_RESERVE_BYTES,
-    MaxMemory,
-    MemoryBudget,
-    parse_max_memory,
-    plan_for_budget,
-    resolve_budget,
-    spread,
-)
+from hf_prefetch import PrefetchConfig, memory_budget
+from hf_prefetch.budget import plan_for_budget, spread
+from hf_prefetch.memory_budget import DEFAULT_RESERVE_BYTES, MaxMemory, MemoryBudget, parse_max_memory, resolve_budget
 from hf_prefetch.planner import make_plan
 from hf_prefetch.render import format_bytes
 
@@ -150,12 +142,12 @@ def test_auto_is_free_plus_cached_plus_the_models_own_memory(monkeypatch):
 
 
 def test_a_single_gpu_entry_chooses_the_device(monkeypatch):
-    assert budget_module.device_argument(parse_max_memory({1: "1GiB"}), "cpu") == "cpu"
+    assert memory_budget.device_argument(parse_max_memory({1: "1GiB"}), "cpu") == "cpu"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert budget_module.device_argument(parse_max_memory({1: "1GiB"}), None) is None
+    assert memory_budget.device_argument(parse_max_memory({1: "1GiB"}), None) is None
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert budget_module.device_argument(parse_max_memory({1: "1GiB"}), None) == 1
-    assert budget_module.device_argument(parse_max_memory({0: "1GiB", 1: "1GiB"}), None) is None
+    assert memory_budget.device_argument(parse_max_memory({1: "1GiB"}), None) == 1
+    assert memory_budget.device_argument(parse_max_memory({0: "1GiB", 1: "1GiB"}), None) is None
 
 
 # --- the layout ----------------------------------------------------------------------------------------------------

@@ -10,10 +10,11 @@ from models import tiny_llama
 from test_engine import copies, misses
 
 import hf_prefetch
-from hf_prefetch.budget import choose_plan, parse_max_memory
+from hf_prefetch.budget import choose_plan
 from hf_prefetch.config import PrefetchConfig
 from hf_prefetch.engine import PrefetchEngine
 from hf_prefetch.links import ALIGN_BYTES, STAGES, SharedLinks, resolve_links, split_bytes
+from hf_prefetch.memory_budget import parse_max_memory
 from hf_prefetch.pool import BufferPool
 from hf_prefetch.ring import LayerTransfer, RingTransfers
 

@@ -10,7 +10,7 @@ import torch
 from models import tiny_llama
 
 import hf_prefetch
-from hf_prefetch.budget import parse_max_memory, resolve_budgets
+from hf_prefetch.memory_budget import parse_max_memory, resolve_budgets
 from hf_prefetch.pipeline import DeviceEngines, split_layers
 
 CPU = torch.device("cpu")

@@ -113,3 +113,14 @@ def test_windowed_reads_onto_cuda(shards, monkeypatch, direct):
     with _checkpoint(folder) as checkpoint, TensorReader(checkpoint, direct=direct) as reader:
         reader.load([(checkpoint[k], outs[k]) for k in tensors])
     assert all(torch.equal(outs[k].cpu(), tensors[k]) for k in tensors)
+
+
+@pytest.mark.gpu
+def test_windowed_reads_cast_onto_cuda(shards, monkeypatch):
+    folder, tensors = shards
+    monkeypatch.setattr(reader_module, "_WINDOW_BYTES", 4096)  # casts of pieces cut at many window boundaries
+    casts = {"a": torch.float32, "c": torch.bfloat16, "d": torch.float32}
+    outs = {k: torch.empty(tensors[k].shape, dtype=dtype, device="cuda") for k, dtype in casts.items()}
+    with _checkpoint(folder) as checkpoint, TensorReader(checkpoint) as reader:
+        reader.load([(checkpoint[k], outs[k]) for k in casts])
+    assert all(torch.equal(outs[k].cpu(), tensors[k].to(casts[k])) for k in casts)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hf_prefetch import PrefetchConfig, Source
-from hf_prefetch.budget import MemoryBudget
+from hf_prefetch.memory_budget import MemoryBudget
 from hf_prefetch.placements import LayerPlan, OffloadPlan, ParamSpec, Placement, RingPlan
 from hf_prefetch.render import format_bytes, render_html, render_text
 
