@@ -32,13 +32,14 @@ from .host import HostArena
 from .ops import register_engine
 from .pipeline import DeviceEngines, device_map, inputs_to
 from .pipeline import ring_device as device_of_ring
-from .placements import OffloadPlan, ParamSpec, Placement, caches_experts
+from .placements import OffloadPlan, ParamSpec, Placement, RingPlan, caches_experts, staged_nbytes
 from .pool import BufferPool
 from .render import format_bytes
-from .ring import ExpertCache, LayerTransfer, RingTransfers, RoutedTensor
+from .ring import Decode, ExpertCache, LayerTransfer, RingTransfers, RoutedTensor
 from .state import (
     STATE_ATTR,
     Lifecycle,
+    OffloadedParam,
     OffloadState,
     refuse_deepcopy,
     refuse_pickle,
@@ -126,10 +127,12 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
     rings: list[RingTransfers] = []
     for ring, ring_device in zip(plan.rings, ring_devices, strict=True):
         specs = [spec.key for layer in ring.streamed for spec in layer.offloaded]
-        pool = BufferPool(specs, ring.num_slots, ring_device)
+        staging_key = _staging_key(ring)
+        pool = BufferPool(specs + [staging_key] * (staging_key is not None), ring.num_slots, ring_device)
         transfers = []
         for layer in ring.streamed:
-            host, slots, routed = [], [], []
+            host, slots, routed, decodes = [], [], [], []
+            staged_at = 0  # where the next compressed parameter's bytes go in the slot's staging buffer
             for spec in layer.offloaded:
                 offloaded = by_name[f"{layer.path}.{spec.name}"]
                 slot_buffer = pool.buffer(spec.key, layer.slot)
@@ -142,11 +145,18 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
                         routes[ring_device] = _routed_sources(state, ring_device) if plan.routed_max_tokens else _host
                     source = routes[ring_device](offloaded.host)
                     routed.append(RoutedTensor(offloaded.host, source, slot_buffer, spec.routing.num_experts))
+                elif offloaded.layout is not None:  # [Note: compressed streaming] in engine.py
+                    staging = pool.buffer(staging_key, layer.slot)
+                    staged = staging[staged_at : staged_at + offloaded.layout.nbytes]
+                    staged_at += staged_nbytes(offloaded.layout)
+                    host.append(offloaded.host)
+                    slots.append(staged)
+                    decodes.append(Decode(offloaded.full_name, staged, slot_buffer.view(-1), offloaded.layout))
                 else:
                     host.append(offloaded.host)
                     slots.append(slot_buffer)
-            nbytes = layer.offloaded_bytes - sum(spec.nbytes for spec in layer.routed)
-            transfer = LayerTransfer(host, slots, layer.slot, layer.next_in_slot, nbytes, routed)
+            nbytes = layer.host_bytes - sum(spec.nbytes for spec in layer.routed)
+            transfer = LayerTransfer(host, slots, layer.slot, layer.next_in_slot, nbytes, routed, decodes)
             transfer.cache = _expert_cache(layer, routed, plan.cached_experts, ring_device) if routable else None
             transfers.append(transfer)
         rings.append(RingTransfers(transfers, pool))
@@ -238,6 +248,12 @@ def _expert_cache(layer, routed: list[RoutedTensor], cached_experts: int, device
     )
 
 
+def _staging_key(ring: RingPlan):
+    # The pool key of the ring's staging buffers (one per slot, for its largest compressed layer), or None.
+    nbytes = ring.staging_bytes
+    return ("[staging]", (nbytes,), (1,), torch.uint8) if nbytes else None
+
+
 def _host(host: torch.Tensor) -> torch.Tensor:
     return host
 
@@ -254,10 +270,10 @@ def _routed_sources(state: OffloadState, device: torch.device):
 def _report_host_values(model: nn.Module, state: OffloadState) -> None:
     # A `state_dict()` hook on each module that owns a streamed parameter, so that the module's own `state_dict()`
     # (and every module's above it) reports the host value, not the slot (which holds whichever layer ran last).
-    owned: dict[str, dict[str, torch.Tensor]] = {}
+    owned: dict[str, dict[str, OffloadedParam]] = {}
     for offloaded in state.offloaded:
         module_path, _, name = offloaded.full_name.rpartition(".")
-        owned.setdefault(module_path, {})[name] = offloaded.host
+        owned.setdefault(module_path, {})[name] = offloaded
     for module_path, hosts in owned.items():
         module, hook = model.get_submodule(module_path), partial(host_values_in_state_dict, hosts)
         state.journal.handle(partial(module._register_state_dict_hook, hook), f"state_dict of {module_path}")

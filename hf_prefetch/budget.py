@@ -176,6 +176,7 @@ def plan_for_budget(
                     {ring[i].index for i in spread(len(ring), s)},
                     config.prefetch_step,
                     config.routed_experts,
+                    config.compress,
                 )
                 for s in range(len(ring) + 1)
             ]
@@ -244,7 +245,7 @@ def _device_error(model, budget, config, candidates, total, least: _Option) -> V
     hint = ""
     if config.prefetch_step > 1:
         one_slot = [
-            ring_plan(path, ring, {c.index for c in ring}, 1, config.routed_experts)
+            ring_plan(path, ring, {c.index for c in ring}, 1, config.routed_experts, config.compress)
             for path, ring in candidates.items()
         ]
         needs = total - sum(r.offloaded_bytes for r in one_slot) + sum(r.pool_bytes for r in one_slot)

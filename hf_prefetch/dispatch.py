@@ -18,6 +18,7 @@ from . import host
 from .attach import attach, begin, detach, finish_interrupted, host_layout, rollback
 from .budget import choose_plan
 from .config import PrefetchConfig
+from .compressed import compress_arena
 from .host import HostArena
 from .links import resolve_links
 from .memory_budget import device_argument, parse_max_memory
@@ -148,9 +149,10 @@ def dispatch_model(
             # Drop the original storage now, so a model that starts on the GPU frees it before the pool exists.
             state.journal.place(param, host, f"{name} into host storage")
             state.offloaded.append(OffloadedParam(name, param, host))
+        compress_arena(model, state)  # a plan with compressed parameters: their encoded bytes in a new arena
         if exec_device.type == "cuda":
             with torch.cuda.device(exec_device):  # registered memory belongs to the current device (UVA views)
-                arena.pin()
+                state.arena.pin()
         attach(model, state)
     except BaseException:
         rollback(model, state)

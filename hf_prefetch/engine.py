@@ -84,6 +84,24 @@ capture, on the compute stream: after every kernel of the previous forward, befo
 included) read them. A row's lookup entry is cleared before its new values are copied and set after: no kernel finds a
 row that holds another expert. `invalidate`, `store` and `refresh` (host rewritten) clear every entry at once and the
 next routing forward's `prepare` loads the cache again.
+
+[Note: compressed streaming]
+A compressed parameter (`ParamSpec.compressed`; see codec.py) keeps its encoded bytes in host memory. Its copy is an
+ordinary copy of those bytes, on the copy stream like every other, into the slot's staging buffer (one per slot, a
+pool buffer like the others), and the layer's `wait` decodes them into the slot buffer on the compute stream, after
+the compute stream waited on `done` and before the layer's kernels. So:
+- The slot buffer is written only on the compute stream, after every kernel of the layer that used the slot before
+  (stream order): the same guarantee a copy gets from its fork.
+- The staging buffer is rewritten only by the next copy into the slot, which forks from the compute stream after the
+  layer released, so after its decode.
+- The link never waits for a decode: copies keep their stream to themselves, and with two or more slots the copy of
+  the next layer in a slot is queued behind the other slots' copies long before the link reaches it. Decoding costs
+  compute-stream time instead (`decode_seconds`), which batch-1 decode has to spare while it waits on the link.
+- `decoded` says whether the slot holds the values of its latest copy: cleared when a copy is issued, set by the
+  decode. A miss and `load` decode at once; `store` encodes the slot's values back into host storage (every
+  parameter before the first write) and the staging buffer. In a capture the decode is recorded at every wait,
+  whatever `decoded` says, so each replay decodes what the copies before it brought.
+Layers that own their slot are copied once and are not compressed; routed and mapped tensors are never compressed.
 """
 
 from __future__ import annotations
@@ -92,6 +110,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .codec import TooManyEscapes, decode, encode
 from .driver import captured_copy
 from .experts import ExpertCaches, copy_routed_rows, count_picks, forget_cache, gather_with_cache
 from .links import SharedLinks
@@ -178,6 +197,7 @@ class PrefetchEngine:
         layer.gathered = False
         if layer.fill is Fill.ROUTED and not self.routing:
             self._complete(transfers, position, capturing)  # copied for a routing forward, running in a whole one
+        self._decode(layer, capturing)
         if self.timing and not capturing:
             self._timings.begin_compute(layer)
 
@@ -207,6 +227,7 @@ class PrefetchEngine:
             return  # already there or on its way
         whole = self._whole(layer, position, capturing)
         with transfers.slots.claim(layer.slot, position):  # [Note: slot reuse]: owned once the copy is issued
+            layer.decoded = not layer.decodes
             layer.counters.copies += 1
             layer.counters.copied_bytes += _nbytes(layer, whole)
             layer.fill = Fill.WHOLE if whole else Fill.ROUTED
@@ -243,12 +264,14 @@ class PrefetchEngine:
         capturing = self._capturing()
         whole = self._whole(layer, position, capturing)
         with transfers.slots.claim(layer.slot, position):
+            layer.decoded = not layer.decodes
             layer.counters.misses += 1
             layer.counters.copies += 1
             layer.counters.copied_bytes += _nbytes(layer, whole)
             layer.fill = Fill.WHOLE if whole else Fill.ROUTED
             if not self._cuda:
                 self._copy_on_host(layer, whole)
+                self._decode(layer, capturing)
                 return
             compute = torch.cuda.current_stream(self.device)
             if not capturing:
@@ -265,6 +288,25 @@ class PrefetchEngine:
             else:
                 _copy_all(layer, self._non_blocking, None, whole)
             _loaded_on(layer, compute, capturing, self.timing)
+            self._decode(layer, capturing)
+
+    # --- Compressed parameters ([Note: compressed streaming]) ------------------------------------------------------
+
+    def _decode(self, layer: LayerTransfer, capturing: bool) -> None:
+        # On the current (compute) stream, ordered after the layer's copy by the caller. In a capture it is recorded
+        # whatever `decoded` says: a replay decodes what the copies before it brought into the staging buffer.
+        if layer.decoded and not capturing:
+            return
+        begin = self._timings.begin_blocking() if self.timing and not capturing else None
+        for item in layer.decodes:
+            decode(item.staged, item.layout, item.out)
+        if capturing:
+            return
+        layer.decoded = True
+        layer.counters.decodes += 1
+        layer.counters.decoded_bytes += sum(item.layout.raw_bytes for item in layer.decodes)
+        if begin is not None:
+            self._timings.end_span(layer.counters, begin, "decode_seconds")
 
     # --- Routed experts ([Note: routed experts]) ---------------------------------------------------------------------
 
@@ -427,6 +469,7 @@ class PrefetchEngine:
         transfers = self.rings[ring]
         layer = transfers.layers[position]
         with transfers.slots.claim(layer.slot, position):
+            layer.decoded = not layer.decodes
             layer.fill = Fill.WHOLE
             if self._cuda:
                 compute = torch.cuda.current_stream(self.device)
@@ -435,6 +478,7 @@ class PrefetchEngine:
                 _loaded_on(layer, compute, capturing=False, timing=self.timing)
             else:
                 _copy_all(layer, self._non_blocking, None, whole=True)
+            self._decode(layer, capturing=False)
 
     def store(self, ring: int, position: int) -> None:
         """Copy the contents of layer `position`'s slot back into its host storage; the layer must own the slot."""
@@ -446,12 +490,26 @@ class PrefetchEngine:
         if self._cuda:
             self._after_copies(torch.cuda.current_stream(self.device))
         # Blocking: the host may read or rewrite its storage as soon as this returns. Routed tensors only from a whole
-        # slot: a routed one holds copies of host rows, or another layer's.
+        # slot: a routed one holds copies of host rows, or another layer's. Compressed ones are encoded from the
+        # slot's values, every one before the first write (new values may not fit a layout: nothing is written).
+        self._decode(layer, capturing=False)
+        staged = {id(item.staged): item for item in layer.decodes}
+        encoded = {}
+        for item in layer.decodes:
+            try:
+                encoded[id(item.staged)] = encode(item.out.cpu(), item.layout)
+            except TooManyEscapes as error:
+                message = _TOO_MANY_ESCAPES.format(name=item.name, found=error.found, capacity=error.capacity)
+                raise ValueError(message) from None
         pairs = list(zip(layer.host, layer.device, strict=True))
         if layer.fill is Fill.WHOLE:
             pairs += [(tensor.host, tensor.device) for tensor in layer.routed]
         for host, device in pairs:
-            host.copy_(device)
+            if id(device) in staged:
+                host.copy_(encoded[id(device)])
+                device.copy_(host)  # the staging buffer keeps what a later decode (or a replay) reads
+            else:
+                host.copy_(device)
         forget_cache(layer)  # its host storage holds what the slot held: the cache's rows may be older
 
     def refresh(self, ring: int, position: int) -> None:
@@ -528,6 +586,12 @@ def _loaded_on(layer: LayerTransfer, stream: torch.cuda.Stream, capturing: bool,
     layer.event = CopyEvent.IN_GRAPH if capturing else CopyEvent.ON_STREAM
     layer.done.record(stream)
 
+
+_TOO_MANY_ESCAPES = (
+    "The value of {name} in its slot has {found} weights whose exponent is outside its 15 most common ones; its "
+    "compressed host storage holds {capacity}. Nothing was written. Dispatch again (hf_prefetch.remove_offload, then "
+    "dispatch_model) to encode the values afresh, or dispatch with PrefetchConfig(compress=False)."
+)
 
 _BYPASSED = (
     "hf_prefetch: streamed layer {position} ran while its slot held only the experts its router picked, but its "

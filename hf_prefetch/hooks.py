@@ -26,6 +26,7 @@ from accelerate.hooks import ModelHook
 from torch import nn
 
 from . import ops  # noqa: F401  (registers torch.ops.hf_prefetch)
+from .compressed import encode_for, host_value, write_encoded
 from .engine import PrefetchEngine
 from .state import Lifecycle, OffloadedParam, OffloadState
 
@@ -267,13 +268,13 @@ def _tensors(value):
 
 
 def host_values_in_state_dict(
-    hosts: dict[str, torch.Tensor], module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any
+    hosts: dict[str, OffloadedParam], module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any
 ) -> None:
-    """`state_dict()` hook of a module that owns streamed parameters (`hosts`: their names in it -> host tensors): a
-    streamed parameter's slot holds whichever layer ran last; its value is in host storage."""
-    for name, host in hosts.items():
+    """`state_dict()` hook of a module that owns streamed parameters (`hosts`: their names in it): a streamed
+    parameter's slot holds whichever layer ran last; its value is in host storage (decoded where compressed)."""
+    for name, offloaded in hosts.items():
         if prefix + name in state_dict:
-            state_dict[prefix + name] = host
+            state_dict[prefix + name] = host_value(offloaded)
 
 
 class Streamed(NamedTuple):
@@ -311,19 +312,31 @@ class WriteThrough:
             self.engine.invalidate(*layer)
         self.loading += loading
         for streamed in loading:
-            streamed.offloaded.param.data = streamed.offloaded.host
+            # A compressed parameter loads into a decoded copy, encoded into host storage by `complete`.
+            streamed.offloaded.param.data = host_value(streamed.offloaded)
 
     def after(self, module: nn.Module, incompatible_keys: Any) -> None:
         self.complete()
 
     def complete(self) -> None:
-        """Point the parameters of a finished (or interrupted) load back at their slots. Idempotent."""
-        for streamed in self.loading:
-            streamed.offloaded.param.data = streamed.slot_buffer
-        self.loading = []
-        while self.held:  # copy the new values into the slots the layers held
-            self.engine.load(*self.held[-1])
-            self.held.pop()
+        """Point the parameters of a finished (or interrupted) load back at their slots, after encoding the new
+        values of compressed ones into host storage (all of them before the first write: values that do not fit a
+        layout leave every one unwritten, and raise). Idempotent."""
+        loading, self.loading = self.loading, []
+        try:
+            encoded = [
+                (s.offloaded, encode_for(s.offloaded, s.offloaded.param.data))
+                for s in loading
+                if s.offloaded.layout is not None
+            ]
+            for offloaded, value in encoded:
+                write_encoded(offloaded, value)
+        finally:
+            for streamed in loading:
+                streamed.offloaded.param.data = streamed.slot_buffer
+            while self.held:  # copy the new values into the slots the layers held
+                self.engine.load(*self.held[-1])
+                self.held.pop()
 
 
 def refuse_assign(

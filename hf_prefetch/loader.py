@@ -24,6 +24,7 @@ from .budget import choose_plan
 from .changes import Journal, Phase
 from .checkpoint import Checkpoint
 from .config import PrefetchConfig
+from .compressed import compress_arena
 from .host import HostArena
 from .keymap import KeyMap, convert, filled_names, map_keys, region_view
 from .links import resolve_links
@@ -271,7 +272,9 @@ def _load(
                 tensor = keymap.model_tensors[name]
                 dests[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device=home(name))
         timeline.mark("allocate", device)
-        pin = (lambda: _pin_on(arena, device)) if device.type == "cuda" else None
+        # A plan with compressed parameters pins the arena their encoded bytes move into instead (`compress_arena`).
+        compressing = plan.compressed_bytes[0] > 0
+        pin = (lambda: _pin_on(arena, device)) if device.type == "cuda" and not compressing else None
         seconds, bytes_read, direct_bytes = _read_all(
             checkpoint, keymap, dests, model, progress, direct_io, pin, timeline
         )
@@ -282,6 +285,8 @@ def _load(
         timeline.mark("warm-up")  # what was left of it after the reads
         tensors = keymap.model_tensors
         state.offloaded = [OffloadedParam(n, tensors[n], dests[n]) for n in offloaded_names]
+        compress_arena(model, state, progress)
+        timeline.mark("compress")
         attach.attach(model, state)
         timeline.mark("attach", device)  # the pool, the hooks, and the copies of each ring's first layers
     except BaseException:
@@ -297,6 +302,7 @@ def _load(
     if isinstance(model, PreTrainedModel):
         model._weight_conversions = keymap.used_conversions  # what save_pretrained reverts, as after from_pretrained
     model.eval()
+    arena = state.arena
     gb, pinned_gib = bytes_read / 1e9, (arena.nbytes if arena.pinned else 0) / 2**30
     gpu_gib = (plan.device_bytes if device.type == "cuda" else 0) / 2**30
     message = "Loaded %s: read %.2f GB (%.2f GB direct) in %.2f s (%.2f GB/s); pinned host %.2f GiB, GPU %.2f GiB"

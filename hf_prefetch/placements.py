@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .codec import Layout, layout_of
 from .config import PrefetchConfig
 from .links import ALIGN_BYTES, STAGES
 from .offload_config import UVAConfig
@@ -24,6 +25,34 @@ if TYPE_CHECKING:
 __all__ = ["OffloadPlan", "RingPlan", "LayerPlan", "ParamSpec", "Placement", "Routing", "Source", "PoolKey"]
 
 PoolKey = tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype]
+
+
+# Each compressed parameter's encoded bytes start at a multiple of this in its slot's staging buffer.
+STAGING_ALIGN = 256
+
+
+def staged_nbytes(layout: Layout) -> int:
+    """Bytes one compressed parameter takes in a staging buffer, aligned for the next one."""
+    return -(-layout.nbytes // STAGING_ALIGN) * STAGING_ALIGN
+
+
+def compressed_layout(spec: ParamSpec) -> Layout | None:
+    """The codec layout of a streamed parameter that may be kept compressed: not routed, dense (its values in
+    row-major order are its storage), of a dtype and size the codec encodes with a saving."""
+    if spec.placement is not Placement.STREAMED or spec.stride != _contiguous(spec.shape):
+        return None
+    numel = 1
+    for size in spec.shape:
+        numel *= size
+    return layout_of(spec.dtype, numel)
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, strides = 1, []
+    for size in reversed(shape):
+        strides.append(stride)
+        stride *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 # A forward of t tokens with top_k experts each copies t * top_k expert rows (repeats included) when it routes, and
@@ -78,6 +107,15 @@ class ParamSpec:
     nbytes: int
     placement: Placement = Placement.RESIDENT
     routing: Routing | None = None  # the experts module of a ROUTED parameter (and of one that could be)
+    # A STREAMED parameter kept losslessly compressed in host memory: where the parts of its encoded bytes lie (a
+    # function of dtype and size; see codec.py). Its copy brings these bytes into its slot's staging buffer, and the
+    # layer's wait decodes them into its slot buffer.
+    compressed: Layout | None = None
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes in host memory, and bytes a copy moves: the encoded ones when compressed."""
+        return self.compressed.nbytes if self.compressed is not None else self.nbytes
 
     @property
     def key(self) -> PoolKey:
@@ -126,19 +164,30 @@ class LayerPlan:
 
     @property
     def offloaded_bytes(self) -> int:
+        """The bytes of the offloaded parameters' values (what the device does not hold for good)."""
         return sum(p.nbytes for p in self.offloaded)
+
+    @property
+    def host_bytes(self) -> int:
+        """The offloaded parameters' bytes in host memory, and what a whole copy of the layer moves."""
+        return sum(p.host_nbytes for p in self.offloaded)
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device bytes its compressed parameters' encoded bytes take in its slot's staging buffer."""
+        return sum(staged_nbytes(p.compressed) for p in self.offloaded if p.compressed is not None)
 
     @property
     def bytes_per_token(self) -> int:
         """What a forward of one token copies of this layer: the routed parameters' rows of `top_k` experts (all of
-        them where top_k is unknown), and every other offloaded byte."""
+        them where top_k is unknown), and every other offloaded byte (encoded where compressed)."""
         total = 0
         for p in self.offloaded:
             routing = p.routing if p.placement is Placement.ROUTED else None
             if routing is not None and routing.top_k is not None:
                 total += p.nbytes * min(routing.top_k, routing.num_experts) // routing.num_experts
             else:
-                total += p.nbytes
+                total += p.host_nbytes
         return total
 
     @property
@@ -170,17 +219,25 @@ class RingPlan:
 
     @property
     def pool_bytes(self) -> int:
+        """The slots' buffers, and the staging buffers of compressed layers (one per slot, for the largest)."""
         sizes: dict[PoolKey, int] = {}
         for layer in self.streamed:
             for spec in layer.offloaded:
                 sizes[spec.key] = spec.nbytes
-        return sum(sizes.values()) * self.num_slots
+        return (sum(sizes.values()) + self.staging_bytes) * self.num_slots
+
+    @property
+    def staging_bytes(self) -> int:
+        """The staging buffer of each slot, which compressed layers' encoded bytes are copied into: as large as the
+        largest such layer needs (0: none)."""
+        return max((layer.staging_bytes for layer in self.streamed), default=0)
 
     @property
     def bytes_per_forward(self) -> int:
         """What crosses the link in a forward: the streamed layers that take turns in a slot (a layer that owns its
-        slot was copied once), and every mapped byte (read over the bus at least once)."""
-        return sum(layer.offloaded_bytes for layer in self.layers if not layer.owns_slot)
+        slot was copied once; encoded bytes where compressed), and every mapped byte (read over the bus at least
+        once)."""
+        return sum(layer.host_bytes for layer in self.layers if not layer.owns_slot)
 
     @property
     def bytes_per_token(self) -> int:
@@ -232,6 +289,17 @@ class OffloadPlan:
     @property
     def offloaded_bytes(self) -> int:
         return sum(ring.offloaded_bytes for ring in self.rings)
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory of the offloaded parameters: their values, encoded where compressed."""
+        return sum(layer.host_bytes for ring in self.rings for layer in ring.layers)
+
+    @property
+    def compressed_bytes(self) -> tuple[int, int]:
+        """(values, encoded bytes) of the compressed parameters."""
+        specs = [p for ring in self.rings for layer in ring.layers for p in layer.offloaded if p.compressed]
+        return sum(p.nbytes for p in specs), sum(p.host_nbytes for p in specs)
 
     @property
     def pool_bytes(self) -> int:

@@ -18,7 +18,7 @@ from torch import nn
 from .config import PrefetchConfig
 from .layers import CandidateLayer, candidate_layers, model_bytes, warn_unroutable
 from .offload_config import UVAConfig
-from .placements import OffloadPlan, Placement, RingPlan, Source
+from .placements import OffloadPlan, Placement, RingPlan, Source, compressed_layout
 
 if TYPE_CHECKING:
     from .memory_budget import MemoryBudget
@@ -76,7 +76,7 @@ def make_plan(
     if config.offload_params and not matched:
         raise offload_params_error(model, config.offload_params, list(candidates), "offload_params")
     rings = tuple(
-        ring_plan(path, ring, selection[path], config.prefetch_step, config.routed_experts)
+        ring_plan(path, ring, selection[path], config.prefetch_step, config.routed_experts, config.compress)
         for path, ring in candidates.items()
     )
     if any(layer.streamed for ring in rings for layer in ring.layers):
@@ -106,10 +106,16 @@ def plan_of(
 
 
 def ring_plan(
-    path: str, layers: list[CandidateLayer], selected: set[int], prefetch_step: int, routed: bool | None = None
+    path: str,
+    layers: list[CandidateLayer],
+    selected: set[int],
+    prefetch_step: int,
+    routed: bool | None = None,
+    compress: bool = False,
 ) -> RingPlan:
     """The ring of one layer list with the movable parameters of the `selected` layers streamed (expert tensors
-    ROUTED where `routed`), and its slots."""
+    ROUTED where `routed`), and its slots. With `compress`, the STREAMED parameters of layers that take turns in a
+    slot are kept compressed where the codec saves bytes on them (a layer alone in its slot is copied once)."""
     planned = [
         layer.placed(Placement.STREAMED, layer.streamable(), routed) if layer.index in selected else layer.resident()
         for layer in layers
@@ -123,6 +129,9 @@ def ring_plan(
         # while it exists, else the first layer of the next pass with this slot (k itself when it is alone there).
         next_k = k + num_slots if k + num_slots < n else slot
         planned[i] = replace(planned[i], position=k, slot=slot, next_in_slot=next_k)
+        if compress and next_k != k:
+            params = tuple(replace(p, compressed=compressed_layout(p)) for p in planned[i].params)
+            planned[i] = replace(planned[i], params=params)
     return RingPlan(path, tuple(planned), num_slots)
 
 

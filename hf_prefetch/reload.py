@@ -118,6 +118,14 @@ def reload_weights(
     ```
     """
     state = _dispatched(model, "reload_weights")
+    compressed = [o.full_name for o in state.offloaded if o.layout is not None]
+    if compressed:
+        raise ValueError(
+            f"reload_weights does not write compressed host storage ({compressed[0]} and {len(compressed) - 1} more "
+            "are kept compressed: PrefetchConfig(compress=True)). Use model.load_state_dict(...), which encodes the "
+            "new values, or hf_prefetch.remove_offload(model), write the weights, and dispatch again. Nothing was "
+            "written."
+        )
     check_writable(model)
     started = time.perf_counter()
     if isinstance(source, Mapping):

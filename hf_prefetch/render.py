@@ -48,6 +48,10 @@ def _choice(plan: OffloadPlan) -> str:
     return chosen
 
 
+def _plain_pool(plan: OffloadPlan) -> int:
+    return plan.pool_bytes - sum(ring.staging_bytes * ring.num_slots for ring in plan.rings)
+
+
 def _totals(plan: OffloadPlan) -> list[tuple[str, str]]:
     size = format_bytes
     num_layers = sum(len(ring.layers) for ring in plan.rings)
@@ -71,7 +75,16 @@ def _totals(plan: OffloadPlan) -> list[tuple[str, str]]:
             f"{size(plan.device_bytes)} (resident + pool{' + expert cache' if plan.cache_bytes else ''})",
         ),
     ]
-    pinned = size(plan.offloaded_bytes)
+    pinned = size(plan.host_bytes)
+    values, encoded = plan.compressed_bytes
+    if values:
+        totals.append(
+            (
+                "compressed",
+                f"{size(values)} of weights kept as {size(encoded)} ({encoded / values:.1%}), decoded on the device "
+                f"from a staging buffer per slot ({size(plan.pool_bytes - _plain_pool(plan))} of the pool)",
+            )
+        )
     for index, budget in plan.gpus:  # pipeline placement: each GPU's layers, bytes and budget
         rings = [ring for ring in plan.rings if ring.device == index]
         indices = [layer.index for ring in rings for layer in ring.layers]

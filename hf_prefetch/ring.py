@@ -28,6 +28,7 @@ from enum import Enum
 
 import torch
 
+from .codec import Layout
 from .pool import BufferPool
 
 __all__ = [
@@ -38,6 +39,7 @@ __all__ = [
     "Capture",
     "LayerCounters",
     "RoutedTensor",
+    "Decode",
     "ExpertCache",
     "LayerTransfer",
     "RingTransfers",
@@ -129,6 +131,9 @@ class LayerCounters:
     cache_hits: int = 0  # picks found in the layer's expert cache (a repeated pick counts again)
     cache_misses: int = 0  # picks read from host memory while the layer has a cache
     cache_loaded_bytes: int = 0  # bytes loaded into the cache from host memory (also counted in copied_bytes)
+    decoded_bytes: int = 0  # values written into the slot by decoding compressed bytes (copied_bytes counts those)
+    decodes: int = 0
+    decode_seconds: float = 0.0  # with timing: device time of the decoding, on the compute stream
     copy_seconds: float = 0.0
     stall_seconds: float = 0.0
     compute_seconds: float = 0.0  # from the end of the layer's wait to the end of its forward
@@ -209,6 +214,17 @@ class ExpertCache:
         return len(self.experts)
 
 
+@dataclass(frozen=True)
+class Decode:
+    """One compressed parameter of a layer: its encoded bytes in the slot's staging buffer, decoded into its slot
+    buffer (`out`, flat) by the layer's wait."""
+
+    name: str
+    staged: torch.Tensor  # uint8, `layout.nbytes`: where the copy puts the host's encoded bytes
+    out: torch.Tensor  # the parameter's slot buffer, flat
+    layout: Layout
+
+
 @dataclass
 class LayerTransfer:
     """The copies that bring one streamed layer into its slot: `device[i].copy_(host[i])`, and for each ROUTED
@@ -220,6 +236,10 @@ class LayerTransfer:
     next_in_slot: int  # the layer (ring position) that takes over `slot` after this one ran
     nbytes: int  # of `host`
     routed: list[RoutedTensor] = field(default_factory=list)
+    # Compressed parameters: `host` and `device` above hold their encoded bytes and staging views; each is decoded
+    # into its slot buffer once per copy, on the compute stream, before the layer runs (`decoded`).
+    decodes: list[Decode] = field(default_factory=list)
+    decoded: bool = True
     fill: Fill = Fill.WHOLE  # what the latest copy into the slot brought
     cache: ExpertCache | None = None  # routed experts kept on the device (see ExpertCache)
     gathered: bool = False  # since the layer's wait, its experts' hook ran (`gather`)

@@ -19,6 +19,7 @@ from .config import PrefetchConfig
 from .offload_config import UVAConfig, resolve_offload
 
 if TYPE_CHECKING:
+    from .codec import Layout
     from .engine import PrefetchEngine
     from .hooks import WriteThrough
     from .host import HostArena
@@ -50,11 +51,13 @@ class Lifecycle(Enum):
 
 @dataclass
 class OffloadedParam:
-    """A parameter kept in host memory: the `nn.Parameter` and the host tensor that holds its value."""
+    """A parameter kept in host memory: the `nn.Parameter` and the host tensor that holds its value (with `layout`,
+    its encoded bytes: see compressed.py)."""
 
     full_name: str
     param: nn.Parameter
     host: torch.Tensor
+    layout: Layout | None = None
 
 
 @dataclass(eq=False)

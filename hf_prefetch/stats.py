@@ -38,6 +38,11 @@ class LayerStats:
     # With an expert cache: picks found in it, and read from host memory.
     cache_hits: int = 0
     cache_misses: int = 0
+    # Compressed parameters (PrefetchConfig(compress=True)): values decoded into the slot from the compressed bytes
+    # (counted in copied_bytes), how many decodes, and with timing their device time on the compute stream.
+    decoded_bytes: int = 0
+    decodes: int = 0
+    decode_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -84,6 +89,18 @@ class TransferStats:
         return sum(layer.cache_misses for layer in self.layers)
 
     @property
+    def decoded_bytes(self) -> int:
+        return sum(layer.decoded_bytes for layer in self.layers)
+
+    @property
+    def decodes(self) -> int:
+        return sum(layer.decodes for layer in self.layers)
+
+    @property
+    def decode_seconds(self) -> float:
+        return sum(layer.decode_seconds for layer in self.layers)
+
+    @property
     def copy_seconds(self) -> float:
         return sum(layer.copy_seconds for layer in self.layers)
 
@@ -118,6 +135,8 @@ class TransferStats:
                 str(item.cache_hits),
                 str(item.cache_misses),
             )
+            decoded = (f"{item.decoded_bytes / 2**20:.1f}", str(item.decodes))
+            decoded += (f"{item.decode_seconds * 1e3:.2f}",) if self.timing else ("-",)
             rows.append(
                 (
                     name,
@@ -126,12 +145,14 @@ class TransferStats:
                     *(timed if self.timing else ("-",) * len(timed)),
                     str(item.misses),
                     *(routed if self._routed else ()),
+                    *(decoded if self._decoded else ()),
                 )
             )
         return rows
 
     _HEADER = ("layer", "copies", "copied MiB", "copy ms", "GB/s", "stall ms", "compute ms", "misses")
     _ROUTED_HEADER = ("routed experts", "routed MiB", "completions", "cache hits", "cache misses")
+    _DECODED_HEADER = ("decoded MiB", "decodes", "decode ms")
 
     @property
     def _routed(self) -> bool:
@@ -139,8 +160,17 @@ class TransferStats:
         return bool(self.routed_rows or self.completions or self.cache_hits)
 
     @property
+    def _decoded(self) -> bool:
+        # Decoding columns only for a model with compressed layers that decoded at least once.
+        return bool(self.decodes)
+
+    @property
     def _header(self) -> tuple[str, ...]:
-        return self._HEADER + (self._ROUTED_HEADER if self._routed else ())
+        return (
+            self._HEADER
+            + (self._ROUTED_HEADER if self._routed else ())
+            + (self._DECODED_HEADER if self._decoded else ())
+        )
 
     def __str__(self) -> str:
         rows = [self._header, *self._rows()]
@@ -301,6 +331,9 @@ def stats(model: nn.Module) -> TransferStats:
                     c.completions,
                     c.cache_hits,
                     c.cache_misses,
+                    c.decoded_bytes,
+                    c.decodes,
+                    c.decode_seconds,
                 )
             )
     return TransferStats(tuple(layers), engine.timing)

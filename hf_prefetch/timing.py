@@ -57,14 +57,18 @@ class Timings:
 
     def end_blocking(self, counters: LayerCounters, begin: torch.cuda.Event | float) -> None:
         """After it: all of its time is copy time and stall time alike."""
+        self.end_span(counters, begin, "copy_seconds", "stall_seconds")
+
+    def end_span(self, counters: LayerCounters, begin: torch.cuda.Event | float, *names: str) -> None:
+        """After work on the compute stream that began at `begin` (`begin_blocking`): its time to each counter."""
         if isinstance(begin, float):
             seconds = time.perf_counter() - begin
-            counters.copy_seconds += seconds
-            counters.stall_seconds += seconds
+            for name in names:
+                setattr(counters, name, getattr(counters, name) + seconds)
             return
         end = timing_event()
         end.record(torch.cuda.current_stream(self.device))
-        self.add(counters, begin, end, "copy_seconds", "stall_seconds")
+        self.add(counters, begin, end, *names)
 
     def begin_compute(self, layer: LayerTransfer) -> None:
         if self._cuda:

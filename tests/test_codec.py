@@ -5,17 +5,20 @@ import math
 import pytest
 import torch
 
-from hf_prefetch.codec import decode, encode, encoded_parts
+from hf_prefetch import codec
+from hf_prefetch.codec import Layout, TooManyEscapes, decode, encode, escapes, layout_of
 
 
-def _roundtrip(tensor: torch.Tensor):
-    encoded = encode(tensor, min_saving=None)
-    assert encoded is not None
-    out = torch.empty(tensor.shape, dtype=tensor.dtype)
-    decode(encoded, out)
+def _roundtrip(tensor: torch.Tensor, layout: Layout | None = None, device: str = "cpu") -> Layout:
+    # Any number of escapes fits a layout whose list holds one per weight.
+    layout = layout or Layout(tensor.dtype, tensor.numel(), max(tensor.numel(), 1))
+    encoded = encode(tensor, layout)
+    assert encoded.dtype == torch.uint8 and encoded.numel() == layout.nbytes
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+    decode(encoded.to(device), layout, out)
     view = torch.int16 if tensor.dtype == torch.bfloat16 else torch.int32
-    assert torch.equal(out.view(view), tensor.contiguous().view(view)), "bits differ"
-    return encoded
+    assert torch.equal(out.cpu().view(view), tensor.contiguous().view(view)), "bits differ"
+    return layout
 
 
 def _all_bits(dtype: torch.dtype) -> torch.Tensor:
@@ -64,60 +67,85 @@ def test_nan_payloads_survive():
 def test_random_weights_shrink_to_about_three_quarters_of_bf16():
     generator = torch.Generator().manual_seed(0)
     weights = (torch.randn(512, 768, generator=generator) * 0.02).to(torch.bfloat16)
-    encoded = _roundtrip(weights)
-    ratio = encoded.nbytes / encoded.raw_bytes
-    assert 0.75 <= ratio < 0.76  # 12 bits per weight, a table of 16 bytes, a few escapes
-    assert encoded.escape_index.numel() < weights.numel() * 1e-3
-    fp32 = _roundtrip(weights.float())
+    layout = _roundtrip(weights, layout_of(torch.bfloat16, weights.numel()))
+    assert 0.75 <= layout.nbytes / layout.raw_bytes < 0.76  # 12 bits per weight, the table, the escape list
+    assert escapes(weights) < weights.numel() * 1e-3
+    fp32 = _roundtrip(weights.float(), layout_of(torch.float32, weights.numel()))
     assert 0.875 <= fp32.nbytes / fp32.raw_bytes < 0.885
+
+
+def test_odd_sizes_across_chunks(monkeypatch):
+    # The reference works a chunk at a time: sizes around and across chunk borders, odd counts of codes.
+    monkeypatch.setattr(codec, "_CHUNK", 64)
+    generator = torch.Generator().manual_seed(5)
+    for n in (63, 64, 65, 127, 128, 129, 1001):
+        for dtype in (torch.bfloat16, torch.float32):
+            values = torch.randn(n, generator=generator).to(dtype)
+            values[n // 3] = math.inf  # an escape in a later chunk
+            _roundtrip(values)
 
 
 def test_layouts_other_than_contiguous_encode_their_values_in_row_major_order():
     weights = torch.randn(6, 10).to(torch.bfloat16)
     transposed = weights.t()
-    encoded = encode(transposed, min_saving=None)
-    out = torch.empty(transposed.shape, dtype=torch.bfloat16)
-    assert torch.equal(decode(encoded, out).view(torch.int16), transposed.contiguous().view(torch.int16))
+    _roundtrip(transposed)
+
+
+def test_the_layout_depends_on_dtype_and_size_only():
+    layout = layout_of(torch.bfloat16, 1 << 20)
+    assert layout == Layout(torch.bfloat16, 1 << 20, (1 << 20) // 1024 + 16)
+    offsets = [layout.escape_index, layout.escape_exponent, layout.codes, layout.sign_mantissa, layout.nbytes]
+    assert offsets == sorted(offsets) and all(o % 16 == 0 for o in offsets if o != layout.escape_exponent)
 
 
 def test_what_does_not_pay_is_not_encoded():
-    assert encode(torch.randn(100).half()) is None  # a 5-bit exponent: 4-bit codes save too little
-    assert encode(torch.arange(100)) is None  # not floating point
-    spread = _all_bits(torch.bfloat16)  # every exponent equally common: most weights escape
-    assert encode(spread) is None and encode(spread, min_saving=None) is not None
+    assert layout_of(torch.float16, 1 << 20) is None  # a 5-bit exponent: 4-bit codes save too little
+    assert layout_of(torch.int64, 1 << 20) is None  # not floating point
+    assert layout_of(torch.bfloat16, codec.MIN_NUMEL - 1) is None  # a norm: not worth a kernel
+    assert layout_of(torch.bfloat16, 2**31) is None  # escape positions are int32
 
 
-def test_decode_checks_its_output():
-    encoded = encode(torch.randn(4, 4).to(torch.bfloat16), min_saving=None)
-    with pytest.raises(ValueError, match=r"out must be a contiguous torch.bfloat16 tensor of shape \(4, 4\)"):
-        decode(encoded, torch.empty(4, 4))
+def test_values_with_more_escapes_than_the_layout_holds_are_refused():
+    spread = _all_bits(torch.bfloat16).repeat(2)  # every exponent equally common: most weights escape
+    layout = layout_of(torch.bfloat16, spread.numel())
+    with pytest.raises(TooManyEscapes) as caught:
+        encode(spread, layout)
+    assert caught.value.found == escapes(spread) > caught.value.capacity == layout.capacity
+
+
+def test_checks_of_inputs():
+    layout = Layout(torch.bfloat16, 16, 16)
+    with pytest.raises(ValueError, match="a torch.bfloat16 tensor of 16 elements was expected"):
+        encode(torch.randn(16), layout)
+    encoded = encode(torch.randn(4, 4).to(torch.bfloat16), layout)
+    with pytest.raises(ValueError, match="out must be a contiguous torch.bfloat16 tensor of 16 elements"):
+        decode(encoded, layout, torch.empty(4, 4))
     with pytest.raises(ValueError, match="non-contiguous"):
-        decode(encoded, torch.empty(4, 4, dtype=torch.bfloat16).t())
-
-
-def test_parts_are_flat_byte_and_index_tensors():
-    encoded = encode(torch.randn(8, 9).to(torch.bfloat16), min_saving=None)
-    parts = encoded_parts(encoded)
-    assert [p.dtype for p in parts] == [torch.uint8, torch.uint8, torch.uint8, torch.int64, torch.uint8]
-    assert all(p.dim() == 1 for p in parts)
-    assert encoded.nbytes == sum(p.numel() * p.element_size() for p in parts)
+        decode(encoded, layout, torch.empty(4, 4, dtype=torch.bfloat16).t())
+    with pytest.raises(ValueError, match=f"encoded must be {layout.nbytes} uint8 bytes"):
+        decode(encoded[1:], layout, torch.empty(16, dtype=torch.bfloat16))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_decoding_on_cuda_gives_the_same_bits_inside_a_cuda_graph_too():
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_decoding_on_cuda_gives_the_same_bits_inside_a_cuda_graph_too(dtype):
     generator = torch.Generator().manual_seed(3)
-    weights = (torch.randn(1000, 333, generator=generator) * 0.02).to(torch.bfloat16)
-    weights.view(-1)[::97] = torch.tensor(float("nan")).to(torch.bfloat16)
-    encoded = encode(weights).to("cuda")
-    out = torch.empty(weights.shape, dtype=torch.bfloat16, device="cuda")
-    assert torch.equal(decode(encoded, out).cpu().view(torch.int16), weights.view(torch.int16))
+    weights = (torch.randn(1000, 333, generator=generator) * 0.02).to(dtype)
+    weights.view(-1)[::97] = torch.tensor(float("nan")).to(dtype)
+    _roundtrip(_all_bits(dtype), device="cuda")
+    layout = _roundtrip(weights, layout_of(dtype, weights.numel()), device="cuda")
+    encoded = encode(weights, layout).cuda()
+    out = torch.empty(weights.shape, dtype=dtype, device="cuda")
+    view = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        decode(encoded, layout, out)  # warm-up (compiles the kernel) outside the capture
+    torch.cuda.synchronize()
     out.zero_()
     graph = torch.cuda.CUDAGraph()
-    decode(encoded, out)  # warm-up on the side stream torch.cuda.graph expects
-    out.zero_()
     with torch.cuda.graph(graph):
-        decode(encoded, out)
+        decode(encoded, layout, out)
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out.cpu().view(torch.int16), weights.view(torch.int16))
+    assert torch.equal(out.cpu().view(view), weights.view(view))

@@ -106,10 +106,9 @@ def test_the_model_entry_and_exit_run_outside_the_graph_on_every_call():
     assert recorder.steps() == [(step, position) for position in range(4) for step in ("wait", "release")]
 
 
-def _dispatched(model, prefetch_step: int, device: str = "cpu"):
-    return hf_prefetch.dispatch_model(
-        model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=prefetch_step), device=device
-    )
+def _dispatched(model, prefetch_step: int, device: str = "cpu", compress: bool = False):
+    config = hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=prefetch_step, compress=compress)
+    return hf_prefetch.dispatch_model(model, config, device=device)
 
 
 # With as many slots as streamed layers, every layer keeps its own slot and nothing is copied after dispatch: the
@@ -192,10 +191,11 @@ def _check(out, eager, still) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("prefetch_step", [1, 2])
-def test_compiled_decoding_on_cuda_matches_eager(cuda_reference, mode, prefetch_step):
+@pytest.mark.parametrize("prefetch_step, compress", [(1, False), (2, False), (2, True)])
+def test_compiled_decoding_on_cuda_matches_eager(cuda_reference, mode, prefetch_step, compress):
     model, ids, eager, still = cuda_reference
-    _dispatched(model, prefetch_step, "cuda")
+    _dispatched(model, prefetch_step, "cuda", compress)
+    assert (hf_prefetch.get_state(model).plan.compressed_bytes[0] > 0) == compress
     try:
         for _ in range(3):  # warm-up, recording, then replays of the recorded graphs
             _check(_generate(model, ids, _compile_config("inductor", mode), new_tokens=64), eager, still[mode])

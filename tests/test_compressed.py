@@ -1,0 +1,240 @@
+"""Compressed streaming (PrefetchConfig(compress=True)): the same bits as the resident model, on every path that
+reads or writes the offloaded weights."""
+
+import logging
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_prefetch
+from hf_prefetch import codec
+from hf_prefetch.compressed import host_value
+from tests.models import generate_with_logits, prompt
+
+CONFIG = dict(group_size=2, num_in_group=1, prefetch_step=2, compress=True)
+
+
+def _model(dtype=torch.bfloat16, seed=0, layers=6) -> LlamaForCausalLM:
+    # Projections of 16384 elements and more: large enough to be compressed (codec.MIN_NUMEL).
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        max_position_embeddings=256,
+    )
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def _same(a, b) -> None:
+    assert torch.equal(a.sequences, b.sequences)
+    for got, want in zip(a.logits, b.logits, strict=True):
+        assert torch.equal(got, want)
+
+
+def _values(model) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("pattern", [dict(group_size=2, num_in_group=1), dict(group_size=1, num_in_group=1)])
+def test_outputs_state_dict_and_removal_are_bitwise_the_resident_models(dtype, pattern):
+    model = _model(dtype)
+    ids = prompt(2, 9)
+    want, values = generate_with_logits(model, ids), _values(model)
+    hf_prefetch.dispatch_model(
+        model, hf_prefetch.PrefetchConfig(prefetch_step=2, compress=True, **pattern), device="cpu"
+    )
+    state = hf_prefetch.get_state(model)
+    compressed = [o for o in state.offloaded if o.layout is not None]
+    # Every projection of every layer that takes turns in a slot; norms (too small) stay plain.
+    assert compressed and all(o.host.dtype == torch.uint8 for o in compressed)
+    assert not any("norm" in o.full_name for o in compressed)
+    values_bytes, encoded_bytes = state.plan.compressed_bytes
+    assert encoded_bytes / values_bytes < (0.76 if dtype == torch.bfloat16 else 0.88)
+    assert state.plan.host_bytes < state.plan.offloaded_bytes
+    _same(generate_with_logits(model, ids), want)
+    assert all(torch.equal(values[k], v) for k, v in model.state_dict().items())
+    stats = hf_prefetch.stats(model)
+    assert stats.decodes > 0 and stats.decoded_bytes > 0
+    assert "decoded MiB" in str(stats)
+    hf_prefetch.remove_offload(model)
+    assert all(torch.equal(values[k], v) for k, v in model.state_dict().items())
+    assert all(p.is_contiguous() for p in model.parameters())
+    _same(generate_with_logits(model, ids), want)
+
+
+def test_the_plan_counts_encoded_bytes_and_staging():
+    model = _model()
+    plain = hf_prefetch.plan(model, hf_prefetch.PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=2))
+    packed = hf_prefetch.plan(
+        model, hf_prefetch.PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=2, compress=True)
+    )
+    assert packed.offloaded_bytes == plain.offloaded_bytes  # the values the device does not hold
+    assert packed.streamed_bytes_per_forward < 0.8 * plain.streamed_bytes_per_forward
+    ring = packed.rings[0]
+    assert ring.staging_bytes == max(layer.staging_bytes for layer in ring.streamed) > 0
+    assert packed.pool_bytes == plain.pool_bytes + ring.staging_bytes * ring.num_slots
+    assert "compressed" in str(packed)
+
+
+def test_layers_alone_in_their_slot_are_not_compressed():
+    # 3 streamed layers, 4 slots: each is copied once, compressing it would only add a decode.
+    plan = hf_prefetch.plan(_model(), hf_prefetch.PrefetchConfig(prefetch_step=4, compress=True))
+    assert plan.compressed_bytes == (0, 0)
+
+
+def test_misses_and_interrupted_forwards_decode_the_right_layer():
+    model = _model()
+    ids = prompt(1, 5)
+    want = generate_with_logits(model, ids)
+    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**CONFIG), device="cpu")
+    layers = model.model.layers
+
+    def interrupt(module, args):
+        raise KeyboardInterrupt
+
+    handle = layers[3].register_forward_pre_hook(interrupt)
+    with pytest.raises(KeyboardInterrupt), torch.no_grad():
+        model(ids)
+    handle.remove()
+    _same(generate_with_logits(model, ids), want)
+    assert hf_prefetch.stats(model).misses > 0
+
+
+def test_load_state_dict_encodes_the_new_values():
+    model, other = _model(seed=0), _model(seed=1)
+    ids = prompt(1, 6)
+    want = generate_with_logits(other, ids)
+    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**CONFIG), device="cpu")
+    generate_with_logits(model, ids)
+    model.load_state_dict(other.state_dict())
+    _same(generate_with_logits(model, ids), want)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in other.state_dict().items())
+
+
+def test_values_that_do_not_fit_the_layout_are_refused_and_nothing_is_written():
+    model = _model()
+    ids = prompt(1, 6)
+    want = generate_with_logits(model, ids)
+    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**CONFIG), device="cpu")
+    name = next(o.full_name for o in hf_prefetch.get_state(model).offloaded if o.layout is not None)
+    new = _values(model)
+    # One weight per exponent value, repeated: most weights escape.
+    spread = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    new[name] = spread.repeat(new[name].numel() // spread.numel() + 1)[: new[name].numel()].view(new[name].shape)
+    with pytest.raises(ValueError, match=rf"The new value of {name} has \d+ weights whose exponent is outside"):
+        model.load_state_dict(new)
+    _same(generate_with_logits(model, ids), want)
+
+
+def test_a_tensor_that_does_not_compress_at_dispatch_stays_plain(caplog):
+    model = _model()
+    name = "model.layers.1.mlp.down_proj.weight"
+    weight = model.get_parameter(name)
+    with torch.no_grad():  # 38 exponents equally common (magnitudes below 2): 23 of them escape
+        i = torch.arange(weight.numel(), dtype=torch.int32)
+        bits = ((90 + i % 38) << 7) | (i * 37 % 128) | ((i % 3 == 0).int() << 15)
+        weight.copy_(bits.to(torch.int16).view(torch.bfloat16).view(weight.shape))
+    ids = prompt(1, 6)
+    want = generate_with_logits(model, ids)
+    with caplog.at_level(logging.WARNING, logger="hf_prefetch"):
+        hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**CONFIG), device="cpu")
+    assert f"{name} stays uncompressed" in caplog.text
+    state = hf_prefetch.get_state(model)
+    assert next(o for o in state.offloaded if o.full_name == name).layout is None
+    assert not next(p for p in state.plan.rings[0].layers[1].params if p.name == "mlp.down_proj.weight").compressed
+    _same(generate_with_logits(model, ids), want)
+
+
+def test_sync_from_device_writes_encoded_values_back():
+    model = _model()
+    ids = prompt(1, 6)
+    want = generate_with_logits(model, ids)
+    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**CONFIG), device="cpu")
+    generate_with_logits(model, ids)
+    assert hf_prefetch.sync_from_device(model)
+    _same(generate_with_logits(model, ids), want)
+
+
+def test_reload_weights_is_refused_clearly():
+    model = _model()
+    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**CONFIG), device="cpu")
+    with pytest.raises(ValueError, match="reload_weights does not write compressed host storage"):
+        hf_prefetch.reload_weights(model, _model(seed=1).state_dict())
+
+
+@pytest.mark.parametrize("fail_at", ["encode", "attach"])
+def test_a_failed_dispatch_leaves_the_model_as_it_was(monkeypatch, fail_at):
+    model = _model()
+    ids = prompt(1, 6)
+    want, values = generate_with_logits(model, ids), _values(model)
+    calls = []
+
+    def fail(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    if fail_at == "encode":
+        real = codec.encode
+        monkeypatch.setattr(codec, "encode", lambda *a: (fail(), real(*a))[1])
+    else:
+        import hf_prefetch.dispatch as dispatch
+
+        monkeypatch.setattr(dispatch, "attach", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**CONFIG), device="cpu")
+    monkeypatch.undo()
+    assert hf_prefetch.get_state(model) is None
+    assert all(torch.equal(values[k], v) for k, v in model.state_dict().items())
+    _same(generate_with_logits(model, ids), want)
+
+
+def test_from_pretrained_compresses_what_it_reads(tmp_path):
+    model = _model()
+    model.save_pretrained(tmp_path)
+    ids = prompt(1, 6)
+    want = generate_with_logits(LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16), ids)
+    loaded = hf_prefetch.from_pretrained(tmp_path, hf_prefetch.PrefetchConfig(**CONFIG), device="cpu")
+    state = hf_prefetch.get_state(loaded)
+    assert any(o.layout is not None for o in state.offloaded)
+    assert "compress" in state.load_timeline
+    _same(generate_with_logits(loaded, ids), want)
+    assert torch.equal(host_value(state.offloaded[0]), loaded.state_dict()[state.offloaded[0].full_name])
+
+
+def test_the_config_field_is_validated():
+    with pytest.raises(ValueError, match=r"PrefetchConfig.compress='yes' must be True or False"):
+        hf_prefetch.PrefetchConfig(compress="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_compressed_streaming_on_cuda_is_bitwise_the_resident_model(dtype):
+    from tests.models import gpu_llama
+
+    model = gpu_llama(dtype=dtype)
+    ids = prompt(2, 9, vocab=1024).cuda()
+    want = generate_with_logits(model.cuda(), ids, max_new_tokens=24)
+    values = _values(model)
+    model.cpu()
+    hf_prefetch.dispatch_model(
+        model,
+        hf_prefetch.PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=2, compress=True),
+        device="cuda",
+        timing=True,
+    )
+    for _ in range(2):
+        _same(generate_with_logits(model, ids, max_new_tokens=24), want)
+    stats = hf_prefetch.stats(model)
+    assert stats.misses == 0 and stats.decodes > 0 and stats.decode_seconds > 0
+    model.load_state_dict(values)  # write-through, encoded again
+    _same(generate_with_logits(model, ids, max_new_tokens=24), want)
+    hf_prefetch.remove_offload(model)
+    assert all(torch.equal(values[k].cuda(), v) for k, v in model.state_dict().items())
