@@ -13,6 +13,7 @@ from functools import partial
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from .changes import Journal, Phase, deferred_interrupts, move_tensors
 from .config import warn_at_caller
@@ -390,11 +391,13 @@ def _end(model: nn.Module, state: OffloadState) -> None:
 
 def _collected(state: OffloadState) -> None:
     # The model was deleted while dispatched, or half-way (see `begin`): nothing may read host storage once it is
-    # released.
-    if state.engine is not None:
-        state.engine.synchronize()
-    state.journal.unwind(Phase.ATTACH)
-    state.arena.release()
+    # released. The collector runs this wherever the last reference went, which may be inside a dispatch mode (a
+    # FakeTensorMode while torch.compile traces another model): the undo steps work on real tensors, outside any mode.
+    with torch._C.DisableTorchFunction(), _disable_current_modes():
+        if state.engine is not None:
+            state.engine.synchronize()
+        state.journal.unwind(Phase.ATTACH)
+        state.arena.release()
 
 
 def _warn_uva_on_cpu(plan: OffloadPlan) -> None:

@@ -109,6 +109,11 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefetch-step", type=_positive_int, help="layers a copy starts ahead (buffer slots)")
     parser.add_argument("--offload-params", metavar="SEGMENTS", help="comma-separated name segments, e.g. experts")
     parser.add_argument("--no-routed-experts", action="store_true", help="stream expert tensors whole")
+    parser.add_argument(
+        "--compress",
+        action="store_true",
+        help="stream bf16/fp32 weights losslessly compressed (fewer bytes per token)",
+    )
     parser.add_argument("--device", help="execution device (default: the current GPU, else cpu)")
     parser.add_argument(
         "--links", metavar="GPUS", help="GPUs whose host links share the streamed bytes: all, or indices like 0,1"
@@ -206,6 +211,8 @@ def _config(args: argparse.Namespace):
             )
     if args.no_routed_experts:
         fields["routed_experts"] = False
+    if args.compress:
+        fields["compress"] = True
     return PrefetchConfig(**fields)
 
 

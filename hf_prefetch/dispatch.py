@@ -17,8 +17,8 @@ from torch import nn
 from . import host
 from .attach import attach, begin, detach, finish_interrupted, host_layout, rollback
 from .budget import choose_plan
-from .config import PrefetchConfig
 from .compressed import compress_arena
+from .config import PrefetchConfig
 from .host import HostArena
 from .links import resolve_links
 from .memory_budget import device_argument, parse_max_memory

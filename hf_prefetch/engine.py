@@ -305,6 +305,7 @@ class PrefetchEngine:
         layer.decoded = True
         layer.counters.decodes += 1
         layer.counters.decoded_bytes += sum(item.layout.raw_bytes for item in layer.decodes)
+        layer.counters.compressed_bytes += sum(item.layout.nbytes for item in layer.decodes)
         if begin is not None:
             self._timings.end_span(layer.counters, begin, "decode_seconds")
 

@@ -23,8 +23,8 @@ from . import attach
 from .budget import choose_plan
 from .changes import Journal, Phase
 from .checkpoint import Checkpoint
-from .config import PrefetchConfig
 from .compressed import compress_arena
+from .config import PrefetchConfig
 from .host import HostArena
 from .keymap import KeyMap, convert, filled_names, map_keys, region_view
 from .links import resolve_links
@@ -285,8 +285,9 @@ def _load(
         timeline.mark("warm-up")  # what was left of it after the reads
         tensors = keymap.model_tensors
         state.offloaded = [OffloadedParam(n, tensors[n], dests[n]) for n in offloaded_names]
-        compress_arena(model, state, progress)
-        timeline.mark("compress")
+        if compressing:
+            compress_arena(model, state, progress)
+            timeline.mark("compress")
         attach.attach(model, state)
         timeline.mark("attach", device)  # the pool, the hooks, and the copies of each ring's first layers
     except BaseException:

@@ -19,7 +19,7 @@ _HEADER = ("layer", "placement", "resident", "host", "slot", "next")
 def _layer_row(ring: RingPlan, layer: LayerPlan) -> tuple[str, ...]:
     resident = format_bytes(layer.resident_bytes)
     if layer.streamed:
-        host = format_bytes(layer.offloaded_bytes)
+        host = format_bytes(layer.host_bytes)
         if layer.owns_slot:
             return (layer.path, "own slot", resident, host, str(layer.slot), "-")
         placement = "routed" if layer.routed else "streamed"

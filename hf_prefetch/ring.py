@@ -131,7 +131,8 @@ class LayerCounters:
     cache_hits: int = 0  # picks found in the layer's expert cache (a repeated pick counts again)
     cache_misses: int = 0  # picks read from host memory while the layer has a cache
     cache_loaded_bytes: int = 0  # bytes loaded into the cache from host memory (also counted in copied_bytes)
-    decoded_bytes: int = 0  # values written into the slot by decoding compressed bytes (copied_bytes counts those)
+    decoded_bytes: int = 0  # values written into the slot by decoding compressed bytes
+    compressed_bytes: int = 0  # the compressed bytes they were decoded from (also counted in copied_bytes)
     decodes: int = 0
     decode_seconds: float = 0.0  # with timing: device time of the decoding, on the compute stream
     copy_seconds: float = 0.0

@@ -38,15 +38,22 @@ class LayerStats:
     # With an expert cache: picks found in it, and read from host memory.
     cache_hits: int = 0
     cache_misses: int = 0
-    # Compressed parameters (PrefetchConfig(compress=True)): values decoded into the slot from the compressed bytes
-    # (counted in copied_bytes), how many decodes, and with timing their device time on the compute stream.
+    # Compressed parameters (PrefetchConfig(compress=True)): values decoded into the slot, the compressed bytes they
+    # were decoded from (counted in copied_bytes), how many decodes, and with timing their device time on the compute
+    # stream.
     decoded_bytes: int = 0
+    compressed_bytes: int = 0
     decodes: int = 0
     decode_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:
         return self.copied_bytes / self.copy_seconds / 1e9 if self.copy_seconds else 0.0
+
+    @property
+    def compression(self) -> float:
+        """Compressed bytes per decoded byte (0.0 before the first decode)."""
+        return self.compressed_bytes / self.decoded_bytes if self.decoded_bytes else 0.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,15 @@ class TransferStats:
         return sum(layer.decoded_bytes for layer in self.layers)
 
     @property
+    def compressed_bytes(self) -> int:
+        return sum(layer.compressed_bytes for layer in self.layers)
+
+    @property
+    def compression(self) -> float:
+        """Compressed bytes per decoded byte over all layers (0.0 before the first decode)."""
+        return self.compressed_bytes / self.decoded_bytes if self.decoded_bytes else 0.0
+
+    @property
     def decodes(self) -> int:
         return sum(layer.decodes for layer in self.layers)
 
@@ -135,7 +151,12 @@ class TransferStats:
                 str(item.cache_hits),
                 str(item.cache_misses),
             )
-            decoded = (f"{item.decoded_bytes / 2**20:.1f}", str(item.decodes))
+            decoded = (
+                f"{item.compressed_bytes / 2**20:.1f}",
+                f"{item.decoded_bytes / 2**20:.1f}",
+                f"{item.compression:.3f}",
+                str(item.decodes),
+            )
             decoded += (f"{item.decode_seconds * 1e3:.2f}",) if self.timing else ("-",)
             rows.append(
                 (
@@ -152,7 +173,7 @@ class TransferStats:
 
     _HEADER = ("layer", "copies", "copied MiB", "copy ms", "GB/s", "stall ms", "compute ms", "misses")
     _ROUTED_HEADER = ("routed experts", "routed MiB", "completions", "cache hits", "cache misses")
-    _DECODED_HEADER = ("decoded MiB", "decodes", "decode ms")
+    _DECODED_HEADER = ("compressed MiB", "decoded MiB", "ratio", "decodes", "decode ms")
 
     @property
     def _routed(self) -> bool:
@@ -332,6 +353,7 @@ def stats(model: nn.Module) -> TransferStats:
                     c.cache_hits,
                     c.cache_misses,
                     c.decoded_bytes,
+                    c.compressed_bytes,
                     c.decodes,
                     c.decode_seconds,
                 )

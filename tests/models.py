@@ -10,7 +10,7 @@ def tiny_llama(
     num_layers: int = 8, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides
 ) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    config = LlamaConfig(
+    fields = dict(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=num_layers,
@@ -18,9 +18,8 @@ def tiny_llama(
         num_key_value_heads=2,
         vocab_size=128,
         max_position_embeddings=256,
-        **overrides,
     )
-    return LlamaForCausalLM(config).to(dtype).eval()
+    return LlamaForCausalLM(LlamaConfig(**{**fields, **overrides})).to(dtype).eval()
 
 
 def gpu_llama(num_layers: int = 8, dtype: torch.dtype = torch.bfloat16) -> LlamaForCausalLM:

@@ -190,3 +190,24 @@ def test_links_reach_the_library_and_wrong_ones_are_errors(checkpoint, capsys, m
     code, out, err = _run(capsys, "plan", checkpoint[0], "--links", "0,1", "--device", "cpu")
     assert code == 2 and "links=[0, 1] spreads copies over several GPUs' host links" in err
     assert "Traceback" not in err
+
+
+def test_compress_reaches_the_plan_and_the_tokens(tmp_path, capsys):
+    # Projections of 16384 elements and more: large enough to be compressed (codec.MIN_NUMEL).
+    model = tiny_llama(4, hidden_size=128, intermediate_size=256, eos_token_id=None, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    _save_tokenizer(tmp_path)
+    options = ["--group-size", "2", "--prefetch-step", "1", "--device", "cpu"]
+    code, out, err = _run(capsys, "plan", tmp_path, *options, "--compress")
+    assert code == 0, err
+    config = hf_prefetch.PrefetchConfig(group_size=2, prefetch_step=1, compress=True)
+    expected = hf_prefetch.plan(tmp_path, config, device="cpu")
+    assert expected.compressed_bytes[0] > 0 and out.strip() == str(expected).strip()
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(tmp_path)
+    ids = tokenizer("the cat sat on", return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    argv = ["generate", tmp_path, "--prompt", "the cat sat on", "--max-new-tokens", "6", *options, "--compress"]
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    assert out.strip() == tokenizer.decode(want[0, ids.shape[1] :], skip_special_tokens=True).strip()

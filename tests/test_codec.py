@@ -93,7 +93,7 @@ def test_layouts_other_than_contiguous_encode_their_values_in_row_major_order():
 
 def test_the_layout_depends_on_dtype_and_size_only():
     layout = layout_of(torch.bfloat16, 1 << 20)
-    assert layout == Layout(torch.bfloat16, 1 << 20, (1 << 20) // 1024 + 16)
+    assert layout == Layout(torch.bfloat16, 1 << 20, (1 << 20) // 2048 + 16)
     offsets = [layout.escape_index, layout.escape_exponent, layout.codes, layout.sign_mantissa, layout.nbytes]
     assert offsets == sorted(offsets) and all(o % 16 == 0 for o in offsets if o != layout.escape_exponent)
 

@@ -61,7 +61,10 @@ def test_outputs_state_dict_and_removal_are_bitwise_the_resident_models(dtype, p
     assert all(torch.equal(values[k], v) for k, v in model.state_dict().items())
     stats = hf_prefetch.stats(model)
     assert stats.decodes > 0 and stats.decoded_bytes > 0
-    assert "decoded MiB" in str(stats)
+    # Every decode of a layer decodes all its compressed parameters: the ratio is the plan's, layer by layer.
+    assert stats.compression == pytest.approx(encoded_bytes / values_bytes)
+    assert all(layer.compressed_bytes * values_bytes == layer.decoded_bytes * encoded_bytes for layer in stats.layers)
+    assert "compressed MiB" in str(stats) and "decoded MiB" in str(stats)
     hf_prefetch.remove_offload(model)
     assert all(torch.equal(values[k], v) for k, v in model.state_dict().items())
     assert all(p.is_contiguous() for p in model.parameters())

@@ -618,3 +618,30 @@ def test_a_forward_set_after_the_dispatch_is_kept_by_remove_offload(six):
     assert model.forward is counted and torch.equal(_logits(model, ids), logits) and calls == [1, 1]
     del model.forward
     assert _leftovers(model) == []
+
+
+def test_a_model_collected_inside_a_dispatch_mode_is_undone_outside_it(six):
+    # The cyclic collector runs a dead model's finalizer wherever it happens to run: CI saw it inside torch.compile's
+    # FakeTensorMode, where the journal's `param.data = ...` failed, and the host storage that `release` frees was
+    # replaced by a fake tensor.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model, _, _ = six
+    dispatched = _dispatched(copy.deepcopy(model))
+    state = hf_prefetch.get_state(dispatched)
+    steps = len(state.journal)
+    cycle = [dispatched]
+    cycle.append(cycle)  # only the cyclic collector frees it
+    del dispatched
+    raised = []
+    previous = sys.unraisablehook
+    sys.unraisablehook = raised.append
+    try:
+        with FakeTensorMode():
+            del cycle
+            gc.collect()
+    finally:
+        sys.unraisablehook = previous
+    assert [r.exc_value for r in raised] == []
+    assert len(state.journal) < steps  # the attach steps were undone
+    assert type(state.arena._buffer) is torch.Tensor and state.arena._buffer.numel() == 0  # a real, empty buffer
