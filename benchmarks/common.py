@@ -96,6 +96,21 @@ def add_offload_params_argument(parser) -> None:
     )
 
 
+def device_seconds(fn, repeats: int = 20) -> float:
+    """Median device time of `fn` over `repeats` calls after one warm-up call, each timed with CUDA events."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
 def timed(fn) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()

@@ -139,8 +139,8 @@ def main() -> None:
         copied = sum(layer.counters.copied_bytes for layer in layers)
         print(
             f"\n{name}, timing on, 16 tokens in {seconds:.3f} s: decoded {decoded / 1e9:.2f} GB in {decode_s:.3f} s "
-            f"({decoded / 1e9 / max(decode_s, 1e-9):.0f} GB/s of output, {decode_s / seconds:.1%} of the time); copies "
-            f"{copied / 1e9:.2f} GB in {copy_s:.3f} s ({copied / 1e9 / max(copy_s, 1e-9):.1f} GB/s, link busy "
+            f"({decoded / 1e9 / max(decode_s, 1e-9):.0f} GB/s of output, {decode_s / seconds:.1%} of the time); "
+            f"copies {copied / 1e9:.2f} GB in {copy_s:.3f} s ({copied / 1e9 / max(copy_s, 1e-9):.1f} GB/s, link busy "
             f"{copy_s / seconds:.1%} of the time)"
         )
         print(stats)

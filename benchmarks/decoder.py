@@ -11,29 +11,17 @@ events. Run on a GPU machine:
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import device_seconds  # noqa: E402
+
 from hf_prefetch import codec  # noqa: E402
 
 SHAPES = {"q_proj": (4096, 4096), "k_proj": (1024, 4096), "gate_proj": (14336, 4096), "down_proj": (4096, 14336)}
-
-
-def device_seconds(fn, repeats: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -53,8 +41,9 @@ def main() -> None:
             copy = device_seconds(lambda o=out, s=source: o.copy_(s))
             nbytes = weights.numel() * weights.element_size()
             print(
-                f"| {name} | {str(dtype).removeprefix('torch.')} | {nbytes / 1e6:.1f} | {layout.nbytes / nbytes:.4f} | "
-                f"{seconds * 1e3:.3f} | {nbytes / seconds / 1e9:.0f} | {nbytes / copy / 1e9:.0f} |",
+                f"| {name} | {str(dtype).removeprefix('torch.')} | {nbytes / 1e6:.1f} | "
+                f"{layout.nbytes / nbytes:.4f} | {seconds * 1e3:.3f} | {nbytes / seconds / 1e9:.0f} | "
+                f"{nbytes / copy / 1e9:.0f} |",
                 flush=True,
             )
 

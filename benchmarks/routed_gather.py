@@ -14,11 +14,15 @@ whole tensors) is the reference.
 from __future__ import annotations
 
 import argparse
-import statistics
+import os
+import sys
 
 import torch
 
-from hf_prefetch.host import HostArena
+sys.path.insert(0, os.path.dirname(__file__))
+from common import device_seconds  # noqa: E402
+
+from hf_prefetch.host import HostArena  # noqa: E402
 
 EXPERTS = 128
 SHAPES = {"gate_up_proj": (EXPERTS, 1536, 2048), "down_proj": (EXPERTS, 2048, 768)}
@@ -30,19 +34,6 @@ def _contiguous_stride(shape):
         stride.append(acc)
         acc *= size
     return tuple(reversed(stride))
-
-
-def _seconds(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -87,7 +78,7 @@ def main() -> None:
     ):
         for slot in slots.values():
             slot.zero_()
-        seconds = _seconds(lambda dtype=dtype: gather(dtype), args.repeats)
+        seconds = device_seconds(lambda dtype=dtype: gather(dtype), args.repeats)
         print(f"{'UVA index_select, ' + label:<34} {seconds * 1e3:>7.3f} {moved / seconds / 1e9:>7.1f}  {check()}")
 
     # The expert cache's gather (`hf_prefetch.experts.gather_with_cache`): one Triton kernel per tensor reads each
@@ -112,7 +103,7 @@ def main() -> None:
 
         for slot in slots.values():
             slot.zero_()
-        seconds = _seconds(kernel, args.repeats)
+        seconds = device_seconds(kernel, args.repeats)
         crossed = moved * (args.picks - cached_picks) / args.picks
         label = f"Triton gather, {cached_picks}/{args.picks} cached"
         print(f"{label:<34} {seconds * 1e3:>7.3f} {crossed / seconds / 1e9:>7.1f}  {check()}")
@@ -122,14 +113,14 @@ def main() -> None:
             for expert in picks.tolist():
                 slots[name][expert].copy_(hosts[name][expert], non_blocking=True)
 
-    seconds = _seconds(engine_rows, args.repeats)
+    seconds = device_seconds(engine_rows, args.repeats)
     print(f"{'copy engine, one copy per row':<34} {seconds * 1e3:>7.3f} {moved / seconds / 1e9:>7.1f}  {check()}")
 
     def engine_whole():
         for name in SHAPES:
             slots[name].copy_(hosts[name], non_blocking=True)
 
-    seconds = _seconds(engine_whole, max(3, args.repeats // 4))
+    seconds = device_seconds(engine_whole, max(3, args.repeats // 4))
     whole = sum(sizes)
     print(f"{'copy engine, whole tensors':<34} {seconds * 1e3:>7.3f} {whole / seconds / 1e9:>7.1f}")
 

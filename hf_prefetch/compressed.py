@@ -1,6 +1,6 @@
-"""Compressed host storage ([Note: compressed streaming] in engine.py): a plan's compressed parameters are encoded once,
-on the host, in parallel, into an exact-size arena of their own; afterwards their host values are read and written
-through the codec.
+"""Compressed host storage ([Note: compressed streaming] in engine.py): a plan's compressed parameters are encoded
+once, on the host, in parallel, into an exact-size arena of their own; afterwards their host values are read and
+written through the codec.
 
 `compress_arena` runs after the arena was filled with plain values (by `dispatch_model`, or by the loader from a
 checkpoint) and before `attach`: it encodes every compressed parameter, allocates the new arena (encoded bytes where

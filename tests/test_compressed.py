@@ -5,29 +5,19 @@ import logging
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import hf_prefetch
 from hf_prefetch import codec
 from hf_prefetch.compressed import host_value
-from tests.models import generate_with_logits, prompt
+from tests.models import generate_with_logits, prompt, tiny_llama
 
 CONFIG = dict(group_size=2, num_in_group=1, prefetch_step=2, compress=True)
 
 
 def _model(dtype=torch.bfloat16, seed=0, layers=6) -> LlamaForCausalLM:
     # Projections of 16384 elements and more: large enough to be compressed (codec.MIN_NUMEL).
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=256,
-    )
-    return LlamaForCausalLM(config).to(dtype).eval()
+    return tiny_llama(layers, seed, dtype, hidden_size=128, intermediate_size=256)
 
 
 def _same(a, b) -> None:
