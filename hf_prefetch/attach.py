@@ -137,9 +137,8 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
             for spec in layer.offloaded:
                 offloaded = by_name[f"{layer.path}.{spec.name}"]
                 slot_buffer = pool.buffer(spec.key, layer.slot)
-                journal.point(
-                    Phase.ATTACH, offloaded.param, slot_buffer, f"{offloaded.full_name} to slot {layer.slot}"
-                )
+                where = f"{offloaded.full_name} to slot {layer.slot}"
+                journal.point(Phase.ATTACH, offloaded.param, slot_buffer, where, offloaded.attr)
                 journal.freeze(offloaded.param, f"{offloaded.full_name} frozen")
                 if spec.placement is Placement.ROUTED:
                     if ring_device not in routes:  # no forward routes (routed_max_tokens=0): never read
@@ -271,10 +270,10 @@ def _routed_sources(state: OffloadState, device: torch.device):
 def _report_host_values(model: nn.Module, state: OffloadState) -> None:
     # A `state_dict()` hook on each module that owns a streamed parameter, so that the module's own `state_dict()`
     # (and every module's above it) reports the host value, not the slot (which holds whichever layer ran last).
-    owned: dict[str, dict[str, OffloadedParam]] = {}
+    owned: dict[str, dict[str, list[OffloadedParam]]] = {}  # module path -> parameter name -> its tensors
     for offloaded in state.offloaded:
-        module_path, _, name = offloaded.full_name.rpartition(".")
-        owned.setdefault(module_path, {})[name] = offloaded
+        module_path, _, name = offloaded.param_name.rpartition(".")
+        owned.setdefault(module_path, {}).setdefault(name, []).append(offloaded)
     for module_path, hosts in owned.items():
         module, hook = model.get_submodule(module_path), partial(host_values_in_state_dict, hosts)
         state.journal.handle(partial(module._register_state_dict_hook, hook), f"state_dict of {module_path}")
@@ -290,7 +289,7 @@ def _attach_uva(model: nn.Module, state: OffloadState) -> None:
         for index, offloaded in enumerate(state.offloaded):
             host = offloaded.host
             view = state.arena.view(index, host.shape, host.stride(), host.dtype, base=mapped)
-            journal.point(Phase.ATTACH, offloaded.param, view, f"{offloaded.full_name} mapped")
+            journal.point(Phase.ATTACH, offloaded.param, view, f"{offloaded.full_name} mapped", offloaded.attr)
         _guard_moves(model, state)
     journal.move_tensors(model, state.device, skip=set())  # the views are on the device already
 
@@ -313,8 +312,8 @@ def _guard_moves(model: nn.Module, state: OffloadState) -> None:
 def _write_through_load_state_dict(model: nn.Module, state: OffloadState) -> list[WriteThrough]:
     journal = state.journal
     under: dict[str, list[str]] = {}  # module path -> the streamed parameters under it, by their names in it
-    for offloaded in state.offloaded:
-        parts = offloaded.full_name.split(".")
+    for param_name in dict.fromkeys(o.param_name for o in state.offloaded):
+        parts = param_name.split(".")
         for depth in range(len(parts)):
             under.setdefault(".".join(parts[:depth]), []).append(".".join(parts[depth:]))
     for path, names in under.items():
@@ -328,9 +327,9 @@ def _write_through_load_state_dict(model: nn.Module, state: OffloadState) -> lis
         for position, layer in enumerate(ring.streamed):
             for spec in layer.offloaded:
                 slot_buffer = transfers.pool.buffer(spec.key, layer.slot)
-                full_name = f"{layer.path}.{spec.name}"
-                module_path, _, name = full_name.rpartition(".")
-                streamed = Streamed(name, by_name[full_name], slot_buffer, ring_index, position)
+                offloaded = by_name[f"{layer.path}.{spec.name}"]
+                module_path, _, name = offloaded.param_name.rpartition(".")
+                streamed = Streamed(name, offloaded, slot_buffer, ring_index, position)
                 owned.setdefault(model.get_submodule(module_path), []).append(streamed)
     write_throughs = []
     for module, streamed in owned.items():

@@ -81,18 +81,19 @@ class Journal:
 
     # --- Tensors ----------------------------------------------------------------------------------------------------
 
-    def point(self, phase: Phase, param: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
-        """`param.data = tensor`; undone by pointing it back at the tensor it had."""
-        previous = param.data
-        self.record(phase, what, lambda: setattr(param, "data", previous))
-        param.data = tensor
+    def point(self, phase: Phase, param: torch.Tensor, tensor: torch.Tensor, what: str, attr: str = "data") -> None:
+        """`param.data = tensor` (or another `attr`: an inner tensor of a tensor subclass); undone by pointing it
+        back at the tensor it had."""
+        previous = getattr(param, attr)
+        self.record(phase, what, lambda: setattr(param, attr, previous))
+        setattr(param, attr, tensor)
 
-    def place(self, param: torch.Tensor, tensor: torch.Tensor, what: str) -> None:
-        """`param.data = tensor` for good (its old storage is dropped now); undone by copying the value back to the
-        device it was on."""
-        origin = param.device
-        self.record(Phase.PLACE, what, lambda: _move(param, origin))
-        param.data = tensor
+    def place(self, param: torch.Tensor, tensor: torch.Tensor, what: str, attr: str = "data") -> None:
+        """`param.data = tensor` (or another `attr`) for good (its old storage is dropped now); undone by copying
+        the value back to the device it was on."""
+        origin = getattr(param, attr).device
+        self.record(Phase.PLACE, what, lambda: _move(param, origin, attr))
+        setattr(param, attr, tensor)
 
     def swap(self, tensor: torch.Tensor, value: torch.Tensor, what: str) -> None:
         """`torch.utils.swap_tensors(tensor, value)`: every name of a tied tensor sees the new contents."""
@@ -175,9 +176,10 @@ class Journal:
         module.__dict__[name] = value
 
 
-def _move(param: torch.Tensor, device: torch.device) -> None:
-    if param.device != device:
-        param.data = param.data.to(device)
+def _move(param: torch.Tensor, device: torch.device, attr: str = "data") -> None:
+    tensor = getattr(param, attr)
+    if tensor.device != device:
+        setattr(param, attr, tensor.to(device))
 
 
 def _remove_hook(module: nn.Module | None, hook: ModelHook) -> None:

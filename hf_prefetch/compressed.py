@@ -73,17 +73,17 @@ def compress_arena(model: nn.Module, state: OffloadState, progress: bool | None 
         if i in encoded:
             host = arena.view(i, (sizes[i],), (1,), torch.uint8)
             host.copy_(encoded.pop(i))
-            offloaded.append(OffloadedParam(o.full_name, o.param, host, layouts[o.full_name]))
+            offloaded.append(replace(o, host=host, layout=layouts[o.full_name]))
         else:
             host = arena.view(i, o.host.shape, o.host.stride(), o.host.dtype)
             host.copy_(o.host)
-            offloaded.append(OffloadedParam(o.full_name, o.param, host))
+            offloaded.append(replace(o, host=host))
     with deferred_interrupts():  # the switch: every parameter, the arena and the plan at once
         old = state.arena
         state.plan, state.arena, state.offloaded = plan, arena, offloaded
         for o in offloaded:
             if o.layout is None:
-                state.journal.place(o.param, o.host, f"{o.full_name} into the compressed arena's plain part")
+                state.journal.place(o.param, o.host, f"{o.full_name} into the compressed arena's plain part", o.attr)
             else:
                 # The values are in the encoded bytes only: the parameter holds one element (expanded to its shape)
                 # until it points at its slot, and gets its values back, decoded, when the dispatch is undone.

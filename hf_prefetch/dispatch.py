@@ -23,6 +23,7 @@ from .host import HostArena
 from .links import resolve_links
 from .memory_budget import device_argument, parse_max_memory
 from .offload_config import OffloadConfig, UVAConfig, resolve_offload
+from .placements import INNER_SEP, ParamSpec
 from .planner import make_uva_plan
 from .state import (
     Lifecycle,
@@ -135,20 +136,19 @@ def dispatch_model(
         _check_replacement_arena(model, state, layout)  # while the old dispatch still stands
         detach(model, state, target=None)
     # Host memory the arena takes back as it fills: each offloaded parameter's original storage, if on the CPU.
-    on_host = sum(
-        spec.nbytes for path, spec in layout if model.get_parameter(f"{path}.{spec.name}").device.type == "cpu"
-    )
+    on_host = sum(spec.nbytes for path, spec in layout if _param(model, path, spec).device.type == "cpu")
     arena = HostArena([spec.nbytes for _, spec in layout], freed_bytes=on_host)
     state = begin(model, plan, exec_device, arena, timing)
     try:
         for index, (layer_path, spec) in enumerate(layout):
-            name = f"{layer_path}.{spec.name}"
-            param = model.get_parameter(name)
-            host = arena.view(index, spec.shape, spec.stride, spec.dtype)
-            host.copy_(param.data)
+            name, param = f"{layer_path}.{spec.name}", _param(model, layer_path, spec)
+            offloaded = OffloadedParam(
+                name, param, arena.view(index, spec.shape, spec.stride, spec.dtype), None, spec.inner
+            )
+            offloaded.host.copy_(getattr(param, offloaded.attr))
             # Drop the original storage now, so a model that starts on the GPU frees it before the pool exists.
-            state.journal.place(param, host, f"{name} into host storage")
-            state.offloaded.append(OffloadedParam(name, param, host))
+            state.journal.place(param, offloaded.host, f"{name} into host storage", offloaded.attr)
+            state.offloaded.append(offloaded)
         compress_arena(model, state)  # a plan with compressed parameters: their encoded bytes in a new arena
         if exec_device.type == "cuda":
             with torch.cuda.device(exec_device):  # registered memory belongs to the current device (UVA views)
@@ -160,13 +160,18 @@ def dispatch_model(
     return model
 
 
+def _param(model: nn.Module, layer_path: str, spec: ParamSpec) -> nn.Parameter:
+    # The parameter a spec belongs to (for an inner tensor of a tensor subclass: the subclass parameter).
+    return model.get_parameter(f"{layer_path}.{spec.name.partition(INNER_SEP)[0]}")
+
+
 def _check_replacement_arena(model: nn.Module, state, layout) -> None:
     # The old arena is released as its weights move into the new one; weights now resident on the CPU move in too.
     old = {offloaded.full_name for offloaded in state.offloaded}
     on_host = sum(
         spec.nbytes
         for path, spec in layout
-        if f"{path}.{spec.name}" not in old and model.get_parameter(f"{path}.{spec.name}").device.type == "cpu"
+        if f"{path}.{spec.name}" not in old and _param(model, path, spec).device.type == "cpu"
     )
     nbytes = HostArena.bytes_for([spec.nbytes for _, spec in layout])
     if nbytes > 0:

@@ -268,13 +268,23 @@ def _tensors(value):
 
 
 def host_values_in_state_dict(
-    hosts: dict[str, OffloadedParam], module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any
+    hosts: dict[str, list[OffloadedParam]], module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any
 ) -> None:
-    """`state_dict()` hook of a module that owns streamed parameters (`hosts`: their names in it): a streamed
-    parameter's slot holds whichever layer ran last; its value is in host storage (decoded where compressed)."""
-    for name, offloaded in hosts.items():
+    """`state_dict()` hook of a module that owns streamed parameters (`hosts`: their names in it, each with its
+    tensors): a streamed parameter's slot holds whichever layer ran last; its value is in host storage (decoded where
+    compressed; a tensor subclass rebuilt around its inner tensors' host storage)."""
+    for name, tensors in hosts.items():
         if prefix + name in state_dict:
-            state_dict[prefix + name] = host_value(offloaded)
+            state_dict[prefix + name] = _host_parameter(tensors)
+
+
+def _host_parameter(tensors: list[OffloadedParam]) -> torch.Tensor:
+    first = tensors[0]
+    if first.inner is None:
+        return host_value(first)
+    _, context = first.param.__tensor_flatten__()
+    inner = {o.inner: host_value(o) for o in tensors}
+    return type(first.param).__tensor_unflatten__(inner, context, first.param.size(), first.param.stride())
 
 
 class Streamed(NamedTuple):
@@ -313,7 +323,7 @@ class WriteThrough:
         self.loading += loading
         for streamed in loading:
             # A compressed parameter loads into a decoded copy, encoded into host storage by `complete`.
-            streamed.offloaded.param.data = host_value(streamed.offloaded)
+            setattr(streamed.offloaded.param, streamed.offloaded.attr, host_value(streamed.offloaded))
 
     def after(self, module: nn.Module, incompatible_keys: Any) -> None:
         self.complete()
@@ -333,7 +343,7 @@ class WriteThrough:
                 write_encoded(offloaded, value)
         finally:
             for streamed in loading:
-                streamed.offloaded.param.data = streamed.slot_buffer
+                setattr(streamed.offloaded.param, streamed.offloaded.attr, streamed.slot_buffer)
             while self.held:  # copy the new values into the slots the layers held
                 self.engine.load(*self.held[-1])
                 self.held.pop()

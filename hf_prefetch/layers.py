@@ -15,8 +15,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .placements import LayerPlan, ParamSpec, Placement, Routing
+from .placements import INNER_SEP, LayerPlan, ParamSpec, Placement, Routing
 
 __all__ = [
     "find_layer_lists",
@@ -171,6 +172,14 @@ class CandidateLayer:
                     "quantized parameters resident: name only dense ones in offload_params / cpu_offload_params, "
                     "or select layers without them."
                 )
+            if placement is Placement.MAPPED and c.spec.inner:
+                name = c.spec.name.partition(INNER_SEP)[0]
+                raise ValueError(
+                    f"{self.path}.{name} is a tensor subclass ({type(c.param).__name__}), which the UVA backend "
+                    "cannot map: its kernels read inner tensors that torch keeps on one device. Stream it with the "
+                    "prefetch backend (PrefetchConfig), or keep it resident: name only dense parameters in "
+                    "cpu_offload_params."
+                )
             kind = placement
             if routed is not False and c.spec.routing is not None:
                 kind = Placement.ROUTED
@@ -204,14 +213,28 @@ def candidate_layers(
             experts = experts_modules(layer, top_k)
             params = []
             for name, param in layer.named_parameters():
+                matched, shared = segment_matches(segments, name), uses[id(param)] > 1
+                inner = inner_tensors(param)
+                if inner is not None:
+                    # A tensor subclass (torchao): its inner tensors stream together, each as a dense tensor of its
+                    # own, never expert by expert.
+                    for attr, tensor in inner:
+                        spec = ParamSpec(
+                            f"{name}{INNER_SEP}{attr}",
+                            tuple(tensor.shape),
+                            _dense_stride(tensor),
+                            tensor.dtype,
+                            _param_bytes(tensor),
+                        )
+                        params.append(Candidate(spec, matched, shared, param))
+                    continue
                 spec = ParamSpec(name, tuple(param.shape), _dense_stride(param), param.dtype, _param_bytes(param))
                 owner = _owner(name, experts)
                 routing = experts[owner] if owner is not None and isinstance(experts[owner], Routing) else None
                 unroutable = experts[owner] if owner is not None and isinstance(experts[owner], str) else None
                 spec = replace(spec, routing=routing)
-                matched = segment_matches(segments, name)
                 quantized = _quantized(param, model)
-                params.append(Candidate(spec, matched, uses[id(param)] > 1, param, unroutable, owner, quantized))
+                params.append(Candidate(spec, matched, shared, param, unroutable, owner, quantized))
             found[path].append(CandidateLayer(f"{path}.{index}", index, tuple(params)))
     return found
 
@@ -243,9 +266,22 @@ def warn_unroutable(candidates: dict[str, list[CandidateLayer]], routed: bool | 
         )
 
 
+def inner_tensors(param: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+    """The inner tensors of a traceable tensor subclass whose bytes all live in plain tensors (torchao's Int8Tensor,
+    Float8Tensor, Int4Tensor, ...): (attribute, tensor) in flattening order. None for a plain tensor, and for a
+    subclass that holds anything else (a nested subclass, or state outside its inner tensors)."""
+    if not is_traceable_wrapper_subclass(param):
+        return None
+    names, _ = param.__tensor_flatten__()
+    inner = [(name, getattr(param, name)) for name in names]
+    if not inner or any(type(tensor) is not torch.Tensor for _, tensor in inner):
+        return None
+    return inner
+
+
 def _quantized(param: torch.Tensor, model: nn.Module) -> str | None:
-    # A tensor subclass (torchao's Int8Tensor, Float8Tensor, ...: its bytes live in inner tensors) or a Parameter
-    # subclass carrying quantization state (bitsandbytes' Params4bit, Int8Params): more than one plain tensor.
+    # A tensor subclass whose bytes are not all in plain inner tensors, or a Parameter subclass carrying quantization
+    # state (bitsandbytes' Params4bit, Int8Params): more than one plain tensor, in a way that cannot be streamed.
     data = param.data if isinstance(param, nn.Parameter) else param
     if type(param) in (nn.Parameter, torch.Tensor) and type(data) is torch.Tensor:
         return None
@@ -348,6 +384,9 @@ def _dense_stride(tensor: torch.Tensor) -> tuple[int, ...]:
 
 
 def _param_bytes(tensor: torch.Tensor) -> int:
+    inner = inner_tensors(tensor)
+    if inner is not None:  # a tensor subclass: the bytes of its inner tensors (packed values, scales)
+        return sum(_param_bytes(t) for _, t in inner)
     return math.prod(tensor.shape) * tensor.element_size()
 
 

@@ -27,6 +27,8 @@ __all__ = ["OffloadPlan", "RingPlan", "LayerPlan", "ParamSpec", "Placement", "Ro
 PoolKey = tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype]
 
 
+# Separates a tensor-subclass parameter's name from one of its inner tensors' attributes in a spec's name.
+INNER_SEP = ":"
 # Each compressed parameter's encoded bytes start at a multiple of this in its slot's staging buffer.
 STAGING_ALIGN = 256
 
@@ -38,8 +40,9 @@ def staged_nbytes(layout: Layout) -> int:
 
 def compressed_layout(spec: ParamSpec) -> Layout | None:
     """The codec layout of a streamed parameter that may be kept compressed: not routed, dense (its values in
-    row-major order are its storage), of a dtype and size the codec encodes with a saving."""
-    if spec.placement is not Placement.STREAMED or spec.stride != _contiguous(spec.shape):
+    row-major order are its storage), not part of a tensor subclass, of a dtype and size the codec encodes with a
+    saving."""
+    if spec.placement is not Placement.STREAMED or spec.stride != _contiguous(spec.shape) or spec.inner:
         return None
     numel = 1
     for size in spec.shape:
@@ -111,6 +114,12 @@ class ParamSpec:
     # function of dtype and size; see codec.py). Its copy brings these bytes into its slot's staging buffer, and the
     # layer's wait decodes them into its slot buffer.
     compressed: Layout | None = None
+
+    @property
+    def inner(self) -> str | None:
+        """For one inner tensor of a tensor-subclass parameter (torchao's quantized tensors: `weight:qdata`), its
+        attribute on the parameter; None for a plain parameter."""
+        return self.name.partition(INNER_SEP)[2] or None
 
     @property
     def host_nbytes(self) -> int:

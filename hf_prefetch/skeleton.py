@@ -46,9 +46,9 @@ def build_skeleton(
         raise ValueError(
             f"{folder} is a quantized checkpoint (config.json quantization_config.quant_method = "
             f"{getattr(method, 'value', method)!r}); from_pretrained loads unquantized checkpoints only. A model "
-            "quantized in memory whose packed weights are plain tensors (transformers' fine-grained FP8, "
-            "FP8Linear) streams its packed bytes through hf_prefetch.dispatch_model; tensor-subclass quantizations "
-            "(torchao, bitsandbytes) are not supported yet."
+            "quantized in memory streams its packed bytes through hf_prefetch.dispatch_model: transformers' "
+            "fine-grained FP8 (FP8Linear) and torchao's tensor subclasses (quantize_ or TorchAoConfig); bitsandbytes "
+            "is not supported yet."
         )
     torch_dtype = _auto_dtype(dtype, model_config, checkpoint)
     model = _build_empty(model_class or AutoModelForCausalLM, model_config, torch_dtype)

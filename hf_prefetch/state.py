@@ -52,12 +52,24 @@ class Lifecycle(Enum):
 @dataclass
 class OffloadedParam:
     """A parameter kept in host memory: the `nn.Parameter` and the host tensor that holds its value (with `layout`,
-    its encoded bytes: see compressed.py)."""
+    its encoded bytes: see compressed.py). For a tensor-subclass parameter (torchao's quantized tensors) there is one
+    per inner tensor: `inner` names the attribute of `param` that holds it (`full_name` ends in `:inner`)."""
 
     full_name: str
     param: nn.Parameter
     host: torch.Tensor
     layout: Layout | None = None
+    inner: str | None = None
+
+    @property
+    def attr(self) -> str:
+        """The attribute of `param` through which the model reads this tensor."""
+        return self.inner or "data"
+
+    @property
+    def param_name(self) -> str:
+        """The parameter's name in the model (without the inner tensor's attribute)."""
+        return self.full_name.partition(":")[0]
 
 
 @dataclass(eq=False)

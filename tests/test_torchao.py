@@ -1,0 +1,181 @@
+"""torchao's quantized tensor subclasses stream their inner tensors (packed values, scales, zero points), never a
+dequantized copy: the same bits as the same quantized model resident, on every path that reads or writes the weights.
+The configurations here run on the CPU; torchao's GPU-only ones (Int4, float8 with dynamic activations) go through
+the same code."""
+
+import copy
+import gc
+import weakref
+
+import pytest
+import torch
+from models import assert_same_generation, generate_with_logits, prompt, tiny_llama
+
+import hf_prefetch
+from hf_prefetch import PrefetchConfig, UVAConfig
+
+quantization = pytest.importorskip("torchao.quantization")
+
+CONFIG = PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2)  # layers 1 and 5 take turns in one slot
+METHODS = ["Int8WeightOnlyConfig", "Int8DynamicActivationInt8WeightConfig", "Float8WeightOnlyConfig"]
+METHODS += ["IntxWeightOnlyConfig"]
+
+
+def _quantized(method: str = "Int8WeightOnlyConfig", seed: int = 0):
+    model = tiny_llama(6, seed=seed, dtype=torch.bfloat16)
+    quantization.quantize_(model, getattr(quantization, method)())
+    return model
+
+
+def _inner(tensor) -> dict[str, torch.Tensor]:
+    names, _ = tensor.__tensor_flatten__()
+    return {name: getattr(tensor, name) for name in names}
+
+
+def _same_values(a: dict, b: dict) -> bool:
+    # Equal state dicts: plain tensors bitwise, tensor subclasses of the same type with bitwise equal inner tensors.
+    if a.keys() != b.keys():
+        return False
+    for key, value in a.items():
+        other = b[key]
+        if type(value) is not type(other):
+            return False
+        pairs = zip(_inner(value).values(), _inner(other).values(), strict=True) if hasattr(value, "qdata") else None
+        if pairs is None and not torch.equal(value, other):
+            return False
+        if pairs is not None and not all(torch.equal(x, y) for x, y in pairs):
+            return False
+    return True
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("method", METHODS)
+def test_quantized_layers_stream_their_inner_tensors_and_compute_what_the_resident_model_computes(method):
+    model = _quantized(method)
+    resident = copy.deepcopy(model)
+    values = resident.state_dict()
+    ids = prompt()
+    want = generate_with_logits(resident, ids)
+    weight = model.model.layers[1].mlp.up_proj.weight
+    inner_bytes = sum(t.numel() * t.element_size() for t in _inner(weight).values())
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    plan = hf_prefetch.get_state(model).plan
+    layer = plan.rings[0].layers[1]
+    names = [spec.name for spec in layer.offloaded]
+    assert f"mlp.up_proj.weight:{next(iter(_inner(weight)))}" in names
+    assert sum(s.nbytes for s in layer.offloaded if s.name.startswith("mlp.up_proj.weight:")) == inner_bytes
+    # Packed bytes: a layer is well under its bf16 size.
+    assert layer.offloaded_bytes < 0.7 * sum(p.numel() * 2 for p in resident.model.layers[1].parameters())
+    assert_same_generation(generate_with_logits(model, ids), want)
+    assert _same_values(model.state_dict(), values)
+    assert type(model.model.layers[1].mlp.up_proj.weight) is type(weight)
+    hf_prefetch.remove_offload(model)
+    assert _same_values(model.state_dict(), values)
+    assert_same_generation(generate_with_logits(model, ids), want)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_load_state_dict_and_sync_from_device_write_the_inner_tensors():
+    model, other = _quantized(), _quantized(seed=1)
+    ids = prompt()
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    generate_with_logits(model, ids)  # the slots hold layers now
+    model.load_state_dict(other.state_dict())
+    state = hf_prefetch.get_state(model)
+    # Written through host storage, and read from the slots again (on the CPU, reading host storage looks the same).
+    assert all(getattr(o.param, o.attr).data_ptr() != o.host.data_ptr() for o in state.offloaded)
+    assert _same_values(model.state_dict(), other.state_dict())
+    want = generate_with_logits(other, ids)
+    assert_same_generation(generate_with_logits(model, ids), want)
+    hf_prefetch.sync_from_device(model)
+    assert _same_values(model.state_dict(), other.state_dict())
+    hf_prefetch.remove_offload(model)
+    assert_same_generation(generate_with_logits(model, ids), want)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_what_cannot_write_or_map_inner_tensors_is_refused_and_changes_nothing():
+    model, other = _quantized(), _quantized(seed=1)
+    values = copy.deepcopy(model.state_dict())
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    with pytest.raises(ValueError, match=r"tensor-subclass parameters \(model\.layers\.1\..*Int8Tensor.*Nothing was"):
+        hf_prefetch.reload_weights(model, other.state_dict())
+    assert _same_values(model.state_dict(), values)
+    hf_prefetch.remove_offload(model)
+    with pytest.raises(ValueError, match=r"layers\.0\..* is a tensor subclass \(Int8Tensor\), which the UVA backend"):
+        hf_prefetch.dispatch_model(model, UVAConfig(cpu_offload_gb=1), device="cpu")
+    assert hf_prefetch.get_state(model) is None and _same_values(model.state_dict(), values)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_compress_leaves_inner_tensors_plain():
+    model = _quantized()
+    want = generate_with_logits(copy.deepcopy(model), prompt())
+    config = PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2, compress=True)
+    hf_prefetch.dispatch_model(model, config, device="cpu")
+    assert hf_prefetch.get_state(model).plan.compressed_bytes == (0, 0)
+    assert_same_generation(generate_with_logits(model, prompt()), want)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("fail_at", ["_attach_prefetch", "_report_host_values"])
+def test_an_interrupted_dispatch_gives_the_inner_tensors_back(monkeypatch, fail_at):
+    model = _quantized()
+    values = copy.deepcopy(model.state_dict())
+    weight = model.model.layers[1].mlp.up_proj.weight
+    before = {name: tensor for name, tensor in _inner(weight).items()}
+    real = getattr(hf_prefetch.attach, fail_at)
+
+    def interrupted(*args):
+        real(*args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hf_prefetch.attach, fail_at, interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    assert hf_prefetch.get_state(model) is None
+    assert _same_values(model.state_dict(), values)
+    # The parameter reads tensors of its own again, not host storage or a slot.
+    assert all(getattr(weight, name).device.type == "cpu" for name in before)
+    monkeypatch.undo()
+    want = generate_with_logits(_quantized(), prompt())
+    assert_same_generation(generate_with_logits(model, prompt()), want)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_deleted_model_frees_its_inner_tensors():
+    model = _quantized()
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    generate_with_logits(model, prompt())
+    host = weakref.ref(hf_prefetch.get_state(model).offloaded[0].host)
+    gc.collect()
+    del model
+    gc.collect()
+    assert host() is None
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_compiled_forwards_read_the_streamed_inner_tensors():
+    model, other = _quantized(), _quantized(seed=1)
+    ids = prompt()
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    compiled = torch.compile(model.forward, backend="aot_eager")
+    with torch.no_grad():
+        assert torch.equal(compiled(ids).logits, _quantized()(ids).logits)
+        model.load_state_dict(other.state_dict())  # new values in host storage, the same tensors in the graph
+        assert torch.equal(compiled(ids).logits, other(ids).logits)
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("method", ["Int8WeightOnlyConfig", "Float8WeightOnlyConfig"])
+def test_quantized_layers_stream_on_cuda_as_the_resident_model_computes(method):
+    model = _quantized(method)
+    resident = copy.deepcopy(model).cuda()
+    ids = prompt().cuda()
+    want = generate_with_logits(resident, ids)
+    hf_prefetch.dispatch_model(model, CONFIG, device="cuda")
+    assert_same_generation(generate_with_logits(model, ids), want)
+    hf_prefetch.remove_offload(model, device="cuda")
+    assert_same_generation(generate_with_logits(model, ids), want)
