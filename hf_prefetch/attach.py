@@ -134,12 +134,16 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
         for layer in ring.streamed:
             host, slots, routed, decodes = [], [], [], []
             staged_at = 0  # where the next compressed parameter's bytes go in the slot's staging buffer
+            subclassed: dict[int, tuple[nn.Parameter, dict[str, torch.Tensor]]] = {}  # their inner slot buffers
             for spec in layer.offloaded:
                 offloaded = by_name[f"{layer.path}.{spec.name}"]
                 slot_buffer = pool.buffer(spec.key, layer.slot)
-                where = f"{offloaded.full_name} to slot {layer.slot}"
-                journal.point(Phase.ATTACH, offloaded.param, slot_buffer, where, offloaded.attr)
                 journal.freeze(offloaded.param, f"{offloaded.full_name} frozen")
+                if offloaded.inner is None:
+                    where = f"{offloaded.full_name} to slot {layer.slot}"
+                    journal.point(Phase.ATTACH, offloaded.param, slot_buffer, where)
+                else:
+                    subclassed.setdefault(id(offloaded.param), (offloaded.param, {}))[1][offloaded.inner] = slot_buffer
                 if spec.placement is Placement.ROUTED:
                     if ring_device not in routes:  # no forward routes (routed_max_tokens=0): never read
                         routes[ring_device] = _routed_sources(state, ring_device) if plan.routed_max_tokens else _host
@@ -155,6 +159,8 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
                 else:
                     host.append(offloaded.host)
                     slots.append(slot_buffer)
+            for param, inner in subclassed.values():
+                _point_subclass(journal, param, inner, f"{layer.path}: a tensor subclass to slot {layer.slot}")
             nbytes = layer.host_bytes - sum(spec.nbytes for spec in layer.routed)
             transfer = LayerTransfer(host, slots, layer.slot, layer.next_in_slot, nbytes, routed, decodes)
             transfer.cache = _expert_cache(layer, routed, plan.cached_experts, ring_device) if routable else None
@@ -245,6 +251,16 @@ def _expert_cache(layer, routed: list[RoutedTensor], cached_experts: int, device
         tallies=torch.zeros(2, dtype=torch.long, device=device),
         experts=list(range(capacity)),
         scores=[0.0] * num_experts,
+    )
+
+
+def _point_subclass(journal: Journal, param: nn.Parameter, inner: dict[str, torch.Tensor], what: str) -> None:
+    # A tensor subclass (torchao) made of its inner tensors' slot buffers, on their device, takes the parameter's
+    # place (the kernels read the inner tensors; the subclass's device follows them). See "Tensor subclasses" in
+    # docs/design.md.
+    _, context = param.__tensor_flatten__()
+    journal.point(
+        Phase.ATTACH, param, type(param).__tensor_unflatten__(inner, context, param.size(), param.stride()), what
     )
 
 

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from accelerate.hooks import ModelHook, SequentialHook, add_hook_to_module, remove_hook_from_module
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 __all__ = ["Journal", "Phase", "deferred_interrupts", "move_tensors"]
 
@@ -85,17 +86,31 @@ class Journal:
         """`param.data = tensor` (or another `attr`: an inner tensor of a tensor subclass); undone by pointing it
         back at the tensor it had."""
         previous = getattr(param, attr)
-        self.record(phase, what, lambda: setattr(param, attr, previous))
-        setattr(param, attr, tensor)
+        self._change(phase, what, lambda: _assign(param, attr, previous), lambda: _assign(param, attr, tensor))
 
     def place(self, param: torch.Tensor, tensor: torch.Tensor, what: str, attr: str = "data") -> None:
         """`param.data = tensor` (or another `attr`) for good (its old storage is dropped now); undone by copying
         the value back to the device it was on."""
         origin = getattr(param, attr).device
-        self.record(Phase.PLACE, what, lambda: _move(param, origin, attr))
-        setattr(param, attr, tensor)
+        self._change(Phase.PLACE, what, lambda: _move(param, origin, attr), lambda: _assign(param, attr, tensor))
 
-    def swap(self, tensor: torch.Tensor, value: torch.Tensor, what: str) -> None:
+    def _change(self, phase: Phase, what: str, undo: Callable[[], None], do: Callable[[], None]) -> None:
+        # Made, then recorded, with no interrupt in between: a change that fails (torch refusing to swap a tensor
+        # subclass's contents) leaves nothing to undo, and one that is made always finds its undo.
+        try:
+            with deferred_interrupts():
+                do()
+                self.record(phase, what, undo)
+        except RuntimeError as error:
+            if "swap" not in str(error):
+                raise
+            raise ValueError(
+                f"{what}: torch refused to swap the contents of this tensor subclass ({error}). hf_prefetch moves a "
+                "tensor subclass (torchao) by swapping its contents, as nn.Module.to() does; drop weak references to "
+                "the parameter (weakref, some caches), or keep it resident."
+            ) from error
+
+    def swap(self, tensor: torch.Tensor, value: torch.Tensor, what: str, phase: Phase = Phase.PLACE) -> None:
         """`torch.utils.swap_tensors(tensor, value)`: every name of a tied tensor sees the new contents."""
         swapped = [False]  # a second swap would redo the change: the undo swaps back only what was swapped
 
@@ -104,7 +119,7 @@ class Journal:
                 torch.utils.swap_tensors(tensor, value)
                 swapped[0] = False
 
-        self.record(Phase.PLACE, what, undo)
+        self.record(phase, what, undo)
         with deferred_interrupts():
             torch.utils.swap_tensors(tensor, value)
             swapped[0] = True
@@ -179,7 +194,19 @@ class Journal:
 def _move(param: torch.Tensor, device: torch.device, attr: str = "data") -> None:
     tensor = getattr(param, attr)
     if tensor.device != device:
-        setattr(param, attr, tensor.to(device))
+        _assign(param, attr, tensor.to(device))
+
+
+def _assign(param: torch.Tensor, attr: str, tensor: torch.Tensor) -> None:
+    # `param.data = tensor`, or an inner tensor's attribute of a tensor subclass. Assigning a tensor subclass's `.data`
+    # keeps its inner tensors (its kernels read those) and cannot change its device: its contents are swapped for a
+    # parameter made of `tensor` instead, as nn.Module._apply does (the old contents leave with that parameter).
+    if attr != "data" or not is_traceable_wrapper_subclass(param):
+        setattr(param, attr, tensor)
+        return
+    value = nn.Parameter(tensor, requires_grad=param.requires_grad) if isinstance(param, nn.Parameter) else tensor
+    with deferred_interrupts():
+        torch.utils.swap_tensors(param, value)
 
 
 def _remove_hook(module: nn.Module | None, hook: ModelHook) -> None:

@@ -59,7 +59,10 @@ def test_quantized_layers_stream_their_inner_tensors_and_compute_what_the_reside
     weight = model.model.layers[1].mlp.up_proj.weight
     inner_bytes = sum(t.numel() * t.element_size() for t in _inner(weight).values())
     hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
-    plan = hf_prefetch.get_state(model).plan
+    state = hf_prefetch.get_state(model)
+    # The subclass reads its slots (on the CPU, reading host storage would give the same values).
+    assert all(getattr(o.param, o.attr).data_ptr() != o.host.data_ptr() for o in state.offloaded)
+    plan = state.plan
     layer = plan.rings[0].layers[1]
     names = [spec.name for spec in layer.offloaded]
     assert f"mlp.up_proj.weight:{next(iter(_inner(weight)))}" in names
@@ -179,3 +182,16 @@ def test_quantized_layers_stream_on_cuda_as_the_resident_model_computes(method):
     assert_same_generation(generate_with_logits(model, ids), want)
     hf_prefetch.remove_offload(model, device="cuda")
     assert_same_generation(generate_with_logits(model, ids), want)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_subclass_torch_cannot_swap_is_refused_clearly_and_nothing_is_left_dispatched():
+    model = _quantized()
+    values = copy.deepcopy(model.state_dict())
+    weight = model.model.layers[1].mlp.up_proj.weight
+    held = weakref.ref(weight)  # torch.utils.swap_tensors refuses a tensor with weak references
+    with pytest.raises(ValueError, match=r"model\.layers\.1: a tensor subclass to slot 0: torch refused to swap"):
+        hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    assert held() is weight and hf_prefetch.get_state(model) is None
+    assert _same_values(model.state_dict(), values)
+    assert not hasattr(model.model.layers[1], "_hf_hook")
