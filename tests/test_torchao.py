@@ -195,3 +195,21 @@ def test_a_subclass_torch_cannot_swap_is_refused_clearly_and_nothing_is_left_dis
     assert held() is weight and hf_prefetch.get_state(model) is None
     assert _same_values(model.state_dict(), values)
     assert not hasattr(model.model.layers[1], "_hf_hook")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_model_transformers_quantized_with_torchao_config_streams_and_saves_its_values(tmp_path):
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    tiny_llama(6, dtype=torch.bfloat16).save_pretrained(tmp_path / "plain")
+    quantized = TorchAoConfig(quantization.Int8WeightOnlyConfig())
+    model = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "plain", quantization_config=quantized, dtype=torch.bfloat16
+    )
+    values = copy.deepcopy(model.state_dict())
+    want = generate_with_logits(copy.deepcopy(model), prompt())
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    assert_same_generation(generate_with_logits(model, prompt()), want)
+    model.save_pretrained(tmp_path / "saved")  # through state_dict(): the host values
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.bfloat16)
+    assert _same_values(saved.state_dict(), values)
