@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .changes import Journal, Phase, deferred_interrupts, move_tensors
+from .compressed import refuse_unencodable
 from .config import warn_at_caller
 from .engine import PrefetchEngine
 from .experts import gather_kernel
@@ -336,6 +337,16 @@ def _write_through_load_state_dict(model: nn.Module, state: OffloadState) -> lis
         refuse = partial(refuse_assign, names)
         register = partial(model.get_submodule(path)._register_load_state_dict_pre_hook, refuse, with_module=True)
         journal.handle(register, f"assign refused on {path or 'model'}")
+    compressed: dict[str, dict[str, OffloadedParam]] = {}  # module path -> compressed parameters under it, by name
+    for offloaded in state.offloaded:
+        if offloaded.layout is not None:
+            parts = offloaded.full_name.split(".")
+            for depth in range(len(parts)):
+                compressed.setdefault(".".join(parts[:depth]), {})[".".join(parts[depth:])] = offloaded
+    for path, params in compressed.items():
+        refuse = partial(refuse_unencodable, params)
+        register = partial(model.get_submodule(path)._register_load_state_dict_pre_hook, refuse, with_module=True)
+        journal.handle(register, f"values checked against their layouts on {path or 'model'}")
 
     by_name = {o.full_name: o for o in state.offloaded}
     owned: dict[nn.Module, list[Streamed]] = {}

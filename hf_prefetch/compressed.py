@@ -16,6 +16,7 @@ import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -109,12 +110,33 @@ def encode_for(offloaded: OffloadedParam, value: torch.Tensor) -> torch.Tensor:
     try:
         return codec.encode(value.detach().to("cpu", offloaded.layout.dtype), offloaded.layout)
     except codec.TooManyEscapes as error:
-        raise ValueError(
-            f"The new value of {offloaded.full_name} has {error.found} weights whose exponent is outside its 15 most "
-            f"common ones; its compressed host storage holds {error.capacity}. Nothing was written. Dispatch again "
-            "(hf_prefetch.remove_offload(model), then dispatch_model) to encode the new values afresh, or dispatch "
-            "with PrefetchConfig(compress=False)."
-        ) from None
+        raise ValueError(_unencodable(offloaded, error.found)) from None
+
+
+def refuse_unencodable(
+    compressed: dict[str, OffloadedParam], module: nn.Module, state_dict: dict, prefix: str, *args: Any
+) -> None:
+    """`load_state_dict` pre-hook on every module that contains a compressed parameter (`compressed`: by their names
+    in it). On the module `load_state_dict` was called on (prefix ""), before torch writes anything, every new value of
+    a compressed parameter is checked against its layout: one that does not fit is refused with nothing written."""
+    if prefix:
+        return
+    for name, offloaded in compressed.items():
+        value = state_dict.get(name)
+        if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(offloaded.param.shape):
+            continue  # torch reports it (or skips it) as it loads
+        found = codec.escapes(value.detach().to("cpu", offloaded.layout.dtype))
+        if found > offloaded.layout.capacity:
+            raise ValueError(_unencodable(offloaded, found))
+
+
+def _unencodable(offloaded: OffloadedParam, found: int) -> str:
+    return (
+        f"The new value of {offloaded.full_name} has {found} weights whose exponent is outside its 15 most common "
+        f"ones; its compressed host storage holds {offloaded.layout.capacity}. Nothing was written. Dispatch again "
+        "(hf_prefetch.remove_offload(model), then dispatch_model) to encode the new values afresh, or dispatch with "
+        "PrefetchConfig(compress=False)."
+    )
 
 
 def write_encoded(offloaded: OffloadedParam, encoded: torch.Tensor) -> None:

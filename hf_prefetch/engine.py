@@ -98,9 +98,11 @@ the compute stream waited on `done` and before the layer's kernels. So:
   the next layer in a slot is queued behind the other slots' copies long before the link reaches it. Decoding costs
   compute-stream time instead (`decode_seconds`), which batch-1 decode has to spare while it waits on the link.
 - `decoded` says whether the slot holds the values of its latest copy: cleared when a copy is issued, set by the
-  decode. A miss and `load` decode at once; `store` encodes the slot's values back into host storage (every
-  parameter before the first write) and the staging buffer. In a capture the decode is recorded at every wait,
-  whatever `decoded` says, so each replay decodes what the copies before it brought.
+  decode. A miss and `load` decode at once, and so do `start` and `finish` for every layer that holds its slot:
+  between forwards a parameter shows its layer's values, as it does uncompressed. `store` encodes the slot's values
+  back into host storage (`encode_slot`: every parameter before the first write) and the staging buffer. In a
+  capture the decode is recorded at every wait, whatever `decoded` says, so each replay decodes what the copies
+  before it brought.
 Layers that own their slot are copied once and are not compressed; routed and mapped tensors are never compressed.
 """
 
@@ -407,13 +409,28 @@ class PrefetchEngine:
 
     def finish(self) -> None:
         """After each forward, once a CUDA graph has recorded copies: start copying each ring's first layers into
-        their slots where a replay (which leaves its last layers there) or a capture did not."""
-        if not self._cuda or not self.graphs or self._capturing():
+        their slots where a replay (which leaves its last layers there) or a capture did not. Then decode compressed
+        layers that hold their slot."""
+        if self._capturing():
             return
+        if self._cuda and self.graphs:
+            for transfers in self.rings:
+                transfers.settle()
+                for position in transfers.missing_first_layers():
+                    self._prefetch(transfers, position, capturing=False)
+        self._decode_held()
+
+    def _decode_held(self) -> None:
+        # Between forwards a layer that holds its slot shows its values, compressed or not: a parameter read or edited
+        # there (sync_from_device writes such edits back) must not be its undecoded slot. The next wait finds it
+        # decoded; a replay, which runs no Python, decodes again what its copies brought.
         for transfers in self.rings:
-            transfers.settle()
-            for position in transfers.missing_first_layers():
-                self._prefetch(transfers, position, capturing=False)
+            for position, layer in enumerate(transfers.layers):
+                if layer.decoded or not transfers.holds(position):
+                    continue
+                if self._cuda and layer.done is not None:
+                    torch.cuda.current_stream(self.device).wait_event(layer.done)
+                self._decode(layer, capturing=False)
 
     # --- Outside the forward ----------------------------------------------------------------------------------------
 
@@ -422,6 +439,7 @@ class PrefetchEngine:
         for transfers in self.rings:
             for position in range(transfers.num_first):
                 self._prefetch(transfers, position, capturing=False)
+        self._decode_held()
 
     def holds(self, ring: int, position: int) -> bool:
         """Whether layer `position`'s weights are in its slot (or on their way), outside a capture."""
@@ -481,8 +499,31 @@ class PrefetchEngine:
                 _copy_all(layer, self._non_blocking, None, whole=True)
             self._decode(layer, capturing=False)
 
-    def store(self, ring: int, position: int) -> None:
-        """Copy the contents of layer `position`'s slot back into its host storage; the layer must own the slot."""
+    def encode_slot(self, ring: int, position: int) -> dict[int, torch.Tensor]:
+        """The encoded bytes of the compressed parameters of layer `position`'s slot (by id of their staging view),
+        for `store`; ValueError, naming the parameter, for values that do not fit their layout. Writes nothing."""
+        self._settle()
+        transfers = self.rings[ring]
+        layer = transfers.layers[position]
+        if not transfers.holds(position):
+            raise RuntimeError(f"Layer {position} of ring {ring} does not own slot {layer.slot}: nothing to store.")
+        if self._cuda:
+            self._after_copies(torch.cuda.current_stream(self.device))
+        self._decode(layer, capturing=False)
+        encoded = {}
+        for item in layer.decodes:
+            try:
+                encoded[id(item.staged)] = encode(item.out.cpu(), item.layout)
+            except TooManyEscapes as error:
+                message = _TOO_MANY_ESCAPES.format(name=item.name, found=error.found, capacity=error.capacity)
+                raise ValueError(message) from None
+        return encoded
+
+    def store(self, ring: int, position: int, encoded: dict[int, torch.Tensor] | None = None) -> None:
+        """Copy the contents of layer `position`'s slot back into its host storage; the layer must own the slot.
+        `encoded`: what `encode_slot` gave for it (computed here when None)."""
+        if encoded is None:
+            encoded = self.encode_slot(ring, position)  # every compressed parameter before the first write
         self._settle()
         transfers = self.rings[ring]
         layer = transfers.layers[position]
@@ -491,17 +532,8 @@ class PrefetchEngine:
         if self._cuda:
             self._after_copies(torch.cuda.current_stream(self.device))
         # Blocking: the host may read or rewrite its storage as soon as this returns. Routed tensors only from a whole
-        # slot: a routed one holds copies of host rows, or another layer's. Compressed ones are encoded from the
-        # slot's values, every one before the first write (new values may not fit a layout: nothing is written).
-        self._decode(layer, capturing=False)
-        staged = {id(item.staged): item for item in layer.decodes}
-        encoded = {}
-        for item in layer.decodes:
-            try:
-                encoded[id(item.staged)] = encode(item.out.cpu(), item.layout)
-            except TooManyEscapes as error:
-                message = _TOO_MANY_ESCAPES.format(name=item.name, found=error.found, capacity=error.capacity)
-                raise ValueError(message) from None
+        # slot: a routed one holds copies of host rows, or another layer's. Compressed ones write their encoded bytes.
+        staged = {id(item.staged) for item in layer.decodes}
         pairs = list(zip(layer.host, layer.device, strict=True))
         if layer.fill is Fill.WHOLE:
             pairs += [(tensor.host, tensor.device) for tensor in layer.routed]

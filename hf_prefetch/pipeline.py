@@ -275,9 +275,13 @@ class DeviceEngines:
         engine, r = self._at(ring)
         engine.load(r, position)
 
-    def store(self, ring: int, position: int) -> None:
+    def encode_slot(self, ring: int, position: int) -> dict[int, torch.Tensor]:
         engine, r = self._at(ring)
-        engine.store(r, position)
+        return engine.encode_slot(r, position)
+
+    def store(self, ring: int, position: int, encoded: dict[int, torch.Tensor] | None = None) -> None:
+        engine, r = self._at(ring)
+        engine.store(r, position, encoded)
 
     def refresh(self, ring: int, position: int) -> None:
         engine, r = self._at(ring)

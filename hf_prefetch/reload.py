@@ -234,8 +234,11 @@ def sync_from_device(model: nn.Module, layers: str | Sequence[str] | None = None
                 "hf_prefetch.reload_weights(model, source, process=fn) or model.load_state_dict(...) instead."
             )
     state.engine.drain()
-    for path in chosen:
-        state.engine.store(*streamed[path])
+    # Compressed layers are encoded, all of them, before the first write: values that do not fit leave every layer
+    # unwritten.
+    encoded = [state.engine.encode_slot(*streamed[path]) for path in chosen]
+    for path, values in zip(chosen, encoded, strict=True):
+        state.engine.store(*streamed[path], values)
     return chosen
 
 

@@ -110,18 +110,30 @@ def test_load_state_dict_encodes_the_new_values():
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in other.state_dict().items())
 
 
-def test_values_that_do_not_fit_the_layout_are_refused_and_nothing_is_written():
-    model = _model()
-    ids = prompt(1, 6)
-    want = generate_with_logits(model, ids)
-    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**CONFIG), device="cpu")
-    name = next(o.full_name for o in hf_prefetch.get_state(model).offloaded if o.layout is not None)
-    new = _values(model)
+def _spread(like: torch.Tensor) -> torch.Tensor:
     # One weight per exponent value, repeated: most weights escape.
     spread = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
-    new[name] = spread.repeat(new[name].numel() // spread.numel() + 1)[: new[name].numel()].view(new[name].shape)
+    return spread.repeat(like.numel() // spread.numel() + 1)[: like.numel()].view(like.shape).to(like.dtype)
+
+
+@pytest.mark.parametrize("loaded", ["model", "layer"])
+def test_values_that_do_not_fit_the_layout_are_refused_and_nothing_is_written(loaded):
+    # New values everywhere, one of which (the last compressed weight: earlier modules would load first) does not fit.
+    model = _model()
+    ids = prompt(1, 6)
+    want, values = generate_with_logits(model, ids), _values(model)
+    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**CONFIG), device="cpu")
+    name = [o.full_name for o in hf_prefetch.get_state(model).offloaded if o.layout is not None][-1]
+    new = _values(_model(seed=1))
+    new[name] = _spread(new[name])
+    target, prefix = model, ""
+    if loaded == "layer":  # load_state_dict on the layer itself: its pre-hook sees the call's whole state dict
+        prefix = name[: name.index(".self_attn") if ".self_attn" in name else name.index(".mlp")] + "."
+        target = model.get_submodule(prefix[:-1])
+    new = {k[len(prefix) :]: v for k, v in new.items() if k.startswith(prefix)}
     with pytest.raises(ValueError, match=rf"The new value of {name} has \d+ weights whose exponent is outside"):
-        model.load_state_dict(new)
+        target.load_state_dict(new)
+    assert all(torch.equal(values[k], v) for k, v in model.state_dict().items())
     _same(generate_with_logits(model, ids), want)
 
 
@@ -152,6 +164,19 @@ def test_sync_from_device_writes_encoded_values_back():
     generate_with_logits(model, ids)
     assert hf_prefetch.sync_from_device(model)
     _same(generate_with_logits(model, ids), want)
+
+
+def test_sync_from_device_writes_no_layer_when_one_does_not_fit():
+    model = _model(layers=8)
+    values = _values(model)
+    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**CONFIG), device="cpu")
+    first, second = "model.layers.1.mlp.up_proj.weight", "model.layers.3.mlp.down_proj.weight"  # both hold a slot
+    with torch.no_grad():
+        model.get_parameter(first).mul_(0.5)
+        model.get_parameter(second).copy_(_spread(model.get_parameter(second)))
+    with pytest.raises(ValueError, match=rf"The value of {second} in its slot has \d+ weights"):
+        hf_prefetch.sync_from_device(model)
+    assert all(torch.equal(values[k], v) for k, v in model.state_dict().items())
 
 
 def test_reload_weights_is_refused_clearly():
@@ -231,3 +256,20 @@ def test_compressed_streaming_on_cuda_is_bitwise_the_resident_model(dtype):
     _same(generate_with_logits(model, ids, max_new_tokens=24), want)
     hf_prefetch.remove_offload(model)
     assert all(torch.equal(values[k].cuda(), v) for k, v in model.state_dict().items())
+
+
+def test_between_forwards_a_held_layer_shows_its_values_and_edits_to_it_are_synced():
+    # The copies of the next forward's first layers bring encoded bytes; their parameters must show the values all
+    # the same (sync_from_device's example edits a held layer's parameter and writes it back).
+    model = _model(layers=8)
+    values = _values(model)
+    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**CONFIG), device="cpu")
+    name = "model.layers.3.mlp.up_proj.weight"  # a first layer of the ring (with layer 7 in slot 1)
+    for _ in range(2):  # after the dispatch, then after a forward
+        assert torch.equal(model.get_parameter(name), values[name])
+        with torch.no_grad():
+            model(prompt())
+    with torch.no_grad():
+        model.get_parameter(name).mul_(0.5)
+    assert "model.layers.3" in hf_prefetch.sync_from_device(model)
+    assert torch.equal(model.state_dict()[name], values[name] * 0.5)
