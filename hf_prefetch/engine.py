@@ -6,7 +6,8 @@ it knows nothing about modules, hooks or transformers. The per-ring bookkeeping 
 capture) is `ring.py`'s; this module decides when it changes.
 
 [Note: stream ordering]
-Two streams: the compute stream (whatever stream is current when a layer runs) and the engine's copy stream.
+Two streams: the compute stream (whatever stream is current when a layer runs) and the engine's copy stream (and a
+decode stream for compressed layers between forwards: see [Note: compressed streaming]).
 - Copy after compute (fork): before each copy the copy stream waits for everything queued so far on the compute
   stream (`copy_stream.wait_stream(compute)`): the slot's previous layer may still be reading it.
 - Compute after copy (join): each streamed layer's `done` event is recorded on the copy stream after its copy; its
@@ -98,11 +99,12 @@ the compute stream waited on `done` and before the layer's kernels. So:
   the next layer in a slot is queued behind the other slots' copies long before the link reaches it. Decoding costs
   compute-stream time instead (`decode_seconds`), which batch-1 decode has to spare while it waits on the link.
 - `decoded` says whether the slot holds the values of its latest copy: cleared when a copy is issued, set by the
-  decode. A miss and `load` decode at once, and so do `start` and `finish` for every layer that holds its slot:
-  between forwards a parameter shows its layer's values, as it does uncompressed. `store` encodes the slot's values
-  back into host storage (`encode_slot`: every parameter before the first write) and the staging buffer. In a
-  capture the decode is recorded at every wait, whatever `decoded` says, so each replay decodes what the copies
-  before it brought.
+  decode. A miss and `load` decode at once, and `start` and `finish` decode every layer that holds its slot (on
+  CUDA on a third stream, the decode stream, behind the layer's copy, recording `done` again after the decode; the
+  next copy into the slot waits on that decode as well): between forwards a parameter shows its layer's values once
+  its copy is done, as uncompressed. `store` encodes the slot's values back into host storage (`encode_slot`: every
+  parameter before the first write) and the staging buffer. In a capture the decode is recorded at every wait,
+  whatever `decoded` says, so each replay decodes what the copies before it brought.
 Layers that own their slot are copied once and are not compressed; routed and mapped tensors are never compressed.
 """
 
@@ -154,6 +156,11 @@ class PrefetchEngine:
         # copy (the slot may still be read by queued kernels); the compute stream is ordered after it by each layer's
         # `done` event.
         self.copy_stream = torch.cuda.Stream(device) if self._cuda else None
+        # decode_stream: decodes compressed layers that hold their slot between forwards (`_decode_held`), each after
+        # its copy's `done`. `_pending_decodes` keeps each such decode's end by ring and slot until the next copy into
+        # that slot, which waits on it: the layer may leave its slot without running.
+        self.decode_stream = torch.cuda.Stream(device) if self._cuda else None
+        self._pending_decodes: dict[tuple[int, int], torch.cuda.Event] = {}
         self._timings = Timings(device)
         # [Note: shared links] in links.py: other GPUs copy a share of every layer, joined into its `done` event.
         self._links = (
@@ -239,6 +246,9 @@ class PrefetchEngine:
                 return
             # In a capture this fork makes the copy stream join it: its copies become nodes of the graph.
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            decoding = self._pending_decodes.pop((id(transfers), layer.slot), None)
+            if decoding is not None and not capturing:  # before a capture the device synchronises: it has ended
+                self.copy_stream.wait_event(decoding)  # it may still read the staging buffer and write the slot
             with torch.cuda.stream(self.copy_stream):
                 if capturing:
                     self._check_capturable()
@@ -422,15 +432,26 @@ class PrefetchEngine:
 
     def _decode_held(self) -> None:
         # Between forwards a layer that holds its slot shows its values, compressed or not: a parameter read or edited
-        # there (sync_from_device writes such edits back) must not be its undecoded slot. The next wait finds it
-        # decoded; a replay, which runs no Python, decodes again what its copies brought.
+        # there (sync_from_device writes such edits back) must not be its undecoded slot. On CUDA the decode is queued
+        # on the decode stream behind its copy (the host, the compute stream and the other copies go on: the next
+        # forward's first layers keep landing while the host prepares it) and `done` is recorded again after it, so
+        # whatever waits for the copy (a forward, a miss, `torch.cuda.synchronize()`) also waits for the values, as
+        # uncompressed. A replay, which runs no Python, decodes again what its copies brought.
         for transfers in self.rings:
             for position, layer in enumerate(transfers.layers):
                 if layer.decoded or not transfers.holds(position):
                     continue
-                if self._cuda and layer.done is not None:
-                    torch.cuda.current_stream(self.device).wait_event(layer.done)
-                self._decode(layer, capturing=False)
+                if not self._cuda:
+                    self._decode(layer, capturing=False)
+                    continue
+                if layer.event is not CopyEvent.ON_STREAM or layer.done is None:
+                    continue  # copied inside a graph (whose replay decodes it) or landed for good (never compressed)
+                with torch.cuda.stream(self.decode_stream):
+                    self.decode_stream.wait_event(layer.done)  # the copy, through every link
+                    self._decode(layer, capturing=False)
+                    layer.done = timing_event() if self.timing else torch.cuda.Event()  # a stall is timed against it
+                    layer.done.record(self.decode_stream)
+                self._pending_decodes[id(transfers), layer.slot] = layer.done
 
     # --- Outside the forward ----------------------------------------------------------------------------------------
 
@@ -450,6 +471,7 @@ class PrefetchEngine:
         """Block the host until every copy issued so far has landed."""
         if self._cuda:
             self.copy_stream.synchronize()
+            self.decode_stream.synchronize()
         if self._links is not None:
             self._links.synchronize()
 
@@ -593,6 +615,7 @@ class PrefetchEngine:
     def _after_copies(self, stream: torch.cuda.Stream) -> None:
         # Order `stream` after every copy issued so far, through every link (outside a capture).
         stream.wait_stream(self.copy_stream)
+        stream.wait_stream(self.decode_stream)
         if self._links is not None:
             self._links.order_after(stream)
 

@@ -273,3 +273,31 @@ def test_between_forwards_a_held_layer_shows_its_values_and_edits_to_it_are_sync
         model.get_parameter(name).mul_(0.5)
     assert "model.layers.3" in hf_prefetch.sync_from_device(model)
     assert torch.equal(model.state_dict()[name], values[name] * 0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("timing", [False, True])
+def test_on_cuda_held_layers_show_their_values_once_the_copies_are_done(timing):
+    # After a forward the next forward's first layers are still landing (encoded) and are decoded on the copy stream
+    # behind their copies: once the device has finished, their parameters are their values, and an edit is synced.
+    from tests.models import gpu_llama
+
+    model = gpu_llama()
+    values = _values(model)
+    config = hf_prefetch.PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=2, compress=True)
+    hf_prefetch.dispatch_model(model, config, device="cuda", timing=timing)
+    name = "model.layers.0.mlp.up_proj.weight"  # the ring's first layer: its copy is queued at the end of a forward
+    ids = prompt(1, 9, vocab=1024).cuda()
+    for _ in range(2):
+        with torch.no_grad():
+            model(ids)
+        torch.cuda.synchronize()
+        assert torch.equal(model.get_parameter(name).cpu(), values[name])
+    with torch.no_grad():
+        model.get_parameter(name).mul_(0.5)
+    assert "model.layers.0" in hf_prefetch.sync_from_device(model)
+    state = model.state_dict()
+    assert torch.equal(state[name].cpu(), values[name] * 0.5)
+    assert all(torch.equal(state[key].cpu(), value) for key, value in values.items() if key != name)
+    hf_prefetch.remove_offload(model)
