@@ -85,6 +85,7 @@ def compress_arena(model: nn.Module, state: OffloadState, progress: bool | None 
         for o in offloaded:
             if o.layout is None:
                 state.journal.place(o.param, o.host, f"{o.full_name} into the compressed arena's plain part", o.attr)
+                state.journal.record(Phase.ATTACH, f"{o.full_name} out of the compressed arena", _copy_out(state, o))
             else:
                 # The values are in the encoded bytes only: the parameter holds one element (expanded to its shape)
                 # until it points at its slot, and gets its values back, decoded, when the dispatch is undone.
@@ -155,6 +156,16 @@ def _decode_back(state: OffloadState, offloaded: OffloadedParam):
         # Only when the dispatch is undone for the model's sake: a collected model needs no values.
         if state.lifecycle in (Lifecycle.DETACHING, Lifecycle.ROLLING_BACK):
             offloaded.param.data = host_value(offloaded)
+
+    return undo
+
+
+def _copy_out(state: OffloadState, offloaded: OffloadedParam):
+    def undo() -> None:
+        # A plain parameter left a view of the arena would keep all of it, encoded bytes included, alive once the
+        # compressed ones are decoded into tensors of their own: it gets its own copy too.
+        if state.lifecycle in (Lifecycle.DETACHING, Lifecycle.ROLLING_BACK):
+            offloaded.param.data = offloaded.host.clone()
 
     return undo
 

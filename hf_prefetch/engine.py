@@ -521,9 +521,9 @@ class PrefetchEngine:
                 _copy_all(layer, self._non_blocking, None, whole=True)
             self._decode(layer, capturing=False)
 
-    def encode_slot(self, ring: int, position: int) -> dict[int, torch.Tensor]:
-        """The encoded bytes of the compressed parameters of layer `position`'s slot (by id of their staging view),
-        for `store`; ValueError, naming the parameter, for values that do not fit their layout. Writes nothing."""
+    def _owned_settled(self, ring: int, position: int) -> LayerTransfer:
+        # Layer `position` of `ring`, which must own its slot, once every copy and decode issued so far has landed
+        # (on CUDA: for the current stream).
         self._settle()
         transfers = self.rings[ring]
         layer = transfers.layers[position]
@@ -531,6 +531,12 @@ class PrefetchEngine:
             raise RuntimeError(f"Layer {position} of ring {ring} does not own slot {layer.slot}: nothing to store.")
         if self._cuda:
             self._after_copies(torch.cuda.current_stream(self.device))
+        return layer
+
+    def encode_slot(self, ring: int, position: int) -> dict[int, torch.Tensor]:
+        """The encoded bytes of the compressed parameters of layer `position`'s slot (by id of their staging view),
+        for `store`; ValueError, naming the parameter, for values that do not fit their layout. Writes nothing."""
+        layer = self._owned_settled(ring, position)
         self._decode(layer, capturing=False)
         encoded = {}
         for item in layer.decodes:
@@ -546,13 +552,7 @@ class PrefetchEngine:
         `encoded`: what `encode_slot` gave for it (computed here when None)."""
         if encoded is None:
             encoded = self.encode_slot(ring, position)  # every compressed parameter before the first write
-        self._settle()
-        transfers = self.rings[ring]
-        layer = transfers.layers[position]
-        if not transfers.holds(position):
-            raise RuntimeError(f"Layer {position} of ring {ring} does not own slot {layer.slot}: nothing to store.")
-        if self._cuda:
-            self._after_copies(torch.cuda.current_stream(self.device))
+        layer = self._owned_settled(ring, position)
         # Blocking: the host may read or rewrite its storage as soon as this returns. Routed tensors only from a whole
         # slot: a routed one holds copies of host rows, or another layer's. Compressed ones write their encoded bytes.
         staged = {id(item.staged) for item in layer.decodes}

@@ -1,9 +1,10 @@
 """The model of a checkpoint folder, built on the meta device with the dtypes it will be loaded in.
 
-Finds the folder's `config.json` (nothing is downloaded), refuses quantized checkpoints, resolves `dtype="auto"` as
-transformers does, builds the model class (an Auto class or a model class) under `init_empty_weights` with buffers
-real, and applies transformers' per-module dtype plan (`_keep_in_fp32_modules`). It reads no weights: filling the
-model is the loader's job; `hf_prefetch.plan` of a folder uses the skeleton alone.
+Finds the folder's `config.json` (nothing is downloaded), resolves `dtype="auto"` as transformers does, builds the
+model class (an Auto class or a model class) under `init_empty_weights` with buffers real, prepares a pre-quantized
+FP8 checkpoint's model with transformers' own quantizer (other quantization methods are refused), and applies
+transformers' per-module dtype plan (`_keep_in_fp32_modules`). It reads no weights: filling the model is the
+loader's job; `hf_prefetch.plan` of a folder uses the skeleton alone.
 """
 
 from __future__ import annotations
@@ -39,24 +40,57 @@ def build_skeleton(
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
     model_config = AutoConfig.from_pretrained(folder, local_files_only=True)
-    quantization = getattr(model_config, "quantization_config", None)
-    if quantization is not None:
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-        method = getattr(quantization, "quant_method", method)
-        raise ValueError(
-            f"{folder} is a quantized checkpoint (config.json quantization_config.quant_method = "
-            f"{getattr(method, 'value', method)!r}); from_pretrained loads unquantized checkpoints only. A model "
-            "quantized in memory streams its packed bytes through hf_prefetch.dispatch_model: transformers' "
-            "fine-grained FP8 (FP8Linear) and torchao's tensor subclasses (quantize_ or TorchAoConfig); bitsandbytes "
-            "is not supported yet."
-        )
+    quantizer = _prequantized(folder, getattr(model_config, "quantization_config", None))
     torch_dtype = _auto_dtype(dtype, model_config, checkpoint)
     model = _build_empty(model_class or AutoModelForCausalLM, model_config, torch_dtype)
     model.config.name_or_path = str(folder)
+    if quantizer is not None:
+        # transformers' own preparation, on the meta device: its quantized modules, whose parameters are the packed
+        # tensors the checkpoint holds (read as they are, never dequantized).
+        quantizer.preprocess_model(model, dtype=torch_dtype)
+        model.hf_quantizer = quantizer
+        model.config.quantization_config = quantizer.quantization_config
     if isinstance(model, PreTrainedModel):
         model.tie_weights()  # as _load does: the plan must see tied tensors as one parameter
     set_dtypes(model, torch_dtype, cast=False, journal=Journal())
     return model, torch_dtype
+
+
+# Pre-quantized checkpoints whose packed storage is plain tensors that transformers' quantizer declares on the meta
+# device (the loader fills them like any parameter).
+PREQUANTIZED = ("fp8",)
+
+
+def _prequantized(folder: Path, quantization: Any) -> Any:
+    """transformers' quantizer for a pre-quantized checkpoint hf_prefetch loads (None for an unquantized one)."""
+    if quantization is None:
+        return None
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    method = getattr(quantization, "quant_method", method)
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    where = f"{folder}/config.json quantization_config"
+    if method not in PREQUANTIZED:
+        raise ValueError(
+            f"{where}.quant_method = {method!r}: from_pretrained loads unquantized checkpoints and pre-quantized ones "
+            f"of {list(PREQUANTIZED)} (transformers' fine-grained FP8). A model quantized in memory streams its "
+            "packed bytes through hf_prefetch.dispatch_model: transformers' fine-grained FP8 (FP8Linear) and "
+            "torchao's tensor subclasses (quantize_ or TorchAoConfig); bitsandbytes is not supported yet."
+        )
+    from transformers.quantizers import AutoHfQuantizer
+
+    quantizer = AutoHfQuantizer.from_config(quantization, pre_quantized=True)
+    settings = quantizer.quantization_config
+    if getattr(settings, "dequantize", False):
+        raise ValueError(
+            f"{where}.dequantize = True asks for the weights dequantized to bf16 at load time; hf_prefetch streams "
+            "the packed bytes. Set it to false, or load the dequantized model with transformers and dispatch it."
+        )
+    if getattr(settings, "scale_fmt", "float") != "float":
+        raise ValueError(
+            f"{where}.scale_fmt = {settings.scale_fmt!r}: scales that transformers converts after loading are not "
+            "supported yet; from_pretrained reads FP8 checkpoints with float scales (scale_fmt 'float')."
+        )
+    return quantizer
 
 
 def _build_empty(model_class: type, config: Any, dtype: torch.dtype) -> nn.Module:

@@ -55,9 +55,14 @@ def test_outputs_state_dict_and_removal_are_bitwise_the_resident_models(dtype, p
     assert stats.compression == pytest.approx(encoded_bytes / values_bytes)
     assert all(layer.compressed_bytes * values_bytes == layer.decoded_bytes * encoded_bytes for layer in stats.layers)
     assert "compressed MiB" in str(stats) and "decoded MiB" in str(stats)
+    arena = state.arena._buffer
+    inside = range(arena.data_ptr(), arena.data_ptr() + arena.numel())
     hf_prefetch.remove_offload(model)
     assert all(torch.equal(values[k], v) for k, v in model.state_dict().items())
     assert all(p.is_contiguous() for p in model.parameters())
+    # Nothing keeps the compressed arena (encoded bytes and all) alive: the plain parameters got copies of their own.
+    assert not any(p.data_ptr() in inside for p in model.parameters())
+    del arena
     _same(generate_with_logits(model, ids), want)
 
 

@@ -120,16 +120,54 @@ def test_a_budget_counts_fp8_layers_by_their_packed_bytes():
     assert len(plan.rings[0].streamed) == 3 and plan.device_bytes == total - 2 * per_layer
 
 
-def test_from_pretrained_of_a_quantized_checkpoint_names_the_method_and_what_works(tmp_path):
+def _fp8_checkpoint(folder, **settings) -> LlamaForCausalLM:
+    # What a pre-quantized FP8 checkpoint holds: float8 weights and float32 block scales, and its config's
+    # quantization_config.
     import json
 
-    from models import tiny_llama
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    tiny_llama().save_pretrained(tmp_path)
-    config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(BLOCK)}
-    (tmp_path / "config.json").write_text(json.dumps(config))
+    model = fp8_llama()
+    # As transformers' from_pretrained builds it: the rotary tables (not saved) in float32, not cast with the model.
+    model.model.rotary_emb = LlamaRotaryEmbedding(model.config)
+    model.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "weight_block_size": list(BLOCK), **settings}
+    (folder / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def test_from_pretrained_reads_a_pre_quantized_fp8_checkpoint_as_packed_bytes(tmp_path):
+    reference = _fp8_checkpoint(tmp_path)
+    in_memory = hf_prefetch.plan(copy.deepcopy(reference), STRIDE, device="cpu")
+    assert hf_prefetch.plan(tmp_path, STRIDE, device="cpu").streamed_bytes_per_forward == (
+        in_memory.streamed_bytes_per_forward
+    )
+    model = hf_prefetch.from_pretrained(tmp_path, STRIDE, device="cpu")
+    try:
+        assert isinstance(model.model.layers[1].mlp.down_proj, finegrained_fp8.FP8Linear)
+        assert model.config.quantization_config.quant_method == "fp8"
+        assert_same_generation(generate_with_logits(model, _ids()), generate_with_logits(reference, _ids()))
+        want = reference.state_dict()
+        for name, value in model.state_dict().items():
+            assert value.dtype == want[name].dtype and torch.equal(_bytes(value), _bytes(want[name])), name
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+@pytest.mark.parametrize(
+    "settings, named",
+    [
+        ({"quant_method": "bitsandbytes"}, "quant_method = 'bitsandbytes'"),
+        ({"dequantize": True}, "dequantize = True"),
+        ({"scale_fmt": "ue8m0"}, "scale_fmt = 'ue8m0'"),
+    ],
+)
+def test_from_pretrained_refuses_quantized_checkpoints_it_cannot_stream_packed(tmp_path, settings, named):
+    _fp8_checkpoint(tmp_path, **settings)
     with pytest.raises(ValueError) as error:
         hf_prefetch.from_pretrained(tmp_path, STRIDE, device="cpu")
     message = str(error.value)
-    assert "quant_method = 'fp8'" in message and "dispatch_model" in message and "torchao" in message
+    assert named in message and "config.json quantization_config" in message
+    if "quant_method" in settings:
+        assert "['fp8']" in message and "dispatch_model" in message and "torchao" in message
