@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from . import codec
-from .changes import Phase, deferred_interrupts
+from .changes import Phase, _assign, deferred_interrupts
 from .host import HostArena
 from .placements import OffloadPlan
 from .state import Lifecycle, OffloadedParam, OffloadState
@@ -165,7 +165,7 @@ def _copy_out(state: OffloadState, offloaded: OffloadedParam):
         # A plain parameter left a view of the arena would keep all of it, encoded bytes included, alive once the
         # compressed ones are decoded into tensors of their own: it gets its own copy too.
         if state.lifecycle in (Lifecycle.DETACHING, Lifecycle.ROLLING_BACK):
-            offloaded.param.data = offloaded.host.clone()
+            _assign(offloaded.param, offloaded.attr, offloaded.host.clone())  # an inner tensor: through its attribute
 
     return undo
 

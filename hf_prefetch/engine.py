@@ -92,7 +92,8 @@ ordinary copy of those bytes, on the copy stream like every other, into the slot
 pool buffer like the others), and the layer's `wait` decodes them into the slot buffer on the compute stream, after
 the compute stream waited on `done` and before the layer's kernels. So:
 - The slot buffer is written only on the compute stream, after every kernel of the layer that used the slot before
-  (stream order): the same guarantee a copy gets from its fork.
+  (stream order): the same guarantee a copy gets from its fork. Between forwards (below) it is written on the decode
+  stream after the layer's copy, whose fork gave that guarantee already.
 - The staging buffer is rewritten only by the next copy into the slot, which forks from the compute stream after the
   layer released, so after its decode.
 - The link never waits for a decode: copies keep their stream to themselves, and with two or more slots the copy of
@@ -114,6 +115,7 @@ from collections.abc import Sequence
 
 import torch
 
+from .changes import deferred_interrupts
 from .codec import TooManyEscapes, decode, encode
 from .driver import captured_copy
 from .experts import ExpertCaches, copy_routed_rows, count_picks, forget_cache, gather_with_cache
@@ -446,12 +448,15 @@ class PrefetchEngine:
                     continue
                 if layer.event is not CopyEvent.ON_STREAM or layer.done is None:
                     continue  # copied inside a graph (whose replay decodes it) or landed for good (never compressed)
-                with torch.cuda.stream(self.decode_stream):
+                # All or nothing under an interrupt: a layer marked decoded whose `done` did not yet follow the
+                # decode would compute while the decode still writes its slot.
+                with deferred_interrupts(), torch.cuda.stream(self.decode_stream):
                     self.decode_stream.wait_event(layer.done)  # the copy, through every link
+                    decoded = timing_event() if self.timing else torch.cuda.Event()  # a stall is timed against it
                     self._decode(layer, capturing=False)
-                    layer.done = timing_event() if self.timing else torch.cuda.Event()  # a stall is timed against it
-                    layer.done.record(self.decode_stream)
-                self._pending_decodes[id(transfers), layer.slot] = layer.done
+                    decoded.record(self.decode_stream)
+                    layer.done = decoded
+                    self._pending_decodes[id(transfers), layer.slot] = decoded
 
     # --- Outside the forward ----------------------------------------------------------------------------------------
 

@@ -78,10 +78,13 @@ def map_keys(model: nn.Module, checkpoint: Checkpoint) -> KeyMap:
             name = canonical[id(meta_state[renamed])]
             expected = meta_state[renamed].shape
             if entry.shape != tuple(expected):
+                fields = "hidden_size, vocab_size, num_key_value_heads, ..."
+                if "scale" in renamed.rpartition(".")[2]:  # a quantized weight's scales: one per block
+                    fields = "quantization_config.weight_block_size, or " + fields
                 raise ValueError(
                     f"{entry.path}: tensor {key!r} has shape {list(entry.shape)} but {model_name}.{renamed} has shape "
                     f"{list(expected)}. The checkpoint was saved for another configuration: check config.json "
-                    "(hidden_size, vocab_size, num_key_value_heads, ...)."
+                    f"({fields})."
                 )
             if name in keymap.streamed:
                 keymap.duplicates.append((entry, name))

@@ -31,7 +31,7 @@ from .links import resolve_links
 from .memory_budget import MaxMemory, device_argument, parse_max_memory
 from .pipeline import home_of
 from .reader import TensorReader
-from .skeleton import build_skeleton, checkpoint_folder, set_dtypes
+from .skeleton import FLOAT8, build_skeleton, checkpoint_folder, set_dtypes
 from .state import (
     OffloadedParam,
     get_state,
@@ -205,8 +205,11 @@ def load_checkpoint_and_dispatch(
             f"{type(model).__name__} is already dispatched; call hf_prefetch.remove_offload(model) before loading."
         )
     refuse_other_offload(model)
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"dtype={dtype!r} must be a floating-point torch.dtype such as torch.bfloat16, or None.")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype not in FLOAT8):
+        raise ValueError(
+            f"dtype={dtype!r} must be a floating-point torch.dtype to compute in, such as torch.bfloat16, or None "
+            "(float8 weights keep their dtype under any dtype)."
+        )
     with Checkpoint.open(checkpoint) as opened:
         _load(
             model,

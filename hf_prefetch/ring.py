@@ -134,7 +134,8 @@ class LayerCounters:
     decoded_bytes: int = 0  # values written into the slot by decoding compressed bytes
     compressed_bytes: int = 0  # the compressed bytes they were decoded from (also counted in copied_bytes)
     decodes: int = 0
-    decode_seconds: float = 0.0  # with timing: device time of the decoding, on the compute stream
+    # with timing: device time of the decoding (compute stream; between forwards, decode stream)
+    decode_seconds: float = 0.0
     copy_seconds: float = 0.0
     stall_seconds: float = 0.0
     compute_seconds: float = 0.0  # from the end of the layer's wait to the end of its forward

@@ -21,6 +21,11 @@ from .checkpoint import Checkpoint
 
 __all__ = ["build_skeleton", "checkpoint_folder", "set_dtypes"]
 
+# float8 dtypes: quantized storage, never a dtype to load or cast a model in.
+FLOAT8 = frozenset(
+    t for name in dir(torch) if name.startswith("float8_") and isinstance(t := getattr(torch, name), torch.dtype)
+)
+
 
 def checkpoint_folder(path: str | os.PathLike) -> Path:
     """`path` as a folder that holds a config.json (nothing is downloaded)."""
@@ -133,15 +138,17 @@ def _auto_dtype(dtype: Any, config: Any, checkpoint: Checkpoint) -> torch.dtype:
     if dtype is None or dtype == "auto":
         dtype = getattr(config, "dtype", None)
         if dtype is None:
-            floating = [e.dtype for e in checkpoint.entries.values() if e.dtype.is_floating_point]
+            floating = [
+                e.dtype for e in checkpoint.entries.values() if e.dtype.is_floating_point and e.dtype not in FLOAT8
+            ]
             dtype = floating[0] if floating else torch.get_default_dtype()
     given = dtype
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype.removeprefix("torch."), None)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype in FLOAT8:
         raise ValueError(
-            f"dtype={given!r} must be a floating-point torch.dtype such as torch.bfloat16 (or its name, "
-            "'bfloat16'), 'auto' or None."
+            f"dtype={given!r} must be a floating-point torch.dtype to compute in, such as torch.bfloat16 (or its "
+            "name, 'bfloat16'), 'auto' or None."
         )
     return dtype
 
@@ -153,9 +160,22 @@ def set_dtypes(model: nn.Module, dtype: torch.dtype | None, cast: bool, journal:
     dtype_plan = model._get_dtype_plan(dtype) if dtype is not None and hasattr(model, "_get_dtype_plan") else {}
     if dtype_plan:
         alternation, glob_of_group, _ = build_glob_alternation(list(dtype_plan))
+    packed = _packed_parameters(model)
     for name, param in model.named_parameters():
-        target = dtype if cast and dtype is not None and param.is_floating_point() else param.dtype
+        castable = cast and dtype is not None and param.is_floating_point() and name not in packed
+        target = dtype if castable else param.dtype
         if dtype_plan and (match := alternation.search(name)):
             target = dtype_plan[glob_of_group[match.lastgroup]]
         if target != param.dtype:
             journal.point(Phase.PLACE, param, param.data.to(target), f"{name} as {target}")
+
+
+def _packed_parameters(model: nn.Module) -> set[str]:
+    # Quantized storage keeps its dtype under a requested one: float8 weights, and the other parameters of their
+    # modules (transformers' FP8Linear keeps its `weight_scale_inv` in float32), as transformers' quantizers do.
+    names = set()
+    for path, module in model.named_modules():
+        own = list(module.named_parameters(recurse=False))
+        if any(param.dtype in FLOAT8 for _, param in own):
+            names.update(f"{path}.{name}" if path else name for name, _ in own)
+    return names

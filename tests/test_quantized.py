@@ -171,3 +171,39 @@ def test_from_pretrained_refuses_quantized_checkpoints_it_cannot_stream_packed(t
     assert named in message and "config.json quantization_config" in message
     if "quant_method" in settings:
         assert "['fp8']" in message and "dispatch_model" in message and "torchao" in message
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float32])
+def test_a_requested_dtype_leaves_the_packed_tensors_as_they_are(tmp_path, dtype):
+    # load_checkpoint_and_dispatch(dtype=...) casts the model's floating-point parameters, never float8 weights or
+    # their modules' scales: FP8Linear would multiply by unscaled values.
+    from accelerate import init_empty_weights
+
+    reference = _fp8_checkpoint(tmp_path)
+    with init_empty_weights():
+        model = LlamaForCausalLM._from_config(reference.config, dtype=torch.bfloat16)
+    settings = FineGrainedFP8Config(weight_block_size=BLOCK)
+    finegrained_fp8.replace_with_fp8_linear(model, modules_to_not_convert=["lm_head"], quantization_config=settings)
+    hf_prefetch.load_checkpoint_and_dispatch(model, tmp_path, STRIDE, device="cpu", dtype=dtype)
+    try:
+        projection = model.model.layers[1].mlp.down_proj
+        assert (projection.weight.dtype, projection.weight_scale_inv.dtype) == (torch.float8_e4m3fn, torch.float32)
+        assert model.model.norm.weight.dtype == (dtype or torch.bfloat16)
+        if dtype in (None, torch.bfloat16):
+            assert_same_generation(generate_with_logits(model, _ids()), generate_with_logits(reference, _ids()))
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_a_float8_dtype_is_refused_as_a_dtype_to_compute_in(tmp_path):
+    _fp8_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match=r"dtype='float8_e4m3fn' must be a floating-point torch.dtype to compute in"):
+        hf_prefetch.from_pretrained(tmp_path, STRIDE, device="cpu", dtype="float8_e4m3fn")
+
+
+def test_a_block_size_that_does_not_match_the_scales_names_the_setting(tmp_path):
+    _fp8_checkpoint(tmp_path, weight_block_size=[64, 64])  # the scales were written for 128 x 128 blocks
+    with pytest.raises(
+        ValueError, match=r"weight_scale_inv.*check config.json \(quantization_config.weight_block_size"
+    ):
+        hf_prefetch.from_pretrained(tmp_path, STRIDE, device="cpu")

@@ -10,6 +10,7 @@ import weakref
 import pytest
 import torch
 from models import assert_same_generation, generate_with_logits, prompt, tiny_llama
+from torch import nn
 
 import hf_prefetch
 from hf_prefetch import PrefetchConfig, UVAConfig
@@ -118,6 +119,34 @@ def test_compress_leaves_inner_tensors_plain():
     hf_prefetch.dispatch_model(model, config, device="cpu")
     assert hf_prefetch.get_state(model).plan.compressed_bytes == (0, 0)
     assert_same_generation(generate_with_logits(model, prompt()), want)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_with_compressed_neighbours_removal_gives_inner_tensors_of_their_own():
+    # The MLP quantized, attention bf16 and compressed: the inner tensors sit in the compressed arena's plain part.
+    model = tiny_llama(6, seed=0, dtype=torch.bfloat16, hidden_size=128, intermediate_size=256)
+    quantization.quantize_(
+        model,
+        quantization.Int8WeightOnlyConfig(),
+        filter_fn=lambda m, name: isinstance(m, nn.Linear) and "mlp" in name,
+    )
+    values = copy.deepcopy(model.state_dict())
+    want = generate_with_logits(copy.deepcopy(model), prompt())
+    config = PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2, compress=True)
+    hf_prefetch.dispatch_model(model, config, device="cpu")
+    state = hf_prefetch.get_state(model)
+    assert state.plan.compressed_bytes[1] > 0
+    assert_same_generation(generate_with_logits(model, prompt()), want)
+    arena = state.arena._buffer
+    inside = range(arena.data_ptr(), arena.data_ptr() + arena.numel())
+    hf_prefetch.remove_offload(model)
+    weight = model.model.layers[1].mlp.up_proj.weight
+    assert weight.dtype == torch.bfloat16 and weight.dequantize().dtype == torch.bfloat16
+    tensors = [t for p in model.parameters() for t in (_inner(p).values() if hasattr(p, "qdata") else [p])]
+    assert not any(t.data_ptr() in inside for t in tensors)
+    del arena
+    assert _same_values(model.state_dict(), values)
+    assert_same_generation(generate_with_logits(copy.deepcopy(model), prompt()), want)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
