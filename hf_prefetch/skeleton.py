@@ -83,7 +83,10 @@ def _prequantized(folder: Path, quantization: Any) -> Any:
         )
     from transformers.quantizers import AutoHfQuantizer
 
-    quantizer = AutoHfQuantizer.from_config(quantization, pre_quantized=True)
+    try:
+        quantizer = AutoHfQuantizer.from_config(quantization, pre_quantized=True)
+    except (ValueError, TypeError) as error:  # transformers' validation of the settings, which names the field
+        raise ValueError(f"{where}: {str(error).rstrip('.')}. Fix that setting in config.json.") from None
     settings = quantizer.quantization_config
     if getattr(settings, "dequantize", False):
         raise ValueError(

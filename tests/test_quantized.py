@@ -161,6 +161,7 @@ def test_from_pretrained_reads_a_pre_quantized_fp8_checkpoint_as_packed_bytes(tm
         ({"quant_method": "bitsandbytes"}, "quant_method = 'bitsandbytes'"),
         ({"dequantize": True}, "dequantize = True"),
         ({"scale_fmt": "ue8m0"}, "scale_fmt = 'ue8m0'"),
+        ({"weight_block_size": "128"}, "weight_block_size must be a tuple of two integers"),
     ],
 )
 def test_from_pretrained_refuses_quantized_checkpoints_it_cannot_stream_packed(tmp_path, settings, named):
