@@ -31,6 +31,7 @@ from .hooks import (
     refuse_assign,
 )
 from .host import HostArena
+from .layers import with_inner
 from .ops import register_engine
 from .pipeline import DeviceEngines, device_map, inputs_to
 from .pipeline import ring_device as device_of_ring
@@ -259,10 +260,7 @@ def _point_subclass(journal: Journal, param: nn.Parameter, inner: dict[str, torc
     # A tensor subclass (torchao) made of its inner tensors' slot buffers, on their device, takes the parameter's
     # place (the kernels read the inner tensors; the subclass's device follows them). See "Tensor subclasses" in
     # docs/design.md.
-    _, context = param.__tensor_flatten__()
-    journal.point(
-        Phase.ATTACH, param, type(param).__tensor_unflatten__(inner, context, param.size(), param.stride()), what
-    )
+    journal.point(Phase.ATTACH, param, with_inner(param, inner), what)
 
 
 def _staging_key(ring: RingPlan):
@@ -330,9 +328,8 @@ def _write_through_load_state_dict(model: nn.Module, state: OffloadState) -> lis
     journal = state.journal
     under: dict[str, list[str]] = {}  # module path -> the streamed parameters under it, by their names in it
     for param_name in dict.fromkeys(o.param_name for o in state.offloaded):
-        parts = param_name.split(".")
-        for depth in range(len(parts)):
-            under.setdefault(".".join(parts[:depth]), []).append(".".join(parts[depth:]))
+        for path, name in _ancestors(param_name):
+            under.setdefault(path, []).append(name)
     for path, names in under.items():
         refuse = partial(refuse_assign, names)
         register = partial(model.get_submodule(path)._register_load_state_dict_pre_hook, refuse, with_module=True)
@@ -340,9 +337,8 @@ def _write_through_load_state_dict(model: nn.Module, state: OffloadState) -> lis
     compressed: dict[str, dict[str, OffloadedParam]] = {}  # module path -> compressed parameters under it, by name
     for offloaded in state.offloaded:
         if offloaded.layout is not None:
-            parts = offloaded.full_name.split(".")
-            for depth in range(len(parts)):
-                compressed.setdefault(".".join(parts[:depth]), {})[".".join(parts[depth:])] = offloaded
+            for path, name in _ancestors(offloaded.full_name):
+                compressed.setdefault(path, {})[name] = offloaded
     for path, params in compressed.items():
         refuse = partial(refuse_unencodable, params)
         register = partial(model.get_submodule(path)._register_load_state_dict_pre_hook, refuse, with_module=True)
@@ -413,6 +409,12 @@ def _end(model: nn.Module, state: OffloadState) -> None:
         state.gate_hooks.unwind(Phase.ATTACH)
         if model.__dict__.get(STATE_ATTR) is state:
             del model.__dict__[STATE_ATTR]
+
+
+def _ancestors(param_name: str) -> list[tuple[str, str]]:
+    # (module path, the parameter's name in it) for every module above the parameter, the model ("") first.
+    parts = param_name.split(".")
+    return [(".".join(parts[:depth]), ".".join(parts[depth:])) for depth in range(len(parts))]
 
 
 def _collected(state: OffloadState) -> None:

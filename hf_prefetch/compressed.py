@@ -85,12 +85,11 @@ def compress_arena(model: nn.Module, state: OffloadState, progress: bool | None 
         for o in offloaded:
             if o.layout is None:
                 state.journal.place(o.param, o.host, f"{o.full_name} into the compressed arena's plain part", o.attr)
-                state.journal.record(Phase.ATTACH, f"{o.full_name} out of the compressed arena", _copy_out(state, o))
             else:
                 # The values are in the encoded bytes only: the parameter holds one element (expanded to its shape)
-                # until it points at its slot, and gets its values back, decoded, when the dispatch is undone.
-                state.journal.record(Phase.ATTACH, f"{o.full_name} decoded", _decode_back(state, o))
+                # until it points at its slot.
                 o.param.data = torch.zeros((), dtype=o.layout.dtype).expand(_shape(o))
+            state.journal.record(Phase.ATTACH, f"{o.full_name} given its values back", _own_values(state, o))
         old.release()
     if state.device.type == "cuda":
         with torch.cuda.device(state.device):
@@ -151,21 +150,14 @@ def _encode_one(value: torch.Tensor, layout: codec.Layout) -> torch.Tensor | cod
         return error
 
 
-def _decode_back(state: OffloadState, offloaded: OffloadedParam):
+def _own_values(state: OffloadState, offloaded: OffloadedParam):
+    # When the dispatch is undone for the model's sake (a collected model needs no values), the parameter (or inner
+    # tensor) gets its values in a tensor of its own: decoded, or copied out of the arena, which a view would keep
+    # alive whole, encoded bytes included.
     def undo() -> None:
-        # Only when the dispatch is undone for the model's sake: a collected model needs no values.
         if state.lifecycle in (Lifecycle.DETACHING, Lifecycle.ROLLING_BACK):
-            offloaded.param.data = host_value(offloaded)
-
-    return undo
-
-
-def _copy_out(state: OffloadState, offloaded: OffloadedParam):
-    def undo() -> None:
-        # A plain parameter left a view of the arena would keep all of it, encoded bytes included, alive once the
-        # compressed ones are decoded into tensors of their own: it gets its own copy too.
-        if state.lifecycle in (Lifecycle.DETACHING, Lifecycle.ROLLING_BACK):
-            _assign(offloaded.param, offloaded.attr, offloaded.host.clone())  # an inner tensor: through its attribute
+            value = host_value(offloaded) if offloaded.layout is not None else offloaded.host.clone()
+            _assign(offloaded.param, offloaded.attr, value)
 
     return undo
 

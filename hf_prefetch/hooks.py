@@ -28,6 +28,7 @@ from torch import nn
 from . import ops  # noqa: F401  (registers torch.ops.hf_prefetch)
 from .compressed import encode_for, host_value, write_encoded
 from .engine import PrefetchEngine
+from .layers import with_inner
 from .state import Lifecycle, OffloadedParam, OffloadState
 
 __all__ = [
@@ -282,9 +283,7 @@ def _host_parameter(tensors: list[OffloadedParam]) -> torch.Tensor:
     first = tensors[0]
     if first.inner is None:
         return host_value(first)
-    _, context = first.param.__tensor_flatten__()
-    inner = {o.inner: host_value(o) for o in tensors}
-    return type(first.param).__tensor_unflatten__(inner, context, first.param.size(), first.param.stride())
+    return with_inner(first.param, {o.inner: host_value(o) for o in tensors})
 
 
 class Streamed(NamedTuple):

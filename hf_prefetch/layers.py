@@ -28,6 +28,7 @@ __all__ = [
     "experts_modules",
     "unroutable_modules",
     "warn_unroutable",
+    "with_inner",
 ]
 
 # The names transformers' experts modules give the argument that holds the router's choice (tokens, top_k).
@@ -277,6 +278,12 @@ def inner_tensors(param: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
     if not inner or any(type(tensor) is not torch.Tensor for _, tensor in inner):
         return None
     return inner
+
+
+def with_inner(param: torch.Tensor, inner: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A tensor subclass like `param` made of the tensors `inner` (by attribute): its device follows them."""
+    _, context = param.__tensor_flatten__()
+    return type(param).__tensor_unflatten__(inner, context, param.size(), param.stride())
 
 
 def _quantized(param: torch.Tensor, model: nn.Module) -> str | None:
