@@ -35,7 +35,11 @@ LLAMA_14B = dict(
     vocab_size=152064,
 )
 
-SHAPES = {"8b": LLAMA_8B, "14b": LLAMA_14B}
+# A Qwen2.5-32B-like shape in Llama form (64 layers, hidden 5120, intermediate 27648): 32.8B parameters, 65.5 GB of
+# bf16 (it fits an 80 GB GPU, to be quantized there).
+LLAMA_32B = dict(LLAMA_14B, intermediate_size=27648, num_hidden_layers=64)
+
+SHAPES = {"8b": LLAMA_8B, "14b": LLAMA_14B, "32b": LLAMA_32B}
 
 
 def build_model(

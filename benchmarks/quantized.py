@@ -1,14 +1,19 @@
-"""Streaming torchao-quantized models (their packed inner tensors) against streaming the same layers in bf16.
+"""Streaming quantized models (their packed tensors) against streaming the same layers in bf16.
 
-8B shape, random bf16 weights quantized on the GPU by torchao's `quantize_` (float8 weight-only, int8 weight-only,
-int4 weight-only with tinygemm packing), then moved to the CPU and dispatched with half and all of the layers
-streamed. Every system is measured alternately in one process, several rounds, medians reported (the lent machine's
-speed drifts). bound = max(all-on-GPU s/token of the same quantized model, packed bytes per token / pinned H2D peak);
-the speed-up over bf16 is the median over rounds of each round's ratio. Tokens and logits of every streamed system are
-compared with the same model resident on the GPU. A method that torchao or the library refuses is reported with its
-error and skipped. Needs torchao (a wheel installed with --no-deps). Run on a GPU machine:
+8B shape, random bf16 weights quantized on the GPU by torchao's `quantize_` (float8 weight-only, int8 weight-only, int4
+weight-only with tile packing) or by bitsandbytes (nf4 with double quantization and bf16 compute: every decoder linear
+replaced by `Linear4bit`, as transformers' `BitsAndBytesConfig(load_in_4bit=True)` does), then moved to the CPU and
+dispatched with half and all of the layers streamed. Every system is measured alternately in one process, several
+rounds, medians reported (the lent machine's speed drifts). bound = max(all-on-GPU s/token of the same quantized model,
+packed bytes per token / pinned H2D peak); the speed-up over bf16 is the median over rounds of each round's ratio.
+Tokens and logits of every streamed system are compared with the same model resident on the GPU. A method that torchao
+or the library refuses is reported with its error and skipped. `--accelerate` adds accelerate's offload of the same
+quantized model (`accelerate.dispatch_model` with the same layers on "cpu") as a peer row. `--shape 32b --budget-gib
+12` instead dispatches one quantized 32B-shaped model with `max_memory={0: "12GiB"}` and reports it against its bound.
+Needs torchao and bitsandbytes (wheels installed with --no-deps). Run on a GPU machine:
 
-    PYTHONUNBUFFERED=1 python benchmarks/quantized.py [--rounds 3] [--layers 32] [--methods float8,int8,int4]
+    PYTHONUNBUFFERED=1 python benchmarks/quantized.py [--rounds 3] [--layers 32] [--methods float8,int8,int4,nf4]
+    PYTHONUNBUFFERED=1 python benchmarks/quantized.py --shape 32b --budget-gib 12 --methods nf4
 """
 
 from __future__ import annotations
@@ -32,16 +37,52 @@ import hf_prefetch  # noqa: E402
 SELECTIONS = {"half": dict(group_size=2, num_in_group=1), "all": dict(group_size=1, num_in_group=1)}
 
 
-def _config(method: str):
+def _quantize(model, method: str) -> None:
+    """Quantize `model`'s decoder layers in place on its GPU."""
+    if method == "nf4":
+        _to_nf4(model)
+        return
     from torchao import quantization
 
     if method == "float8":
-        return quantization.Float8WeightOnlyConfig()
-    if method == "int8":
-        return quantization.Int8WeightOnlyConfig()
-    if method == "int4":
-        return quantization.Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
-    raise ValueError(f"--methods: unknown method {method!r}; known: float8, int8, int4")
+        config = quantization.Float8WeightOnlyConfig()
+    elif method == "int8":
+        config = quantization.Int8WeightOnlyConfig()
+    elif method == "int4":
+        config = quantization.Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
+    else:
+        raise ValueError(f"--methods: unknown method {method!r}; known: float8, int8, int4, nf4")
+    quantization.quantize_(model, config)
+
+
+def _to_nf4(model) -> None:
+    # Every linear of the decoder layers becomes a bitsandbytes Linear4bit quantized from its bf16 weight on the GPU
+    # (nf4, double quantization, bf16 compute), one at a time so that the bf16 weights leave as the packed ones come.
+    import bitsandbytes as bnb
+    from torch import nn
+
+    for layer in model.model.layers:
+        for name, linear in list(layer.named_modules()):
+            if not isinstance(linear, nn.Linear):
+                continue
+            packed = bnb.nn.Linear4bit(
+                linear.in_features,
+                linear.out_features,
+                bias=linear.bias is not None,
+                compute_dtype=torch.bfloat16,
+                compress_statistics=True,
+                quant_type="nf4",
+                device="meta",
+            )
+            packed.weight = bnb.nn.Params4bit(
+                linear.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4", module=packed
+            ).to(linear.weight.device)
+            if linear.bias is not None:
+                packed.bias = linear.bias
+            parent, _, child = name.rpartition(".")
+            setattr(layer.get_submodule(parent), child, packed)
+            del linear
+    torch.cuda.empty_cache()
 
 
 def _reference(model, ids, prompt):
@@ -75,39 +116,114 @@ def _dispatch(resident, label: str, selection: str, ids, prompt):
     return model, nbytes
 
 
+def _accelerate(resident, selection: str, ids, prompt):
+    """accelerate's offload of the same quantized model: `accelerate.dispatch_model` with the layers `selection`
+    streams on "cpu" (its hooks copy them to the GPU at each forward), or None where it refuses."""
+    from accelerate import dispatch_model
+
+    layers = len(resident.model.layers)
+    step = SELECTIONS[selection]["group_size"]
+    device_map = {"model.embed_tokens": 0, "model.norm": 0, "model.rotary_emb": 0, "lm_head": 0}
+    device_map |= {f"model.layers.{i}": "cpu" if i % step == step - 1 else 0 for i in range(layers)}
+    want_logits, want_tokens = _reference(resident, ids, prompt)
+    try:
+        model = dispatch_model(copy.deepcopy(resident).to("cpu"), device_map=device_map, main_device=0)
+        logits, tokens = _reference(model, ids, prompt)
+    except Exception as error:  # noqa: BLE001 - a benchmark reports what is refused and goes on
+        print(f"accelerate, {selection}: refused: {type(error).__name__}: {error}", flush=True)
+        return None
+    print(
+        f"accelerate, {selection}: logits equal {torch.equal(logits, want_logits)}, tokens equal "
+        f"{torch.equal(tokens, want_tokens)}",
+        flush=True,
+    )
+    return model
+
+
+def _one_budget(args, ids, prompt) -> None:
+    # One quantized model of `--shape` at `--budget-gib`: s/token against its bound.
+    dense = build_model(shape=args.shape)
+    method = args.methods.split(",")[0]
+    _quantize(dense, method)
+    resident = dense
+    gc.collect()
+    torch.cuda.empty_cache()
+    want_logits, want_tokens = _reference(resident, ids, prompt)
+    host = copy.deepcopy(resident).to("cpu")
+    model = hf_prefetch.dispatch_model(host, max_memory={0: f"{args.budget_gib}GiB"}, device="cuda")
+    state = hf_prefetch.get_state(model)
+    print(state.plan, flush=True)
+    nbytes = state.plan.streamed_bytes_per_token
+    logits, tokens = _reference(model, ids, prompt)
+    print(f"logits equal {torch.equal(logits, want_logits)}, tokens equal {torch.equal(tokens, want_tokens)}")
+    print(f"peak GPU memory of the streamed model: {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB (both models)")
+    for system in (resident, model):  # first-call costs before the rounds
+        decode_seconds_per_token(system, ids, short=1, long=2)
+    runs, peaks, residents = [], [], []
+    for r in range(args.rounds):
+        peaks.append(h2d_peak_gbps())
+        residents.append(decode_seconds_per_token(resident, ids))
+        runs.append(decode_seconds_per_token(model, ids))
+        print(
+            f"round {r}: pinned H2D peak {peaks[-1]:.1f} GB/s; all on GPU {residents[-1]:.4f}, "
+            f"streamed {runs[-1]:.4f} s/token",
+            flush=True,
+        )
+    peak, resident_s, seconds = (statistics.median(x) for x in (peaks, residents, runs))
+    bound = max(resident_s, nbytes / (peak * 1e9))
+    print("\n| system | bytes/token GB | all on GPU s/token | s/token | bound s | x bound |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(
+        f"| {args.shape} {method}, max_memory {args.budget_gib} GiB | {nbytes / 1e9:.2f} | {resident_s:.4f} | "
+        f"{seconds:.4f} | {bound:.4f} | {seconds / bound:.3f} |",
+        flush=True,
+    )
+    save_results(f"quantized_{args.shape}.json", dict(peak=peak, seconds=seconds, bound=bound, bytes=nbytes))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--methods", default="float8,int8,int4")
+    parser.add_argument("--methods", default="float8,int8,int4,nf4")
+    parser.add_argument("--accelerate", action="store_true", help="add accelerate's offload as a peer row")
+    parser.add_argument("--shape", default="8b", choices=["8b", "32b"])
+    parser.add_argument("--budget-gib", type=float, default=None, help="one model at this GPU budget instead")
     args = parser.parse_args()
+    import bitsandbytes
     import torchao
 
     print(
         f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}  torchao {torchao.__version__}  "
-        f"cpus {os.cpu_count()}",
+        f"bitsandbytes {bitsandbytes.__version__}  cpus {os.cpu_count()}",
         flush=True,
     )
     torch.manual_seed(0)
     ids = torch.randint(3, 1000, (1, 16), device="cuda")
     prompt = torch.randint(3, 1000, (1, 64), device="cuda")
+    if args.budget_gib is not None:
+        _one_budget(args, ids, prompt)
+        return
     dense = build_model(num_layers=args.layers)
     bf16 = {selection: _dispatch(dense, "bf16", selection, ids, prompt) for selection in SELECTIONS}
     rows = {}
     for method in args.methods.split(","):
         # One method at a time, next to the bf16 systems (GPU memory: the quantized resident and its two dispatches).
         try:
-            from torchao.quantization import quantize_
-
             resident = copy.deepcopy(dense)
-            quantize_(resident, _config(method))
-        except Exception as error:  # noqa: BLE001 - a benchmark reports what torchao refuses and goes on
-            print(f"{method}: torchao quantization failed on this machine: {type(error).__name__}: {error}")
+            _quantize(resident, method)
+        except Exception as error:  # noqa: BLE001 - a benchmark reports what the quantizer refuses and goes on
+            print(f"{method}: quantization failed on this machine: {type(error).__name__}: {error}")
             continue
         systems = {selection: _dispatch(resident, method, selection, ids, prompt) for selection in SELECTIONS}
         systems = {selection: system for selection, system in systems.items() if system is not None}
         timed = {"resident": resident, **{f"bf16 {s}": bf16[s][0] for s in SELECTIONS}}
         timed.update({s: model for s, (model, _) in systems.items()})
+        if args.accelerate:
+            peers = {f"accelerate {s}": _accelerate(resident, s, ids, prompt) for s in SELECTIONS}
+            timed.update({name: model for name, model in peers.items() if model is not None})
+        for model in timed.values():  # each system's first-call costs (kernel loading, allocator) before the rounds
+            decode_seconds_per_token(model, ids, short=1, long=2)
         runs = {name: [] for name in timed}
         peaks = []
         for r in range(args.rounds):
@@ -132,6 +248,14 @@ def main() -> None:
                 f"{seconds / bound:.3f} | {speedup:.2f}x ({statistics.median(plain):.4f}) |",
                 flush=True,
             )
+            peer = runs.get(f"accelerate {selection}")
+            if peer:
+                ratio = statistics.median(p / q for p, q in zip(peer, runs[selection], strict=True))
+                print(
+                    f"| accelerate, {method}, {selection} | {nbytes / 1e9:.2f} | {statistics.median(peer):.4f} | "
+                    f"{bound:.4f} | {statistics.median(peer) / bound:.3f} | hf_prefetch {ratio:.2f}x faster |",
+                    flush=True,
+                )
         del systems, timed, resident  # a dispatched model's pool and arena go with it
         gc.collect()
         torch.cuda.empty_cache()

@@ -13,8 +13,9 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 
+from .bnb import is_params4bit, plain_save, prepare_for_device
 from .changes import Journal, Phase, deferred_interrupts, move_tensors
 from .compressed import refuse_unencodable
 from .config import warn_at_caller
@@ -38,7 +39,7 @@ from .pipeline import ring_device as device_of_ring
 from .placements import OffloadPlan, ParamSpec, Placement, RingPlan, caches_experts, staged_nbytes
 from .pool import BufferPool
 from .render import format_bytes
-from .ring import Decode, ExpertCache, LayerTransfer, RingTransfers, RoutedTensor
+from .ring import Decode, ExpertCache, LayerTransfer, RingTransfers, RoutedTensor, byte_span
 from .state import (
     STATE_ATTR,
     Lifecycle,
@@ -141,10 +142,10 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
                 offloaded = by_name[f"{layer.path}.{spec.name}"]
                 slot_buffer = pool.buffer(spec.key, layer.slot)
                 journal.freeze(offloaded.param, f"{offloaded.full_name} frozen")
-                if offloaded.inner is None:
+                if offloaded.inner is None or not is_traceable_wrapper_subclass(offloaded.param):
                     where = f"{offloaded.full_name} to slot {layer.slot}"
-                    journal.point(Phase.ATTACH, offloaded.param, slot_buffer, where)
-                else:
+                    journal.point(Phase.ATTACH, offloaded.param, slot_buffer, where, offloaded.attr)
+                else:  # a tensor subclass is rebuilt around all its inner slot buffers at once, below
                     subclassed.setdefault(id(offloaded.param), (offloaded.param, {}))[1][offloaded.inner] = slot_buffer
                 if spec.placement is Placement.ROUTED:
                     if ring_device not in routes:  # no forward routes (routed_max_tokens=0): never read
@@ -165,6 +166,8 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
                 _point_subclass(journal, param, inner, f"{layer.path}: a tensor subclass to slot {layer.slot}")
             nbytes = layer.host_bytes - sum(spec.nbytes for spec in layer.routed)
             transfer = LayerTransfer(host, slots, layer.slot, layer.next_in_slot, nbytes, routed, decodes)
+            if not decodes:  # a compressed layer's staged bytes are copied one by one (engine.store tells them apart)
+                transfer.span = byte_span(slots, host)
             transfer.cache = _expert_cache(layer, routed, plan.cached_experts, ring_device) if routable else None
             transfers.append(transfer)
         rings.append(RingTransfers(transfers, pool))
@@ -258,8 +261,8 @@ def _expert_cache(layer, routed: list[RoutedTensor], cached_experts: int, device
 
 def _point_subclass(journal: Journal, param: nn.Parameter, inner: dict[str, torch.Tensor], what: str) -> None:
     # A tensor subclass (torchao) made of its inner tensors' slot buffers, on their device, takes the parameter's
-    # place (the kernels read the inner tensors; the subclass's device follows them). See "Tensor subclasses" in
-    # docs/design.md.
+    # place (the kernels read the inner tensors; the subclass's device follows them). See "Parameters stored as
+    # several tensors" in docs/design.md.
     journal.point(Phase.ATTACH, param, with_inner(param, inner), what)
 
 
@@ -291,6 +294,8 @@ def _report_host_values(model: nn.Module, state: OffloadState) -> None:
         owned.setdefault(module_path, {}).setdefault(name, []).append(offloaded)
     for module_path, hosts in owned.items():
         module, hook = model.get_submodule(module_path), partial(host_values_in_state_dict, hosts)
+        if any(is_params4bit(tensors[0].param) for tensors in hosts.values()):
+            state.journal.set_attribute(module, "_save_to_state_dict", plain_save(module), f"save of {module_path}")
         state.journal.handle(partial(module._register_state_dict_hook, hook), f"state_dict of {module_path}")
 
 
@@ -373,6 +378,7 @@ def detach(model: nn.Module, state: OffloadState, target: torch.device | None) -
     state.engine = None  # drop the pool (hooks held the engine too): its memory is reused by the moves below
     if target is not None:
         move_tensors(model, target)
+        prepare_for_device(model, target)  # 4-bit layers in the layout their kernels read there
     _end(model, state)
 
 

@@ -67,6 +67,16 @@ def choose_plan(
     return plan
 
 
+def _layouts(ring: list) -> list[set[int]]:
+    # The streamed layers' indices tried for one layer list: every count spread evenly (`spread`), and every count
+    # spread over all but the first layer, which often holds more than the others (T5's position bias, a model's
+    # first dense layers): streaming it adds its extra tensors' buffers to every slot.
+    layouts = {frozenset(ring[i].index for i in spread(len(ring), s)): None for s in range(len(ring) + 1)}
+    for s in range(len(ring)):
+        layouts.setdefault(frozenset(ring[i + 1].index for i in spread(len(ring) - 1, s)), None)
+    return [set(layout) for layout in layouts]
+
+
 def spread(num_layers: int, num_streamed: int) -> list[int]:
     """Indices of `num_streamed` of `num_layers` layers, evenly strided, later layers first.
 
@@ -170,15 +180,8 @@ def plan_for_budget(
     for chosen, chosen_candidates in selections:
         per_ring = [
             [
-                ring_plan(
-                    path,
-                    ring,
-                    {ring[i].index for i in spread(len(ring), s)},
-                    config.prefetch_step,
-                    config.routed_experts,
-                    config.compress,
-                )
-                for s in range(len(ring) + 1)
+                ring_plan(path, ring, streamed, config.prefetch_step, config.routed_experts, config.compress)
+                for streamed in _layouts(ring)
             ]
             for path, ring in chosen_candidates.items()
         ]

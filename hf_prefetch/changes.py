@@ -40,6 +40,9 @@ from accelerate.hooks import ModelHook, SequentialHook, add_hook_to_module, remo
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from . import bnb
+from .layers import get_part, set_part
+
 __all__ = ["Journal", "Phase", "deferred_interrupts", "move_tensors"]
 
 
@@ -83,15 +86,15 @@ class Journal:
     # --- Tensors ----------------------------------------------------------------------------------------------------
 
     def point(self, phase: Phase, param: torch.Tensor, tensor: torch.Tensor, what: str, attr: str = "data") -> None:
-        """`param.data = tensor` (or another `attr`: an inner tensor of a tensor subclass); undone by pointing it
-        back at the tensor it had."""
-        previous = getattr(param, attr)
+        """`param.data = tensor` (or another `attr`: a tensor subclass's inner tensor, a tensor of a bitsandbytes
+        parameter's quantization state, as `layers.stored_parts` names them); undone by pointing it back."""
+        previous = get_part(param, attr)
         self._change(phase, what, lambda: _assign(param, attr, previous), lambda: _assign(param, attr, tensor))
 
     def place(self, param: torch.Tensor, tensor: torch.Tensor, what: str, attr: str = "data") -> None:
         """`param.data = tensor` (or another `attr`) for good (its old storage is dropped now); undone by copying
         the value back to the device it was on."""
-        origin = getattr(param, attr).device
+        origin = get_part(param, attr).device
         self._change(Phase.PLACE, what, lambda: _move(param, origin, attr), lambda: _assign(param, attr, tensor))
 
     def _change(self, phase: Phase, what: str, undo: Callable[[], None], do: Callable[[], None]) -> None:
@@ -139,8 +142,10 @@ class Journal:
     def move_tensors(self, model: nn.Module, device: torch.device, skip: set[int]) -> None:
         """Every parameter and buffer (but those in `skip`, by id) onto `device`; undone by moving them back."""
         for name, param in model.named_parameters():
-            if id(param) not in skip and param.device != device:
-                self.place(param, param.data.to(device), f"{name} to {device}")
+            if id(param) not in skip:
+                for attr, tensor in _moved_parts(param):
+                    if tensor.device != device:
+                        self.place(param, tensor.to(device), f"{name} to {device}", attr)
         for module_name, module in model.named_modules():
             for name, buffer in module._buffers.items():
                 if buffer is not None and id(buffer) not in skip and buffer.device != device:
@@ -191,8 +196,16 @@ class Journal:
         module.__dict__[name] = value
 
 
+def _moved_parts(param: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    # What moves a parameter to another device: `data` (a tensor subclass's `data` carries its inner tensors), and
+    # for a bitsandbytes 4-bit parameter its quantization state's tensors too, as its own `.to()` moves them.
+    if bnb.is_params4bit(param):
+        return bnb.storage_parts(param) or [("data", param.data)]
+    return [("data", param.data)]
+
+
 def _move(param: torch.Tensor, device: torch.device, attr: str = "data") -> None:
-    tensor = getattr(param, attr)
+    tensor = get_part(param, attr)
     if tensor.device != device:
         _assign(param, attr, tensor.to(device))
 
@@ -202,7 +215,7 @@ def _assign(param: torch.Tensor, attr: str, tensor: torch.Tensor) -> None:
     # keeps its inner tensors (its kernels read those) and cannot change its device: its contents are swapped for a
     # parameter made of `tensor` instead, as nn.Module._apply does (the old contents leave with that parameter).
     if attr != "data" or not is_traceable_wrapper_subclass(param):
-        setattr(param, attr, tensor)
+        set_part(param, attr, tensor)
         return
     value = nn.Parameter(tensor, requires_grad=param.requires_grad) if isinstance(param, nn.Parameter) else tensor
     with deferred_interrupts():
@@ -231,7 +244,8 @@ def _remove_hook(module: nn.Module | None, hook: ModelHook) -> None:
 def move_tensors(model: nn.Module, device: torch.device) -> None:
     """Every parameter and buffer onto `device` for good (the end of a removal: nothing to undo)."""
     for param in model.parameters():
-        _move(param, device)
+        for attr, _ in _moved_parts(param):
+            _move(param, device, attr)
     for module in model.modules():
         for name, buffer in module._buffers.items():
             if buffer is not None and buffer.device != device:

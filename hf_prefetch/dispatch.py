@@ -16,10 +16,12 @@ from torch import nn
 
 from . import host
 from .attach import attach, begin, detach, finish_interrupted, host_layout, rollback
+from .bnb import prepare_for_device
 from .budget import choose_plan
 from .compressed import compress_arena
 from .config import PrefetchConfig
 from .host import HostArena
+from .layers import get_part
 from .links import resolve_links
 from .memory_budget import device_argument, parse_max_memory
 from .offload_config import OffloadConfig, UVAConfig, resolve_offload
@@ -125,6 +127,7 @@ def dispatch_model(
         )
     refuse_other_offload(model)
     _check_materialized(model)
+    prepare_for_device(model, exec_device, keep={id(o.param) for o in state.offloaded} if state else set())
     # Validated before the old dispatch is undone.
     if uva:
         plan = make_uva_plan(model, config, layers)
@@ -145,7 +148,7 @@ def dispatch_model(
             offloaded = OffloadedParam(
                 name, param, arena.view(index, spec.shape, spec.stride, spec.dtype), None, spec.inner
             )
-            offloaded.host.copy_(getattr(param, offloaded.attr))
+            offloaded.host.copy_(get_part(param, offloaded.attr))
             # Drop the original storage now, so a model that starts on the GPU frees it before the pool exists.
             state.journal.place(param, offloaded.host, f"{name} into host storage", offloaded.attr)
             state.offloaded.append(offloaded)

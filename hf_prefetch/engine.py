@@ -667,8 +667,8 @@ def _nbytes(layer: LayerTransfer, whole: bool) -> int:
 
 
 def _pairs(layer: LayerTransfer, whole: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    # (slot, host) of every tensor a copy brings: the routed ones only when whole.
-    pairs = list(zip(layer.device, layer.host, strict=True))
+    # (slot, host) of every tensor a copy brings (one byte range where they lie so): the routed ones only when whole.
+    pairs = [layer.span] if layer.span is not None else list(zip(layer.device, layer.host, strict=True))
     if whole:
         pairs += [(tensor.device, tensor.host) for tensor in layer.routed]
     return pairs

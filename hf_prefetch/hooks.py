@@ -26,9 +26,10 @@ from accelerate.hooks import ModelHook
 from torch import nn
 
 from . import ops  # noqa: F401  (registers torch.ops.hf_prefetch)
+from .bnb import host_state_dict, is_params4bit
 from .compressed import encode_for, host_value, write_encoded
 from .engine import PrefetchEngine
-from .layers import with_inner
+from .layers import set_part, with_inner
 from .state import Lifecycle, OffloadedParam, OffloadState
 
 __all__ = [
@@ -275,7 +276,11 @@ def host_values_in_state_dict(
     tensors): a streamed parameter's slot holds whichever layer ran last; its value is in host storage (decoded where
     compressed; a tensor subclass rebuilt around its inner tensors' host storage)."""
     for name, tensors in hosts.items():
-        if prefix + name in state_dict:
+        if prefix + name not in state_dict:
+            continue
+        if is_params4bit(tensors[0].param):  # its quantization state's entries too, as Linear4bit saves them
+            host_state_dict(tensors[0].param, {o.inner: host_value(o) for o in tensors}, prefix + name, state_dict)
+        else:
             state_dict[prefix + name] = _host_parameter(tensors)
 
 
@@ -322,7 +327,7 @@ class WriteThrough:
         self.loading += loading
         for streamed in loading:
             # A compressed parameter loads into a decoded copy, encoded into host storage by `complete`.
-            setattr(streamed.offloaded.param, streamed.offloaded.attr, host_value(streamed.offloaded))
+            set_part(streamed.offloaded.param, streamed.offloaded.attr, host_value(streamed.offloaded))
 
     def after(self, module: nn.Module, incompatible_keys: Any) -> None:
         self.complete()
@@ -342,7 +347,7 @@ class WriteThrough:
                 write_encoded(offloaded, value)
         finally:
             for streamed in loading:
-                setattr(streamed.offloaded.param, streamed.offloaded.attr, streamed.slot_buffer)
+                set_part(streamed.offloaded.param, streamed.offloaded.attr, streamed.slot_buffer)
             while self.held:  # copy the new values into the slots the layers held
                 self.engine.load(*self.held[-1])
                 self.held.pop()

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from . import bnb
 from .placements import INNER_SEP, LayerPlan, ParamSpec, Placement, Routing
 
 __all__ = [
@@ -29,6 +30,9 @@ __all__ = [
     "unroutable_modules",
     "warn_unroutable",
     "with_inner",
+    "stored_parts",
+    "get_part",
+    "set_part",
 ]
 
 # The names transformers' experts modules give the argument that holds the router's choice (tokens, top_k).
@@ -169,17 +173,19 @@ class CandidateLayer:
             if c.quantized is not None:
                 raise ValueError(
                     f"{self.path}.{c.spec.name} is a quantized tensor ({c.quantized}), which hf_prefetch cannot "
-                    "stream or map yet: it moves dense tensors (floating-point, float8 and integer dtypes). Keep the "
-                    "quantized parameters resident: name only dense ones in offload_params / cpu_offload_params, "
-                    "or select layers without them."
+                    "stream or map yet: it streams dense tensors (floating-point, float8 and integer dtypes), "
+                    "torchao's tensor subclasses and bitsandbytes' quantized 4-bit parameters (load_in_4bit), not "
+                    "bitsandbytes' 8-bit ones (load_in_8bit). Quantize to 4-bit, or keep the quantized parameters "
+                    "resident: name only dense ones in offload_params / cpu_offload_params, or select layers "
+                    "without them."
                 )
             if placement is Placement.MAPPED and c.spec.inner:
                 name = c.spec.name.partition(INNER_SEP)[0]
                 raise ValueError(
-                    f"{self.path}.{name} is a tensor subclass ({type(c.param).__name__}), which the UVA backend "
-                    "cannot map: its kernels read inner tensors that torch keeps on one device. Stream it with the "
-                    "prefetch backend (PrefetchConfig), or keep it resident: name only dense parameters in "
-                    "cpu_offload_params."
+                    f"{self.path}.{name} is stored as several tensors ({type(c.param).__name__}), which the UVA "
+                    "backend cannot map: its kernels read tensors that torch or bitsandbytes keep on one device. "
+                    "Stream it with the prefetch backend (PrefetchConfig), or keep it resident: name only dense "
+                    "parameters in cpu_offload_params."
                 )
             kind = placement
             if routed is not False and c.spec.routing is not None:
@@ -215,11 +221,11 @@ def candidate_layers(
             params = []
             for name, param in layer.named_parameters():
                 matched, shared = segment_matches(segments, name), uses[id(param)] > 1
-                inner = inner_tensors(param)
-                if inner is not None:
-                    # A tensor subclass (torchao): its inner tensors stream together, each as a dense tensor of its
-                    # own, never expert by expert.
-                    for attr, tensor in inner:
+                parts = stored_parts(param)
+                if parts is not None:
+                    # A tensor subclass (torchao) or a bitsandbytes 4-bit parameter: its tensors stream together,
+                    # each as a dense tensor of its own, never expert by expert.
+                    for attr, tensor in parts:
                         spec = ParamSpec(
                             f"{name}{INNER_SEP}{attr}",
                             tuple(tensor.shape),
@@ -267,17 +273,35 @@ def warn_unroutable(candidates: dict[str, list[CandidateLayer]], routed: bool | 
         )
 
 
-def inner_tensors(param: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
-    """The inner tensors of a traceable tensor subclass whose bytes all live in plain tensors (torchao's Int8Tensor,
-    Float8Tensor, Int4Tensor, ...): (attribute, tensor) in flattening order. None for a plain tensor, and for a
-    subclass that holds anything else (a nested subclass, or state outside its inner tensors)."""
-    if not is_traceable_wrapper_subclass(param):
-        return None
-    names, _ = param.__tensor_flatten__()
-    inner = [(name, getattr(param, name)) for name in names]
-    if not inner or any(type(tensor) is not torch.Tensor for _, tensor in inner):
-        return None
-    return inner
+def get_part(param: torch.Tensor, name: str) -> torch.Tensor:
+    """One of the tensors a parameter is stored in, by the name `stored_parts` gives it (`data` for a plain one)."""
+    value: Any = param
+    for attr in bnb.attribute_path(param, name):
+        value = getattr(value, attr)
+    return value
+
+
+def set_part(param: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
+    """Point one of the tensors a parameter is stored in at `tensor`: a plain `setattr` on the parameter (or on a
+    4-bit parameter's quantization state), which `changes._assign` wraps for a tensor subclass's `data`."""
+    *owner, attr = bnb.attribute_path(param, name)
+    value: Any = param
+    for step in owner:
+        value = getattr(value, step)
+    setattr(value, attr, tensor)
+
+
+def stored_parts(param: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+    """The tensors a parameter is stored in when it is more than one, (name, tensor): a tensor subclass's inner
+    tensors by attribute (torchao), or a bitsandbytes 4-bit parameter's packed bytes and quantization state. None for a
+    plain tensor, and for a subclass that holds anything else (a nested subclass, state outside its inner tensors)."""
+    if is_traceable_wrapper_subclass(param):
+        names, _ = param.__tensor_flatten__()
+        inner = [(name, getattr(param, name)) for name in names]
+        if not inner or any(type(tensor) is not torch.Tensor for _, tensor in inner):
+            return None
+        return inner
+    return bnb.storage_parts(param)
 
 
 def with_inner(param: torch.Tensor, inner: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -288,7 +312,7 @@ def with_inner(param: torch.Tensor, inner: dict[str, torch.Tensor]) -> torch.Ten
 
 def _quantized(param: torch.Tensor, model: nn.Module) -> str | None:
     # A tensor subclass whose bytes are not all in plain inner tensors, or a Parameter subclass carrying quantization
-    # state (bitsandbytes' Params4bit, Int8Params): more than one plain tensor, in a way that cannot be streamed.
+    # state that `stored_parts` does not know (bitsandbytes' Int8Params, a Params4bit not quantized yet).
     data = param.data if isinstance(param, nn.Parameter) else param
     if type(param) in (nn.Parameter, torch.Tensor) and type(data) is torch.Tensor:
         return None
@@ -391,9 +415,9 @@ def _dense_stride(tensor: torch.Tensor) -> tuple[int, ...]:
 
 
 def _param_bytes(tensor: torch.Tensor) -> int:
-    inner = inner_tensors(tensor)
-    if inner is not None:  # a tensor subclass: the bytes of its inner tensors (packed values, scales)
-        return sum(_param_bytes(t) for _, t in inner)
+    parts = stored_parts(tensor)
+    if parts is not None:  # stored as several tensors: their bytes (packed values, scales)
+        return sum(_param_bytes(t) for _, t in parts)
     return math.prod(tensor.shape) * tensor.element_size()
 
 

@@ -18,6 +18,7 @@ from .codec import Layout, layout_of
 from .config import PrefetchConfig
 from .links import ALIGN_BYTES, STAGES
 from .offload_config import UVAConfig
+from .pool import padded_bytes
 
 if TYPE_CHECKING:
     from .memory_budget import MemoryBudget
@@ -232,8 +233,8 @@ class RingPlan:
         sizes: dict[PoolKey, int] = {}
         for layer in self.streamed:
             for spec in layer.offloaded:
-                sizes[spec.key] = spec.nbytes
-        return (sum(sizes.values()) + self.staging_bytes) * self.num_slots
+                sizes[spec.key] = padded_bytes(spec.nbytes)  # each at an aligned offset of its slot (pool.py)
+        return (sum(sizes.values()) + padded_bytes(self.staging_bytes)) * self.num_slots
 
     @property
     def staging_bytes(self) -> int:

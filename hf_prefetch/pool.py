@@ -1,7 +1,9 @@
 """The static device buffer pool: `num_slots` buffers for each distinct (name, shape, stride, dtype).
 
 Allocated once; offloaded parameters point at their slot's buffers for good. Which layer a slot holds is the ring's
-`SlotTable` (ring.py). The pool knows nothing about models, streams or copies.
+`SlotTable` (ring.py). Each slot is one allocation, its buffers at `ALIGN_BYTES` boundaries in key order, as a layer's
+tensors lie in the host arena: a layer whose tensors are the slot's keys in that order is one copy of one byte range
+(`ring.byte_span`). The pool knows nothing about models, streams or copies.
 """
 
 from __future__ import annotations
@@ -10,13 +12,20 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["BufferPool"]
+from .host import ALIGN_BYTES
+
+__all__ = ["BufferPool", "padded_bytes"]
 
 PoolKey = tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype]
 
 
+def padded_bytes(nbytes: int) -> int:
+    """What a buffer of `nbytes` takes in a slot (and a tensor in the host arena): rounded up to `ALIGN_BYTES`."""
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
 class BufferPool:
-    """`num_slots` device buffers per pool key.
+    """`num_slots` device buffers per pool key, each slot one allocation.
 
     Example:
 
@@ -25,23 +34,36 @@ class BufferPool:
     >>> from hf_prefetch.pool import BufferPool
     >>> pool = BufferPool([("w", (2, 3), (3, 1), torch.float32)], num_slots=2, device=torch.device("cpu"))
     >>> pool.buffer(("w", (2, 3), (3, 1), torch.float32), 1).shape, pool.nbytes
-    (torch.Size([2, 3]), 48)
+    (torch.Size([2, 3]), 8192)
 
     ```
     """
 
     def __init__(self, keys: Iterable[PoolKey], num_slots: int, device: torch.device) -> None:
         self.num_slots = num_slots
-        self._buffers: dict[PoolKey, list[torch.Tensor]] = {}
+        offsets: dict[PoolKey, int] = {}
+        slot_bytes = 0
         for key in dict.fromkeys(keys):
-            _, shape, stride, dtype = key
-            self._buffers[key] = [
-                torch.empty_strided(shape, stride, dtype=dtype, device=device) for _ in range(num_slots)
-            ]
+            offsets[key] = slot_bytes
+            slot_bytes += padded_bytes(_span_bytes(key))
+        slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(num_slots)]
+        self._buffers: dict[PoolKey, list[torch.Tensor]] = {
+            key: [_view(slot, offset, key) for slot in slots] for key, offset in offsets.items()
+        }
+        self.nbytes = slot_bytes * num_slots
 
     def buffer(self, key: PoolKey, slot: int) -> torch.Tensor:
         return self._buffers[key][slot]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.untyped_storage().nbytes() for slots in self._buffers.values() for b in slots)
+
+def _span_bytes(key: PoolKey) -> int:
+    # Bytes from a buffer's first element to the end of its last, in its layout (0 for an empty one).
+    _, shape, stride, dtype = key
+    if not all(shape):
+        return 0
+    return (1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))) * dtype.itemsize
+
+
+def _view(slot: torch.Tensor, offset: int, key: PoolKey) -> torch.Tensor:
+    _, shape, stride, dtype = key
+    return slot[offset : offset + _span_bytes(key)].view(dtype).as_strided(shape, stride)

@@ -130,10 +130,10 @@ def reload_weights(
     if subclassed:
         kind = type(model.get_parameter(subclassed[0])).__name__
         raise ValueError(
-            f"reload_weights does not write tensor-subclass parameters ({subclassed[0]}, of type {kind}, and "
-            f"{len(subclassed) - 1} more streamed). Use model.load_state_dict(...) with values of the same "
-            "quantization, which writes their inner tensors in place, or hf_prefetch.remove_offload(model), write "
-            "the weights, and dispatch again. Nothing was written."
+            f"reload_weights does not write parameters stored as several tensors ({subclassed[0]}, of type {kind}, "
+            f"and {len(subclassed) - 1} more streamed). Use model.load_state_dict(...) with values of the same "
+            "quantization, which writes their tensors in place, or hf_prefetch.remove_offload(model), write the "
+            "weights, and dispatch again. Nothing was written."
         )
     check_writable(model)
     started = time.perf_counter()

@@ -29,7 +29,7 @@ from enum import Enum
 import torch
 
 from .codec import Layout
-from .pool import BufferPool
+from .pool import BufferPool, padded_bytes
 
 __all__ = [
     "SlotTable",
@@ -172,6 +172,39 @@ class RoutedTensor:
         return self.host.numel() * self.host.element_size()
 
 
+def byte_span(device: list[torch.Tensor], host: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`device[i].copy_(host[i])` for every i as one copy, (slot bytes, host bytes): where each side's tensors are
+    dense views of one storage, in the same order, each after the first starting at the first `ALIGN_BYTES` multiple
+    (counted from the first tensor) past the end of the one before, as the pool lays out a slot and the arena a layer;
+    the bytes in between are padding that no tensor uses. None otherwise, and for fewer than two tensors."""
+    if len(device) < 2:
+        return None
+    sides = []
+    for tensors in (device, host):
+        storage, first = tensors[0].untyped_storage(), tensors[0].data_ptr()
+        end = None  # of the tensor before, in bytes from `first`
+        for tensor in tensors:
+            start, nbytes = tensor.data_ptr() - first, tensor.numel() * tensor.element_size()
+            if tensor.untyped_storage().data_ptr() != storage.data_ptr() or not _dense(tensor) or nbytes == 0:
+                return None
+            if end is not None and start != padded_bytes(end):
+                return None
+            end = start + nbytes
+        offset = first - storage.data_ptr()
+        sides.append(torch.empty(0, dtype=torch.uint8, device=tensors[0].device).set_(storage, offset, (end,)))
+    return sides[0], sides[1]
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    # Its elements fill numel() consecutive elements of memory, in some order of the dimensions.
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True), key=lambda dim: dim[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _rows_of(tensor: torch.Tensor, num_experts: int, dtype: torch.dtype) -> bool:
     # Whether `tensor` can be viewed as `num_experts` rows of `dtype` elements.
     row_bytes = tensor.numel() // num_experts * tensor.element_size()
@@ -242,6 +275,9 @@ class LayerTransfer:
     # into its slot buffer once per copy, on the compute stream, before the layer runs (`decoded`).
     decodes: list[Decode] = field(default_factory=list)
     decoded: bool = True
+    # (slot bytes, host bytes): the copies of `device[i].copy_(host[i])` as one, where `byte_span` found them lying
+    # in the same order and at the same distances on both sides, with only alignment padding between them.
+    span: tuple[torch.Tensor, torch.Tensor] | None = None
     fill: Fill = Fill.WHOLE  # what the latest copy into the slot brought
     cache: ExpertCache | None = None  # routed experts kept on the device (see ExpertCache)
     gathered: bool = False  # since the layer's wait, its experts' hook ran (`gather`)

@@ -10,6 +10,7 @@ from transformers import LlamaForCausalLM
 import hf_prefetch
 from hf_prefetch import codec
 from hf_prefetch.compressed import host_value
+from hf_prefetch.pool import padded_bytes
 from tests.models import generate_with_logits, prompt, tiny_llama
 
 CONFIG = dict(group_size=2, num_in_group=1, prefetch_step=2, compress=True)
@@ -76,7 +77,7 @@ def test_the_plan_counts_encoded_bytes_and_staging():
     assert packed.streamed_bytes_per_forward < 0.8 * plain.streamed_bytes_per_forward
     ring = packed.rings[0]
     assert ring.staging_bytes == max(layer.staging_bytes for layer in ring.streamed) > 0
-    assert packed.pool_bytes == plain.pool_bytes + ring.staging_bytes * ring.num_slots
+    assert packed.pool_bytes == plain.pool_bytes + padded_bytes(ring.staging_bytes) * ring.num_slots
     assert "compressed" in str(packed)
 
 

@@ -224,7 +224,7 @@ def test_quantized_parameters_are_refused_with_the_parameter_and_the_fix():
         hf_prefetch.plan(model, hf_prefetch.PrefetchConfig(group_size=2), device="cpu")
     message = str(error.value)
     assert "model.layers.1.mlp.up_proj.weight is a quantized tensor (_Params4bit" in message
-    assert "Keep the quantized parameters resident" in message
+    assert "keep the quantized parameters resident" in message
     # Streaming only dense parameters around it works.
     plan = hf_prefetch.plan(
         model, hf_prefetch.PrefetchConfig(group_size=2, offload_params={"self_attn"}), device="cpu"

@@ -109,6 +109,7 @@ def test_reloading_fp8_weights_writes_packed_values():
 
 def test_a_budget_counts_fp8_layers_by_their_packed_bytes():
     from hf_prefetch.layers import model_bytes
+    from hf_prefetch.pool import padded_bytes
 
     model = fp8_llama()
     per_layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
@@ -117,7 +118,9 @@ def test_a_budget_counts_fp8_layers_by_their_packed_bytes():
     budget = total - per_layer - per_layer // 2
     config = PrefetchConfig(prefetch_step=1)
     plan = hf_prefetch.plan(model, config, max_memory={0: budget}, reserve_bytes=0, device="cpu")
-    assert len(plan.rings[0].streamed) == 3 and plan.device_bytes == total - 2 * per_layer
+    # The slot's buffers each start at an aligned offset (pool.py): the pool is one layer's padded bytes.
+    slot_bytes = sum(padded_bytes(p.numel() * p.element_size()) for p in model.model.layers[0].parameters())
+    assert len(plan.rings[0].streamed) == 3 and plan.device_bytes == total - 3 * per_layer + slot_bytes
 
 
 def _fp8_checkpoint(folder, **settings) -> LlamaForCausalLM:

@@ -1,0 +1,126 @@
+"""bitsandbytes' 4-bit parameters as the tensors they are stored in.
+
+A `Params4bit` (transformers' `BitsAndBytesConfig(load_in_4bit=True)`, `bnb.nn.Linear4bit`) is a plain uint8 tensor
+of packed weights with a `QuantState` beside it: the blocks' scales (`absmax`), the 16-value code (`code`) and, with
+double quantization, the scales' own scales (`offset`, `state2.absmax`, `state2.code`). bitsandbytes' kernels read
+those tensors through the parameter, so streaming one means streaming each of them into a slot of its own and
+pointing its attribute (`param.quant_state.absmax`) at the slot, as `param.data` points at the packed bytes. Each goes
+by the name bitsandbytes' state_dict gives it (`weight:absmax` in a plan).
+Nothing is dequantized. 8-bit parameters (`Int8Params`) are not handled here: their forward moves their scales between
+the parameter and the module's matmul state, so they stay refused (see `layers._quantized`).
+
+This module knows bitsandbytes' layout, not plans or streams; it never imports bitsandbytes unless a model holds its
+parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["is_params4bit", "storage_parts", "attribute_path", "prepare_for_device", "host_state_dict", "plain_save"]
+
+
+def is_params4bit(param: Any) -> bool:
+    """Whether `param` is a bitsandbytes `Params4bit` (checked without importing bitsandbytes)."""
+    classes = type(param).__mro__
+    return any(cls.__name__ == "Params4bit" and cls.__module__.startswith("bitsandbytes") for cls in classes)
+
+
+# A 4-bit parameter's tensors: the name each goes by (bitsandbytes' own state_dict keys, after `weight.`), and where
+# it is from the parameter. The packed bytes come first; the last three exist with double quantization only.
+_PATHS = {
+    "data": ("data",),
+    "absmax": ("quant_state", "absmax"),
+    "quant_map": ("quant_state", "code"),
+    "nested_offset": ("quant_state", "offset"),
+    "nested_absmax": ("quant_state", "state2", "absmax"),
+    "nested_quant_map": ("quant_state", "state2", "code"),
+}
+
+
+def storage_parts(param: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+    """A quantized `Params4bit`'s tensors, (name, tensor): the packed bytes (`data`) first, then its quantization
+    state's (`absmax`, `quant_map`, with double quantization `nested_offset`, `nested_absmax`, `nested_quant_map`).
+    None for any other parameter, and for a `Params4bit` not quantized yet."""
+    state = getattr(param, "quant_state", None) if is_params4bit(param) else None
+    if state is None:
+        return None
+    names = list(_PATHS) if state.nested else list(_PATHS)[:3]
+    return [(name, _get(param, _PATHS[name])) for name in names]
+
+
+def attribute_path(param: torch.Tensor, name: str) -> tuple[str, ...]:
+    """Where the tensor `name` is from `param`: a 4-bit parameter's part through its quantization state, anything
+    else an attribute of the parameter itself (`data`, a tensor subclass's inner tensor)."""
+    return _PATHS[name] if name in _PATHS and is_params4bit(param) else (name,)
+
+
+def _get(value: Any, path: tuple[str, ...]) -> Any:
+    for name in path:
+        value = getattr(value, name)
+    return value
+
+
+def prepare_for_device(model: nn.Module, device: torch.device, keep: set[int] = frozenset()) -> None:
+    """Put every 4-bit layer of `model` in the layout bitsandbytes computes with on `device`, as bitsandbytes itself
+    would: a layer computing on a CPU with AVX512-BF16 repacks its weight and scales at its first forward, and
+    `.cuda()` unpacks them. Done before planning, so that the streamed bytes are the ones the kernels read and no
+    forward replaces a parameter's tensors behind its slot. Parameters whose ids are in `keep` (streamed by a dispatch
+    that still stands) cannot change layout: ValueError. A model without 4-bit layers is left untouched."""
+    for path, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if type(module).__name__ != "Linear4bit" or storage_parts(weight) is None:
+            continue
+        packed = getattr(weight.quant_state, "packing_format_for_cpu", False)
+        pack = device.type == "cpu" and not packed and getattr(module, "support_avx512bf16_for_cpu", False)
+        unpack = device.type != "cpu" and packed
+        if (pack or unpack) and id(weight) in keep:
+            raise ValueError(
+                f"{path}.weight is a 4-bit weight streamed for the {'CUDA' if pack else 'CPU'} layout of "
+                f"bitsandbytes, and computing on {device} needs the other one. Call hf_prefetch.remove_offload(model) "
+                "first and dispatch again, instead of replace=True."
+            )
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu, _convert_weight_packed_for_cpu_inverse
+
+        if pack:
+            weight.data, module.quant_state = _convert_weight_packed_for_cpu(weight.data, weight.quant_state)
+        elif unpack:
+            weight.data, module.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
+        weight.quant_state = module.quant_state
+
+
+def host_state_dict(param: torch.Tensor, host: dict[str, torch.Tensor], prefix: str, state_dict: dict) -> None:
+    """Replace a streamed `Params4bit`'s entries in `state_dict` (`prefix` is its key: `...weight`) by the values
+    of its host tensors (`host`: name -> tensor, as `storage_parts` names them), in the format `Linear4bit` saves
+    them."""
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+    state = copy.copy(param.quant_state)  # a copy: the parameter's state points at slots
+    if state.nested:
+        state.state2 = copy.copy(state.state2)
+        state.offset, state.state2.absmax = host["nested_offset"], host["nested_absmax"]
+        state.state2.code = host["nested_quant_map"]
+    state.absmax, state.code, data = host["absmax"], host["quant_map"], host["data"]
+    if getattr(state, "packing_format_for_cpu", False):
+        data, state = _convert_weight_packed_for_cpu_inverse(data, state)
+    state_dict[prefix] = data
+    for key, value in state.as_dict(packed=True).items():
+        state_dict[f"{prefix}.{key}"] = value
+
+
+def plain_save(module: nn.Module) -> Callable[[dict, str, bool], None]:
+    """`_save_to_state_dict` for a `Linear4bit` whose weight streams: torch's own (the weight and bias as they are),
+    after which the dispatch's state_dict hook writes the host values and the quantization state
+    (`host_state_dict`). `Linear4bit`'s own would read the slots, and on the CPU unpack them in place."""
+    ref = weakref.ref(module)  # the module holds this function: no reference cycle
+
+    def save(destination: dict, prefix: str, keep_vars: bool) -> None:
+        nn.Module._save_to_state_dict(ref(), destination, prefix, keep_vars)
+
+    return save
