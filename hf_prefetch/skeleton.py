@@ -78,8 +78,9 @@ def _prequantized(folder: Path, quantization: Any) -> Any:
         raise ValueError(
             f"{where}.quant_method = {method!r}: from_pretrained loads unquantized checkpoints and pre-quantized ones "
             f"of {list(PREQUANTIZED)} (transformers' fine-grained FP8). A model quantized in memory streams its "
-            "packed bytes through hf_prefetch.dispatch_model: transformers' fine-grained FP8 (FP8Linear) and "
-            "torchao's tensor subclasses (quantize_ or TorchAoConfig); bitsandbytes is not supported yet."
+            "packed bytes through hf_prefetch.dispatch_model: load it with transformers' from_pretrained "
+            "(e.g. device_map='cuda', then .to('cpu')) and dispatch it. That covers transformers' fine-grained FP8 "
+            "(FP8Linear), torchao's tensor subclasses (quantize_ or TorchAoConfig) and bitsandbytes' 4-bit layers."
         )
     from transformers.quantizers import AutoHfQuantizer
 

@@ -1,6 +1,6 @@
 """Quantized models whose packed storage is plain tensors stream those bytes: transformers' fine-grained FP8
 (`FP8Linear`: a float8_e4m3fn weight and float32 block scales, `weight_scale_inv`). torchao's tensor subclasses stream
-their inner tensors (tests/test_torchao.py); bitsandbytes' parameters are refused at planning (tests/test_layers.py).
+their inner tensors (tests/test_torchao.py), bitsandbytes' 4-bit parameters their parts (tests/test_bnb.py).
 
 FP8Linear's matmul runs kernels that transformers downloads (GPU only); on the CPU the tests replace it with a
 reference that dequantizes by the block scales and multiplies in the activations' dtype. The library moves bytes and
