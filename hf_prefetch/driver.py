@@ -9,7 +9,7 @@ import ctypes
 
 import torch
 
-__all__ = ["captured_copy"]
+__all__ = ["captured_copy", "is_dense"]
 
 
 def captured_copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) -> None:
@@ -17,7 +17,7 @@ def captured_copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Strea
     # In a capture torch copies from host memory only if its own allocator pinned it; ours is page-locked with
     # cudaHostRegister (exact size), so the copy goes to the driver: one cuMemcpyHtoDAsync of the tensor's bytes,
     # recorded as a memcpy node of the graph. Host and slot tensors have the same shape and strides.
-    if src.stride() != dst.stride() or not _dense(dst):
+    if src.stride() != dst.stride() or not is_dense(dst):
         raise RuntimeError(
             f"hf_prefetch: cannot capture the copy of a tensor of shape {tuple(dst.shape)}, strides {dst.stride()} "
             f"from host strides {src.stride()}: a captured copy needs the same dense layout on both sides."
@@ -30,8 +30,8 @@ def captured_copy(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Strea
         )
 
 
-def _dense(tensor: torch.Tensor) -> bool:
-    # Its elements fill numel() consecutive elements of memory, in some order of the dimensions.
+def is_dense(tensor: torch.Tensor) -> bool:
+    """Whether its elements fill numel() consecutive elements of memory, in some order of the dimensions."""
     expected = 1
     for stride, size in sorted((st, sz) for sz, st in zip(tensor.shape, tensor.stride(), strict=True) if sz != 1):
         if stride != expected:

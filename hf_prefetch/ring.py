@@ -29,6 +29,7 @@ from enum import Enum
 import torch
 
 from .codec import Layout
+from .driver import is_dense
 from .pool import BufferPool, padded_bytes
 
 __all__ = [
@@ -185,7 +186,7 @@ def byte_span(device: list[torch.Tensor], host: list[torch.Tensor]) -> tuple[tor
         end = None  # of the tensor before, in bytes from `first`
         for tensor in tensors:
             start, nbytes = tensor.data_ptr() - first, tensor.numel() * tensor.element_size()
-            if tensor.untyped_storage().data_ptr() != storage.data_ptr() or not _dense(tensor) or nbytes == 0:
+            if tensor.untyped_storage().data_ptr() != storage.data_ptr() or not is_dense(tensor) or nbytes == 0:
                 return None
             if end is not None and start != padded_bytes(end):
                 return None
@@ -193,16 +194,6 @@ def byte_span(device: list[torch.Tensor], host: list[torch.Tensor]) -> tuple[tor
         offset = first - storage.data_ptr()
         sides.append(torch.empty(0, dtype=torch.uint8, device=tensors[0].device).set_(storage, offset, (end,)))
     return sides[0], sides[1]
-
-
-def _dense(tensor: torch.Tensor) -> bool:
-    # Its elements fill numel() consecutive elements of memory, in some order of the dimensions.
-    expected = 1
-    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True), key=lambda dim: dim[1]):
-        if size != 1 and stride != expected:
-            return False
-        expected *= size
-    return True
 
 
 def _rows_of(tensor: torch.Tensor, num_experts: int, dtype: torch.dtype) -> bool:

@@ -356,6 +356,6 @@ def test_reload_between_graph_replays_on_cuda(cuda_reference):
     ],
 )
 def test_a_captured_copy_needs_a_dense_layout(make, dense):
-    from hf_prefetch.driver import _dense
+    from hf_prefetch.driver import is_dense
 
-    assert _dense(make()) is dense
+    assert is_dense(make()) is dense
