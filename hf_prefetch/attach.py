@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 
-from .bnb import is_params4bit, plain_save, prepare_for_device
+from .bnb import is_params4bit, plain_save, repacks_on_cpu, unpack_for
 from .changes import Journal, Phase, deferred_interrupts, move_tensors
 from .compressed import refuse_unencodable
 from .config import warn_at_caller
@@ -125,6 +125,10 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
                 journal.move_tensors(module, ring_device, skip=skip)
                 skip |= {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
     journal.move_tensors(model, device, skip=skip)
+    if device.type == "cpu":  # 4-bit layers keep bitsandbytes' portable kernels, whose tensors stay put (bnb.py)
+        for path, module in model.named_modules():
+            if repacks_on_cpu(module):
+                journal.set_attribute(module, "support_avx512bf16_for_cpu", False, f"CPU kernels of {path}")
     routes = {}  # device -> where its routed rows are gathered from (mapped only where a ring routes)
     # Routing needs the arena mapped on CUDA (pinned); without it no forward routes and a cache would stay unused.
     routable = device.type != "cuda" or state.arena.pinned
@@ -296,6 +300,7 @@ def _report_host_values(model: nn.Module, state: OffloadState) -> None:
         module, hook = model.get_submodule(module_path), partial(host_values_in_state_dict, hosts)
         if any(is_params4bit(tensors[0].param) for tensors in hosts.values()):
             state.journal.set_attribute(module, "_save_to_state_dict", plain_save(module), f"save of {module_path}")
+
         state.journal.handle(partial(module._register_state_dict_hook, hook), f"state_dict of {module_path}")
 
 
@@ -378,7 +383,7 @@ def detach(model: nn.Module, state: OffloadState, target: torch.device | None) -
     state.engine = None  # drop the pool (hooks held the engine too): its memory is reused by the moves below
     if target is not None:
         move_tensors(model, target)
-        prepare_for_device(model, target)  # 4-bit layers in the layout their kernels read there
+        unpack_for(model, target)  # 4-bit layers repacked for the CPU kernels, moved to a GPU: as .cuda() does
     _end(model, state)
 
 

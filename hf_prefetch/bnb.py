@@ -1,13 +1,17 @@
 """bitsandbytes' 4-bit parameters as the tensors they are stored in.
 
-A `Params4bit` (transformers' `BitsAndBytesConfig(load_in_4bit=True)`, `bnb.nn.Linear4bit`) is a plain uint8 tensor
-of packed weights with a `QuantState` beside it: the blocks' scales (`absmax`), the 16-value code (`code`) and, with
+A `Params4bit` (transformers' `BitsAndBytesConfig(load_in_4bit=True)`, `bnb.nn.Linear4bit`) is a plain uint8 tensor of
+packed weights with a `QuantState` beside it: the blocks' scales (`absmax`), the 16-value code (`code`) and, with
 double quantization, the scales' own scales (`offset`, `state2.absmax`, `state2.code`). bitsandbytes' kernels read
-those tensors through the parameter, so streaming one means streaming each of them into a slot of its own and
-pointing its attribute (`param.quant_state.absmax`) at the slot, as `param.data` points at the packed bytes. Each goes
-by the name bitsandbytes' state_dict gives it (`weight:absmax` in a plan).
-Nothing is dequantized. 8-bit parameters (`Int8Params`) are not handled here: their forward moves their scales between
-the parameter and the module's matmul state, so they stay refused (see `layers._quantized`).
+those tensors through the parameter, so streaming one means streaming each of them into a slot of its own and pointing
+its attribute (`param.quant_state.absmax`) at the slot, as `param.data` points at the packed bytes. Each goes by the
+name bitsandbytes' state_dict gives it (`weight:absmax` in a plan). Nothing is dequantized.
+
+bitsandbytes' forward changes a layer's tensors in two cases, which a slot would not follow: on a CPU with AVX512-BF16
+it repacks the weight for its CPU kernels (a model dispatched onto the CPU keeps its portable kernels instead,
+`repacks_on_cpu`), and it casts a bias to the activations' dtype by assigning `bias.data` (a `Linear4bit`'s bias stays
+resident, `replaced_in_forward`). 8-bit parameters (`Int8Params`) are not handled here: their forward moves their
+scales between the parameter and the module's matmul state, so they stay refused (see `layers._quantized`).
 
 This module knows bitsandbytes' layout, not plans or streams; it never imports bitsandbytes unless a model holds its
 parameters.
@@ -23,7 +27,17 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["is_params4bit", "storage_parts", "attribute_path", "prepare_for_device", "host_state_dict", "plain_save"]
+__all__ = [
+    "is_params4bit",
+    "storage_parts",
+    "attribute_path",
+    "check_layout",
+    "unpack_for",
+    "repacks_on_cpu",
+    "replaced_in_forward",
+    "host_state_dict",
+    "plain_save",
+]
 
 
 def is_params4bit(param: Any) -> bool:
@@ -67,32 +81,51 @@ def _get(value: Any, path: tuple[str, ...]) -> Any:
     return value
 
 
-def prepare_for_device(model: nn.Module, device: torch.device, keep: set[int] = frozenset()) -> None:
-    """Put every 4-bit layer of `model` in the layout bitsandbytes computes with on `device`, as bitsandbytes itself
-    would: a layer computing on a CPU with AVX512-BF16 repacks its weight and scales at its first forward, and
-    `.cuda()` unpacks them. Done before planning, so that the streamed bytes are the ones the kernels read and no
-    forward replaces a parameter's tensors behind its slot. Parameters whose ids are in `keep` (streamed by a dispatch
-    that still stands) cannot change layout: ValueError. A model without 4-bit layers is left untouched."""
+def check_layout(model: nn.Module, device: torch.device) -> None:
+    """Refuse (ValueError) to plan a model for a GPU whose 4-bit layers hold bitsandbytes' CPU layout: a forward on
+    the CPU under `no_grad` repacks a `Linear4bit`'s weight and scales for the CPU kernels, which read nothing else,
+    and only moving the layer (`.cuda()`) unpacks it."""
+    if device.type == "cpu":
+        return
     for path, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if type(module).__name__ != "Linear4bit" or storage_parts(weight) is None:
-            continue
-        packed = getattr(weight.quant_state, "packing_format_for_cpu", False)
-        pack = device.type == "cpu" and not packed and getattr(module, "support_avx512bf16_for_cpu", False)
-        unpack = device.type != "cpu" and packed
-        if (pack or unpack) and id(weight) in keep:
+        if is_params4bit(weight) and getattr(getattr(weight, "quant_state", None), "packing_format_for_cpu", False):
             raise ValueError(
-                f"{path}.weight is a 4-bit weight streamed for the {'CUDA' if pack else 'CPU'} layout of "
-                f"bitsandbytes, and computing on {device} needs the other one. Call hf_prefetch.remove_offload(model) "
-                "first and dispatch again, instead of replace=True."
+                f"{path}.weight holds bitsandbytes' CPU layout (a forward on the CPU repacked it), which its CUDA "
+                f"kernels cannot read, and hf_prefetch streams tensors as they are. Load the model again (e.g. "
+                f"device_map='cuda', then .to('cpu')) and dispatch it onto {device} before any forward on the CPU."
             )
-        from bitsandbytes.functional import _convert_weight_packed_for_cpu, _convert_weight_packed_for_cpu_inverse
 
-        if pack:
-            weight.data, module.quant_state = _convert_weight_packed_for_cpu(weight.data, weight.quant_state)
-        elif unpack:
-            weight.data, module.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
-        weight.quant_state = module.quant_state
+
+def unpack_for(model: nn.Module, device: torch.device) -> None:
+    """After a removal onto `device`: 4-bit layers in bitsandbytes' CPU layout unpacked for a GPU (as `.cuda()`)."""
+    if device.type == "cpu":
+        return
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if is_params4bit(weight) and getattr(getattr(weight, "quant_state", None), "packing_format_for_cpu", False):
+            from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+            weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
+            module.quant_state = weight.quant_state
+
+
+def repacks_on_cpu(module: nn.Module) -> bool:
+    """Whether bitsandbytes would repack this module's weight for its CPU kernels at a forward on the CPU (a
+    `Linear4bit` on a CPU with AVX512-BF16, not repacked yet): its forward would replace the weight's tensors."""
+    weight = getattr(module, "weight", None)
+    state = getattr(weight, "quant_state", None) if is_params4bit(weight) else None
+    return (
+        state is not None
+        and getattr(module, "support_avx512bf16_for_cpu", False)
+        and not getattr(state, "packing_format_for_cpu", False)
+    )
+
+
+def replaced_in_forward(module: nn.Module, name: str) -> bool:
+    """Whether `module`'s forward may replace its parameter `name` with a new tensor: a `Linear4bit` casts its bias to
+    the activations' dtype by assigning `bias.data` (bitsandbytes 0.50), which a streamed bias's slot would not see."""
+    return name == "bias" and is_params4bit(getattr(module, "weight", None))
 
 
 def host_state_dict(param: torch.Tensor, host: dict[str, torch.Tensor], prefix: str, state_dict: dict) -> None:

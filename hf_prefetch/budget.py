@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import nn
 
+from .bnb import check_layout
 from .config import PrefetchConfig
 from .layers import candidate_layers, model_bytes, warn_unroutable
 from .memory_budget import MaxMemory, MemoryBudget, resolve_budget, resolve_budgets
@@ -35,6 +36,7 @@ def choose_plan(
 ) -> OffloadPlan:
     """The plan `dispatch_model` and the loaders execute: the config's group pattern, or the plan for a budget; with
     `links` (`links.resolve_links`), the other GPUs whose host links carry a share of every streamed layer."""
+    check_layout(model, device)
     helpers = {index: None for index in links[1:]}
     if max_memory is not None and helpers:
         # The other links' entries bound their staging buffers; the execution device's entry plans the layers.
@@ -65,6 +67,13 @@ def choose_plan(
                 "of the largest streamed layer, twice). Raise that entry or drop the GPU from links=."
             )
     return plan
+
+
+def _costs(ring: RingPlan, explicit_cache: int) -> tuple[RingPlan, int, int, int, int]:
+    # (ring, offloaded bytes, device bytes it holds, bytes per forward, bytes per token). What it holds: its pool, and
+    # an explicit expert cache (part of what must fit; one chosen from the budget takes what is left).
+    held = ring.pool_bytes + cache_bytes((ring,), explicit_cache)
+    return ring, ring.offloaded_bytes, held, ring.bytes_per_forward, ring.bytes_per_token
 
 
 def _layouts(ring: list) -> list[set[int]]:
@@ -178,21 +187,24 @@ def plan_for_budget(
         selections.append((only, _in_segment(candidate_layers(model, experts, layers), segment)))
     options = []
     for chosen, chosen_candidates in selections:
+        # Each layer list's layouts with their byte counts, computed once (the product below sums them).
         per_ring = [
             [
-                ring_plan(path, ring, streamed, config.prefetch_step, config.routed_experts, config.compress)
+                _costs(
+                    ring_plan(path, ring, streamed, config.prefetch_step, config.routed_experts, config.compress),
+                    explicit_cache,
+                )
                 for streamed in _layouts(ring)
             ]
             for path, ring in chosen_candidates.items()
         ]
-        for rings in itertools.product(*per_ring):
-            offloaded = sum(ring.offloaded_bytes for ring in rings)
-            # An explicit expert cache is part of what must fit; one chosen from the budget takes what is left.
-            device = total - offloaded + sum(ring.pool_bytes for ring in rings) + cache_bytes(rings, explicit_cache)
+        for combination in itertools.product(*per_ring):
+            rings = tuple(costs[0] for costs in combination)
+            fields = zip(*(costs[1:] for costs in combination), strict=True)
+            offloaded, held, per_forward, per_token = (sum(field) for field in fields)
+            device = total - offloaded + held
             # Decoding (one token, routed experts copy only the experts it uses) first, then a forward of many tokens.
-            per_forward = sum(r.bytes_per_forward for r in rings)
-            per_token = per_forward if config.routed_max_tokens == 0 else sum(r.bytes_per_token for r in rings)
-            streamed = (per_token, per_forward)
+            streamed = (per_forward if config.routed_max_tokens == 0 else per_token, per_forward)
             options.append(_Option(rings, device, streamed, offloaded, chosen, chosen_candidates))
 
     fits_device = [o for o in options if o.device_bytes <= budget.weights_bytes]

@@ -16,7 +16,6 @@ from torch import nn
 
 from . import host
 from .attach import attach, begin, detach, finish_interrupted, host_layout, rollback
-from .bnb import prepare_for_device
 from .budget import choose_plan
 from .compressed import compress_arena
 from .config import PrefetchConfig
@@ -127,7 +126,6 @@ def dispatch_model(
         )
     refuse_other_offload(model)
     _check_materialized(model)
-    prepare_for_device(model, exec_device, keep={id(o.param) for o in state.offloaded} if state else set())
     # Validated before the old dispatch is undone.
     if uva:
         plan = make_uva_plan(model, config, layers)

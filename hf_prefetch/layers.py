@@ -144,6 +144,7 @@ class Candidate:
     unroutable: str | None = None
     experts: str | None = None  # path inside the layer of the experts module it belongs to
     quantized: str | None = None  # the tensor subclass holding a quantized parameter (not streamable yet)
+    replaced: bool = False  # its module's forward may replace its tensor (`bnb.replaced_in_forward`): kept resident
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ class CandidateLayer:
 
     def streamable(self) -> set[int]:
         """Ids of the parameters that can stream: matched, and used under this one name only."""
-        return {id(c.param) for c in self.params if c.matched and not c.shared}
+        return {id(c.param) for c in self.params if c.matched and not c.shared and not c.replaced}
 
     def placed(self, placement: Placement, chosen: set[int], routed: bool | None = False) -> LayerPlan:
         """The layer with the parameters whose ids are in `chosen` given `placement`, the others resident. Unless
@@ -241,7 +242,9 @@ def candidate_layers(
                 unroutable = experts[owner] if owner is not None and isinstance(experts[owner], str) else None
                 spec = replace(spec, routing=routing)
                 quantized = _quantized(param, model)
-                params.append(Candidate(spec, matched, shared, param, unroutable, owner, quantized))
+                module_path, _, attr = name.rpartition(".")
+                replaced = bnb.replaced_in_forward(layer.get_submodule(module_path), attr)
+                params.append(Candidate(spec, matched, shared, param, unroutable, owner, quantized, replaced))
             found[path].append(CandidateLayer(f"{path}.{index}", index, tuple(params)))
     return found
 

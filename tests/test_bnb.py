@@ -1,7 +1,11 @@
 """bitsandbytes' 4-bit models (transformers' `BitsAndBytesConfig(load_in_4bit=True)`) stream their packed bytes and
 quantization state (scales, code, the scales' own scales with double quantization), never a dequantized copy: the same
 bits as the same quantized model resident, on every path that reads or writes the weights. bitsandbytes runs on the
-CPU, so CI runs the real thing; the GPU test runs the same on CUDA."""
+CPU, so CI runs the real thing; the GPU test runs the same on CUDA.
+
+On the CPU a dispatched model computes its 4-bit layers with bitsandbytes' portable kernels (its AVX512-BF16 kernels
+repack the weights at the first forward, which a slot would not follow: see hf_prefetch/bnb.py), so the resident
+reference here is loaded with those kernels too (`portable=True`)."""
 
 import gc
 import weakref
@@ -31,9 +35,17 @@ def checkpoint(tmp_path_factory):
     return folder
 
 
-def _load(folder, setting: str = "nf4", device: str = "cpu"):
-    config = BitsAndBytesConfig(load_in_4bit=True, **SETTINGS[setting])
-    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, device_map=device).eval()
+def _load(folder, setting: str = "nf4", device: str = "cpu", portable: bool = False, **settings):
+    config = BitsAndBytesConfig(load_in_4bit=True, **{**SETTINGS[setting], **settings})
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, device_map=device).eval()
+    for module in model.modules():
+        if portable and hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
+def _kernels(model) -> dict[str, bool]:
+    return {name: m.support_avx512bf16_for_cpu for name, m in model.named_modules() if hasattr(m, "quant_state")}
 
 
 def _quantized_state(model) -> dict[str, torch.Tensor]:
@@ -59,9 +71,10 @@ def _same(a: dict, b: dict) -> bool:
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_4bit_layers_stream_their_packed_bytes_and_compute_what_the_resident_model_computes(checkpoint, setting):
-    model, resident = _load(checkpoint, setting), _load(checkpoint, setting)
+    model, resident = _load(checkpoint, setting), _load(checkpoint, setting, portable=True)
+    kernels = _kernels(model)
     ids = prompt()
-    want = generate_with_logits(resident, ids)  # its first forward repacks for the CPU kernels, where they run
+    want = generate_with_logits(resident, ids)
     stored = {name: tensor.clone() for name, tensor in _quantized_state(resident).items()}
     hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
     state = hf_prefetch.get_state(model)
@@ -72,18 +85,16 @@ def test_4bit_layers_stream_their_packed_bytes_and_compute_what_the_resident_mod
     assert "absmax" in parts and "quant_map" in parts
     assert ("nested_absmax" in parts) == weight.quant_state.nested
     assert state.plan.offloaded_bytes == sum(o.host.nbytes for o in state.offloaded)
-    assert all(o.host.dtype != torch.bfloat16 or o.inner != "data" for o in state.offloaded)
     # Each streamed layer's tensors (every linear's parts, the norms) arrive in one copy of one byte range.
     assert all(layer.span is not None for layer in state.engine.rings[0].layers)
-    # The same bits as the resident model, twice (the second run reads every slot again).
+    # The same bits as the resident model, twice (the second run reads every slot again), and the same state_dict.
     assert_same_generation(generate_with_logits(model, ids), want)
-    assert_same_generation(generate_with_logits(model, ids), want)
-    # (On the CPU, the resident model's state_dict() unpacks its weights in place, back from the CPU kernels' layout:
-    # bitsandbytes' own behaviour, compared last. The streamed model's leaves its tensors as they are.)
-    hf_prefetch.remove_offload(model)
-    assert _same(_quantized_state(model), stored)
     assert_same_generation(generate_with_logits(model, ids), want)
     assert _same(model.state_dict(), resident.state_dict())
+    hf_prefetch.remove_offload(model)
+    assert _same(_quantized_state(model), stored) and _kernels(model) == kernels
+    model.apply(lambda m: setattr(m, "support_avx512bf16_for_cpu", False) if hasattr(m, "quant_state") else None)
+    assert_same_generation(generate_with_logits(model, ids), want)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
@@ -101,11 +112,10 @@ def test_the_plan_counts_packed_bytes(checkpoint):
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_load_state_dict_writes_host_storage_and_the_next_forward_reads_it(checkpoint):
-    model, resident = _load(checkpoint), _load(checkpoint)
+    model, resident = _load(checkpoint), _load(checkpoint, portable=True)
     ids = prompt()
     hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
     with torch.no_grad():
-        resident(ids)  # repacked for the CPU kernels, as the dispatch did
         model(ids)  # layer 5 holds the slot now: a load into layer 1 must not write the slot
     norms = [name for name, _ in resident.named_parameters() if name.endswith("post_attention_layernorm.weight")]
     doubled = {name: resident.get_parameter(name).data.clone() for name in norms}
@@ -120,33 +130,122 @@ def test_load_state_dict_writes_host_storage_and_the_next_forward_reads_it(check
     model.load_state_dict(doubled, strict=False)
     with torch.no_grad():
         assert torch.equal(model(ids).logits, resident(ids).logits)
-    key = "model.layers.1.mlp.up_proj.weight"  # saved in bitsandbytes' portable layout by both
-    assert torch.equal(model.state_dict()[key], resident.state_dict()[key])
+    assert _same(model.state_dict(), resident.state_dict())
+    # Its own state_dict loads back (bitsandbytes' portable layout on both sides), and changes nothing.
+    model.load_state_dict(model.state_dict(), strict=False)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, resident(ids).logits)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_an_interrupted_dispatch_gives_every_tensor_back(checkpoint, monkeypatch):
+@pytest.mark.parametrize("fail_at", ["_report_host_values", "_guard_moves"])
+def test_an_interrupted_dispatch_gives_every_tensor_back(checkpoint, monkeypatch, fail_at):
     from hf_prefetch import attach
 
-    model, resident = _load(checkpoint, "nf4-double"), _load(checkpoint, "nf4-double")
-    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")  # packed for the CPU kernels once, as a forward would
-    hf_prefetch.remove_offload(model)
-    before = {k: v.clone() for k, v in _quantized_state(model).items()}
-    original = attach._report_host_values
+    model, untouched = _load(checkpoint, "nf4-double"), _load(checkpoint, "nf4-double")
+    before, kernels = {k: v.clone() for k, v in _quantized_state(model).items()}, _kernels(model)
+    original = getattr(attach, fail_at)
 
     def interrupted(*args):
         original(*args)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(attach, "_report_host_values", interrupted)
+    monkeypatch.setattr(attach, fail_at, interrupted)
     with pytest.raises(KeyboardInterrupt):
         hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
     assert hf_prefetch.get_state(model) is None
-    assert _same(_quantized_state(model), before)
+    assert _same(_quantized_state(model), before) and _kernels(model) == kernels
     assert "_save_to_state_dict" not in model.model.layers[1].mlp.up_proj.__dict__
-    with torch.no_grad():  # bitsandbytes' CPU kernels: see docs/api.md ("bitsandbytes")
-        ids = prompt()
+    ids = prompt()
+    assert torch.equal(model(ids).logits, untouched(ids).logits)  # with gradients: bitsandbytes' portable kernels
+    with torch.no_grad():  # without: its CPU kernels where the CPU has them, for both
+        assert torch.equal(model(ids).logits, untouched(ids).logits)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize(
+    "refused",
+    [
+        dict(max_memory={0: "1KB", "cpu": "1GB"}, reserve_bytes=0),
+        dict(offload=hf_prefetch.UVAConfig(cpu_offload_gb=1)),
+    ],
+)
+def test_a_refused_dispatch_changes_nothing(checkpoint, refused):
+    model = _load(checkpoint, "nf4-double")
+    before, kernels = {k: v.clone() for k, v in _quantized_state(model).items()}, _kernels(model)
+    with pytest.raises(ValueError):
+        hf_prefetch.dispatch_model(model, device="cpu", **refused)
+    assert hf_prefetch.get_state(model) is None
+    assert _same(_quantized_state(model), before) and _kernels(model) == kernels
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_plan_is_what_the_dispatch_does(tmp_path):
+    tiny_llama(8, dtype=torch.bfloat16, hidden_size=256, intermediate_size=512).save_pretrained(tmp_path)
+    for kb in range(700, 2200, 150):
+        budget = dict(max_memory={0: kb * 1000, "cpu": "1GB"}, reserve_bytes=0, device="cpu")
+        model = _load(tmp_path, "nf4-double")
+        try:
+            planned = [layer.index for layer in hf_prefetch.plan(model, **budget).rings[0].streamed]
+        except ValueError:
+            with pytest.raises(ValueError):
+                hf_prefetch.dispatch_model(model, **budget)
+            continue
+        hf_prefetch.dispatch_model(model, **budget)
+        assert [layer.index for layer in hf_prefetch.get_state(model).plan.rings[0].streamed] == planned, kb
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_4bit_layers_bias_stays_resident_and_edits_to_it_are_kept(tmp_path):
+    # bitsandbytes casts a Linear4bit's bias to the compute dtype by assigning `bias.data`, which a slot would not see.
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    model = _load(tmp_path, bnb_4bit_compute_dtype=torch.float32)
+    resident = _load(tmp_path, bnb_4bit_compute_dtype=torch.float32, portable=True)
+    hf_prefetch.dispatch_model(model, PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=2), device="cpu")
+    plan = hf_prefetch.get_state(model).plan
+    names = {spec.name for layer in plan.rings[0].streamed for spec in layer.offloaded}
+    assert "self_attn.q_proj.weight:data" in names and "self_attn.q_proj.bias" not in names
+    ids = prompt()
+    with torch.no_grad():
         assert torch.equal(model(ids).logits, resident(ids).logits)
+        for m in (model, resident):
+            m.model.layers[2].self_attn.q_proj.bias.add_(1.0)
+        hf_prefetch.sync_from_device(model)
+        assert torch.equal(model(ids).logits, resident(ids).logits)
+    assert _same(model.state_dict(), resident.state_dict())
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_weights_repacked_for_the_cpu_kernels_are_refused_for_a_gpu(checkpoint):
+    from hf_prefetch.bnb import check_layout
+
+    model = _load(checkpoint)
+    check_layout(model, torch.device("cuda"))  # as loaded: bitsandbytes' portable layout
+    with torch.no_grad():
+        model(prompt())  # on a CPU with AVX512-BF16, bitsandbytes repacks the weights here
+    if not getattr(model.model.layers[0].mlp.up_proj.weight.quant_state, "packing_format_for_cpu", False):
+        pytest.skip("bitsandbytes does not repack on this CPU (no AVX512-BF16)")
+    with pytest.raises(
+        ValueError, match=r"model\.layers\.0\..*\.weight holds bitsandbytes' CPU layout.*Load the model"
+    ):
+        check_layout(model, torch.device("cuda"))
+    check_layout(model, torch.device("cpu"))  # and streamed as it is on the CPU:
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    resident = _load(checkpoint)
+    with torch.no_grad():
+        resident(prompt())
+        assert torch.equal(model(prompt()).logits, resident(prompt()).logits)
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
