@@ -300,7 +300,6 @@ def _report_host_values(model: nn.Module, state: OffloadState) -> None:
         module, hook = model.get_submodule(module_path), partial(host_values_in_state_dict, hosts)
         if any(is_params4bit(tensors[0].param) for tensors in hosts.values()):
             state.journal.set_attribute(module, "_save_to_state_dict", plain_save(module), f"save of {module_path}")
-
         state.journal.handle(partial(module._register_state_dict_hook, hook), f"state_dict of {module_path}")
 
 
