@@ -88,8 +88,7 @@ def check_layout(model: nn.Module, device: torch.device) -> None:
     if device.type == "cpu":
         return
     for path, module in model.named_modules():
-        weight = getattr(module, "weight", None)
-        if is_params4bit(weight) and getattr(getattr(weight, "quant_state", None), "packing_format_for_cpu", False):
+        if _packed_for_cpu(getattr(module, "weight", None)):
             raise ValueError(
                 f"{path}.weight holds bitsandbytes' CPU layout (a forward on the CPU repacked it), which its CUDA "
                 f"kernels cannot read, and hf_prefetch streams tensors as they are. Load the model again (e.g. "
@@ -103,7 +102,7 @@ def unpack_for(model: nn.Module, device: torch.device) -> None:
         return
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if is_params4bit(weight) and getattr(getattr(weight, "quant_state", None), "packing_format_for_cpu", False):
+        if _packed_for_cpu(weight):
             from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
 
             weight.data, weight.quant_state = _convert_weight_packed_for_cpu_inverse(weight.data, weight.quant_state)
@@ -114,12 +113,13 @@ def repacks_on_cpu(module: nn.Module) -> bool:
     """Whether bitsandbytes would repack this module's weight for its CPU kernels at a forward on the CPU (a
     `Linear4bit` on a CPU with AVX512-BF16, not repacked yet): its forward would replace the weight's tensors."""
     weight = getattr(module, "weight", None)
-    state = getattr(weight, "quant_state", None) if is_params4bit(weight) else None
-    return (
-        state is not None
-        and getattr(module, "support_avx512bf16_for_cpu", False)
-        and not getattr(state, "packing_format_for_cpu", False)
-    )
+    repacks = getattr(module, "support_avx512bf16_for_cpu", False)  # Linear4bit's; bitsandbytes' other modules: none
+    return repacks and storage_parts(weight) is not None and not _packed_for_cpu(weight)
+
+
+def _packed_for_cpu(weight: Any) -> bool:
+    # A quantized 4-bit weight that bitsandbytes repacked for its CPU kernels.
+    return storage_parts(weight) is not None and getattr(weight.quant_state, "packing_format_for_cpu", False)
 
 
 def replaced_in_forward(module: nn.Module, name: str) -> bool:

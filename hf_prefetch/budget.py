@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -69,11 +70,19 @@ def choose_plan(
     return plan
 
 
-def _costs(ring: RingPlan, explicit_cache: int) -> tuple[RingPlan, int, int, int, int]:
-    # (ring, offloaded bytes, device bytes it holds, bytes per forward, bytes per token). What it holds: its pool, and
-    # an explicit expert cache (part of what must fit; one chosen from the budget takes what is left).
+class _Costs(NamedTuple):
+    """One layer list's layout with its byte counts, computed once for the search over every list's layouts."""
+
+    ring: RingPlan
+    offloaded: int
+    held: int  # device bytes: its pool, and an explicit expert cache (one chosen from the budget takes what is left)
+    per_forward: int
+    per_token: int
+
+
+def _costs(ring: RingPlan, explicit_cache: int) -> _Costs:
     held = ring.pool_bytes + cache_bytes((ring,), explicit_cache)
-    return ring, ring.offloaded_bytes, held, ring.bytes_per_forward, ring.bytes_per_token
+    return _Costs(ring, ring.offloaded_bytes, held, ring.bytes_per_forward, ring.bytes_per_token)
 
 
 def _layouts(ring: list) -> list[set[int]]:
@@ -199,11 +208,12 @@ def plan_for_budget(
             for path, ring in chosen_candidates.items()
         ]
         for combination in itertools.product(*per_ring):
-            rings = tuple(costs[0] for costs in combination)
-            fields = zip(*(costs[1:] for costs in combination), strict=True)
-            offloaded, held, per_forward, per_token = (sum(field) for field in fields)
-            device = total - offloaded + held
+            rings = tuple(costs.ring for costs in combination)
+            offloaded = sum(costs.offloaded for costs in combination)
+            device = total - offloaded + sum(costs.held for costs in combination)
             # Decoding (one token, routed experts copy only the experts it uses) first, then a forward of many tokens.
+            per_forward = sum(costs.per_forward for costs in combination)
+            per_token = sum(costs.per_token for costs in combination)
             streamed = (per_forward if config.routed_max_tokens == 0 else per_token, per_forward)
             options.append(_Option(rings, device, streamed, offloaded, chosen, chosen_candidates))
 

@@ -39,7 +39,16 @@ try:
 except ImportError:  # not Unix
     resource = None  # type: ignore[assignment]
 
-__all__ = ["HostArena", "ALIGN_BYTES", "pinned_bytes", "HostLimits", "host_limits", "check_host_memory"]
+__all__ = [
+    "HostArena",
+    "ALIGN_BYTES",
+    "padded_bytes",
+    "span_bytes",
+    "pinned_bytes",
+    "HostLimits",
+    "host_limits",
+    "check_host_memory",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -282,6 +291,19 @@ def _round_up(value: int, multiple: int) -> int:
     return (value + multiple - 1) // multiple * multiple
 
 
+def padded_bytes(nbytes: int) -> int:
+    """What a tensor of `nbytes` takes in the arena (and a buffer in a pool slot, laid out alike): `ALIGN_BYTES`
+    multiples."""
+    return _round_up(nbytes, ALIGN_BYTES)
+
+
+def span_bytes(shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype) -> int:
+    """Bytes from a tensor's first element to the end of its last, in its layout (0 for an empty one)."""
+    if not all(shape):
+        return 0
+    return (1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))) * dtype.itemsize
+
+
 class HostArena:
     """`sizes[i]` bytes at `offsets[i]` of one host buffer, page-locked with `cudaHostRegister` by `pin()`.
 
@@ -298,7 +320,7 @@ class HostArena:
         total = 0
         for size in sizes:
             self.offsets.append(total)
-            total += _round_up(size, ALIGN_BYTES)
+            total += padded_bytes(size)
         self.nbytes = _round_up(total, _PAGE_BYTES)
         if self.nbytes > 0:
             check_host_memory(self.nbytes, host_limits(), freed_bytes=freed_bytes)
@@ -314,7 +336,7 @@ class HostArena:
     @staticmethod
     def bytes_for(sizes: Sequence[int]) -> int:
         """The host memory an arena of `sizes` takes (for a check made before anything is allocated or undone)."""
-        return _round_up(sum(_round_up(size, ALIGN_BYTES) for size in sizes), _PAGE_BYTES)
+        return _round_up(sum(padded_bytes(size) for size in sizes), _PAGE_BYTES)
 
     def pin(self) -> bool:
         """Page-lock the arena (once); False, with one warning, where the platform refuses."""
@@ -338,10 +360,8 @@ class HostArena:
         """The tensor stored at slot `index` of the arena, with the given layout: in host memory, or on the device
         when `base` is the arena's `map`."""
         offset = self.offsets[index]
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        span = 1 + sum((s - 1) * st for s, st in zip(shape, stride, strict=True)) if all(shape) else 0
         buffer = self._buffer if base is None else base
-        flat = buffer[offset : offset + span * itemsize].view(dtype)
+        flat = buffer[offset : offset + span_bytes(shape, stride, dtype)].view(dtype)
         return flat.as_strided(tuple(shape), tuple(stride))
 
     def map(self, device: torch.device) -> torch.Tensor:
@@ -373,10 +393,10 @@ class HostArena:
     def mapped_like(self, host: torch.Tensor, mapped: torch.Tensor) -> torch.Tensor:
         """The view of `mapped` (this arena's `map`) with the place and layout of `host`, a view of this arena."""
         offset = host.data_ptr() - self._buffer.data_ptr()
-        span = 1 + sum((s - 1) * st for s, st in zip(host.shape, host.stride(), strict=True)) if host.numel() else 0
-        if not 0 <= offset <= self.nbytes - span * host.element_size():
+        span = span_bytes(host.shape, host.stride(), host.dtype)
+        if not 0 <= offset <= self.nbytes - span:
             raise ValueError(f"mapped_like: a tensor at {host.data_ptr():#x} is not a view of this arena.")
-        flat = mapped[offset : offset + span * host.element_size()].view(host.dtype)
+        flat = mapped[offset : offset + span].view(host.dtype)
         return flat.as_strided(tuple(host.shape), tuple(host.stride()))
 
     def bytes_view(self, index: int, nbytes: int) -> torch.Tensor:

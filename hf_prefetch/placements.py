@@ -16,9 +16,9 @@ import torch
 
 from .codec import Layout, layout_of
 from .config import PrefetchConfig
+from .host import padded_bytes
 from .links import ALIGN_BYTES, STAGES
 from .offload_config import UVAConfig
-from .pool import padded_bytes
 
 if TYPE_CHECKING:
     from .memory_budget import MemoryBudget

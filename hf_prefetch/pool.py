@@ -1,9 +1,9 @@
 """The static device buffer pool: `num_slots` buffers for each distinct (name, shape, stride, dtype).
 
 Allocated once; offloaded parameters point at their slot's buffers for good. Which layer a slot holds is the ring's
-`SlotTable` (ring.py). Each slot is one allocation, its buffers at `ALIGN_BYTES` boundaries in key order, as a layer's
-tensors lie in the host arena: a layer whose tensors are the slot's keys in that order is one copy of one byte range
-(`ring.byte_span`). The pool knows nothing about models, streams or copies.
+`SlotTable` (ring.py). Each slot is one allocation, its buffers at `host.ALIGN_BYTES` boundaries in key order, as a
+layer's tensors lie in the host arena: a layer whose tensors are the slot's keys in that order is one copy of one byte
+range (`ring.byte_span`). The pool knows nothing about models, streams or copies.
 """
 
 from __future__ import annotations
@@ -12,16 +12,11 @@ from collections.abc import Iterable
 
 import torch
 
-from .host import ALIGN_BYTES
+from .host import padded_bytes, span_bytes
 
-__all__ = ["BufferPool", "padded_bytes"]
+__all__ = ["BufferPool"]
 
 PoolKey = tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype]
-
-
-def padded_bytes(nbytes: int) -> int:
-    """What a buffer of `nbytes` takes in a slot (and a tensor in the host arena): rounded up to `ALIGN_BYTES`."""
-    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
 class BufferPool:
@@ -45,7 +40,7 @@ class BufferPool:
         slot_bytes = 0
         for key in dict.fromkeys(keys):
             offsets[key] = slot_bytes
-            slot_bytes += padded_bytes(_span_bytes(key))
+            slot_bytes += padded_bytes(span_bytes(*key[1:]))
         slots = [torch.empty(slot_bytes, dtype=torch.uint8, device=device) for _ in range(num_slots)]
         self._buffers: dict[PoolKey, list[torch.Tensor]] = {
             key: [_view(slot, offset, key) for slot in slots] for key, offset in offsets.items()
@@ -56,14 +51,6 @@ class BufferPool:
         return self._buffers[key][slot]
 
 
-def _span_bytes(key: PoolKey) -> int:
-    # Bytes from a buffer's first element to the end of its last, in its layout (0 for an empty one).
-    _, shape, stride, dtype = key
-    if not all(shape):
-        return 0
-    return (1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))) * dtype.itemsize
-
-
 def _view(slot: torch.Tensor, offset: int, key: PoolKey) -> torch.Tensor:
     _, shape, stride, dtype = key
-    return slot[offset : offset + _span_bytes(key)].view(dtype).as_strided(shape, stride)
+    return slot[offset : offset + span_bytes(shape, stride, dtype)].view(dtype).as_strided(shape, stride)

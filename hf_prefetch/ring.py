@@ -30,7 +30,8 @@ import torch
 
 from .codec import Layout
 from .driver import is_dense
-from .pool import BufferPool, padded_bytes
+from .host import padded_bytes
+from .pool import BufferPool
 
 __all__ = [
     "SlotTable",

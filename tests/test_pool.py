@@ -9,8 +9,8 @@ import itertools
 import pytest
 import torch
 
-from hf_prefetch.host import ALIGN_BYTES, HostArena
-from hf_prefetch.pool import BufferPool, padded_bytes
+from hf_prefetch.host import ALIGN_BYTES, HostArena, padded_bytes
+from hf_prefetch.pool import BufferPool
 from hf_prefetch.ring import byte_span
 
 CPU = torch.device("cpu")
