@@ -10,6 +10,7 @@ Tokens and logits of every streamed system are compared with the same model resi
 or the library refuses is reported with its error and skipped. `--accelerate` adds accelerate's offload of the same
 quantized model (`accelerate.dispatch_model` with the same layers on "cpu") as a peer row. `--shape 32b --budget-gib
 12` instead dispatches one quantized 32B-shaped model with `max_memory={0: "12GiB"}` and reports it against its bound.
+`--prefetch-steps 2 3` dispatches each quantized selection once per number of slots (bf16 keeps 2).
 Needs torchao and bitsandbytes (wheels installed with --no-deps). Run on a GPU machine:
 
     PYTHONUNBUFFERED=1 python benchmarks/quantized.py [--rounds 3] [--layers 32] [--methods float8,int8,int4,nf4]
@@ -92,15 +93,16 @@ def _reference(model, ids, prompt):
     return logits, tokens
 
 
-def _dispatch(resident, label: str, selection: str, ids, prompt):
-    """`resident`, copied to the CPU and dispatched with `selection` streamed; its logits and tokens compared with
-    the resident model's. (model, streamed bytes per token), or None where the copy or the dispatch is refused."""
-    name = f"{label}, {selection}"
+def _dispatch(resident, label: str, selection: str, ids, prompt, prefetch_step: int = 2):
+    """`resident`, copied to the CPU and dispatched with `selection` streamed through `prefetch_step` slots; its logits
+    and tokens compared with the resident model's. (model, streamed bytes per token), or None where the copy or the
+    dispatch is refused."""
+    name = f"{label}, {selection}" + ("" if prefetch_step == 2 else f", {prefetch_step} slots")
     want_logits, want_tokens = _reference(resident, ids, prompt)
     try:
         start = time.perf_counter()
         host = copy.deepcopy(resident).to("cpu")
-        config = hf_prefetch.PrefetchConfig(prefetch_step=2, **SELECTIONS[selection])
+        config = hf_prefetch.PrefetchConfig(prefetch_step=prefetch_step, **SELECTIONS[selection])
         model = hf_prefetch.dispatch_model(host, config, device="cuda")
         seconds = time.perf_counter() - start
     except Exception as error:  # noqa: BLE001 - a benchmark reports what is refused and goes on
@@ -181,6 +183,10 @@ def _one_budget(args, ids, prompt) -> None:
     save_results(f"quantized_{args.shape}.json", dict(peak=peak, seconds=seconds, bound=bound, bytes=nbytes))
 
 
+def _label(name) -> str:
+    return name if isinstance(name, str) else f"{name[0]} ({name[1]} slots)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
@@ -189,6 +195,9 @@ def main() -> None:
     parser.add_argument("--accelerate", action="store_true", help="add accelerate's offload as a peer row")
     parser.add_argument("--shape", default="8b", choices=["8b", "32b"])
     parser.add_argument("--budget-gib", type=float, default=None, help="one model at this GPU budget instead")
+    parser.add_argument(
+        "--prefetch-steps", type=int, nargs="+", default=[2], help="slots of the quantized dispatches (bf16: 2)"
+    )
     args = parser.parse_args()
     import bitsandbytes
     import torchao
@@ -215,10 +224,14 @@ def main() -> None:
         except Exception as error:  # noqa: BLE001 - a benchmark reports what the quantizer refuses and goes on
             print(f"{method}: quantization failed on this machine: {type(error).__name__}: {error}")
             continue
-        systems = {selection: _dispatch(resident, method, selection, ids, prompt) for selection in SELECTIONS}
-        systems = {selection: system for selection, system in systems.items() if system is not None}
+        systems = {
+            (selection, step): _dispatch(resident, method, selection, ids, prompt, step)
+            for selection in SELECTIONS
+            for step in args.prefetch_steps
+        }
+        systems = {key: system for key, system in systems.items() if system is not None}
         timed = {"resident": resident, **{f"bf16 {s}": bf16[s][0] for s in SELECTIONS}}
-        timed.update({s: model for s, (model, _) in systems.items()})
+        timed.update({key: model for key, (model, _) in systems.items()})
         if args.accelerate:
             peers = {f"accelerate {s}": _accelerate(resident, s, ids, prompt) for s in SELECTIONS}
             timed.update({name: model for name, model in peers.items() if model is not None})
@@ -230,27 +243,29 @@ def main() -> None:
             peaks.append(h2d_peak_gbps())
             for name, model in timed.items():
                 runs[name].append(decode_seconds_per_token(model, ids))
-            line = ", ".join(f"{name} {runs[name][-1]:.4f}" for name in timed)
+            line = ", ".join(f"{_label(name)} {runs[name][-1]:.4f}" for name in timed)
             print(f"{method} round {r}: pinned H2D peak {peaks[-1]:.1f} GB/s; s/token: {line}", flush=True)
         peak = statistics.median(peaks)
         resident_s = statistics.median(runs["resident"])
         print(f"\n{method}: pinned H2D peak (median) {peak:.1f} GB/s; all on GPU {resident_s:.4f} s/token")
         print("| system | bytes/token GB | s/token | bound s | x bound | speed-up vs bf16 streamed (its s/token) |")
         print("|---|---:|---:|---:|---:|---:|")
-        for selection, (_, nbytes) in systems.items():
-            seconds = statistics.median(runs[selection])
+        for (selection, step), (_, nbytes) in systems.items():
+            seconds = statistics.median(runs[selection, step])
             bound = max(resident_s, nbytes / (peak * 1e9))
             plain = runs[f"bf16 {selection}"]
-            speedup = statistics.median(p / q for p, q in zip(plain, runs[selection], strict=True))
-            rows[f"{method}, {selection}"] = dict(bytes=nbytes, seconds=seconds, bound=bound, speedup=speedup)
+            speedup = statistics.median(p / q for p, q in zip(plain, runs[selection, step], strict=True))
+            rows[f"{method}, {selection}, {step} slots"] = dict(
+                bytes=nbytes, seconds=seconds, bound=bound, speedup=speedup
+            )
             print(
-                f"| {method}, {selection} | {nbytes / 1e9:.2f} | {seconds:.4f} | {bound:.4f} | "
+                f"| {method}, {selection}, {step} slots | {nbytes / 1e9:.2f} | {seconds:.4f} | {bound:.4f} | "
                 f"{seconds / bound:.3f} | {speedup:.2f}x ({statistics.median(plain):.4f}) |",
                 flush=True,
             )
             peer = runs.get(f"accelerate {selection}")
-            if peer:
-                ratio = statistics.median(p / q for p, q in zip(peer, runs[selection], strict=True))
+            if peer and step == args.prefetch_steps[0]:
+                ratio = statistics.median(p / q for p, q in zip(peer, runs[selection, step], strict=True))
                 print(
                     f"| accelerate, {method}, {selection} | {nbytes / 1e9:.2f} | {statistics.median(peer):.4f} | "
                     f"{bound:.4f} | {statistics.median(peer) / bound:.3f} | hf_prefetch {ratio:.2f}x faster |",

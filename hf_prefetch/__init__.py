@@ -2,7 +2,8 @@
 
 One verb per step, each configured by one config object per backend (`PrefetchConfig`, `UVAConfig`, or the
 `OffloadConfig` that picks one): `plan` shows what a dispatch would do, `dispatch_model` / `from_pretrained` /
-`load_checkpoint_and_dispatch` do it, `remove_offload` undoes it; `stats`, `reload_weights` and `sync_from_device`
+`load_checkpoint_and_dispatch` do it (`time_layers` measures what a budget plan can weigh), `remove_offload` undoes
+it; `stats`, `reload_weights` and `sync_from_device`
 work on a dispatched model. Importing this package initialises neither CUDA nor `torch._dynamo`.
 """
 
@@ -14,6 +15,7 @@ from .offload_config import OffloadConfig, UVAConfig
 from .placements import OffloadPlan, Placement, Source
 from .preview import plan
 from .reload import reload_weights, sync_from_device
+from .schedule import time_layers
 from .state import get_state
 from .stats import TransferStats, reset_stats, stats
 
@@ -36,6 +38,7 @@ __all__ = [
     "reset_stats",
     "TransferStats",
     "find_layer_lists",
+    "time_layers",
 ]
 
 __version__ = "0.2.0"

@@ -18,11 +18,13 @@ from torch import nn
 from .bnb import check_layout
 from .config import PrefetchConfig
 from .layers import candidate_layers, model_bytes, warn_unroutable
+from .link import measure_link_gbps
 from .memory_budget import MaxMemory, MemoryBudget, resolve_budget, resolve_budgets
 from .pipeline import plan_pipeline
 from .placements import OffloadPlan, RingPlan, Source, cache_bytes, expert_row_bytes
 from .planner import make_plan, offload_params_error, plan_of, ring_plan
 from .render import format_bytes
+from .schedule import forward_seconds
 
 __all__ = ["choose_plan", "plan_for_budget", "spread"]
 
@@ -38,6 +40,11 @@ def choose_plan(
     """The plan `dispatch_model` and the loaders execute: the config's group pattern, or the plan for a budget; with
     `links` (`links.resolve_links`), the other GPUs whose host links carry a share of every streamed layer."""
     check_layout(model, device)
+    if config.compute_seconds is not None and max_memory is None:
+        raise ValueError(
+            "PrefetchConfig.compute_seconds chooses among the plans that fit a max_memory budget, and no max_memory "
+            "was given: pass max_memory (e.g. max_memory={0: '16GiB'}), or drop compute_seconds."
+        )
     helpers = {index: None for index in links[1:]}
     if max_memory is not None and helpers:
         # The other links' entries bound their staging buffers; the execution device's entry plans the layers.
@@ -54,9 +61,18 @@ def choose_plan(
                 "placing layers on several GPUs (pipeline placement) and sharing host links do not combine yet. "
                 "Give max_memory entries only for the execution device and the GPUs of links=, or drop links=."
             )
+        if config.compute_seconds is not None:
+            raise ValueError(
+                f"PrefetchConfig.compute_seconds plans one GPU's layers, and max_memory names the GPUs "
+                f"{[i for i, _ in max_memory.gpus]} (pipeline placement). Drop compute_seconds, or give one GPU."
+            )
         plan = plan_pipeline(model, resolve_budgets(max_memory, device, model), config, layers)
     else:
-        plan = plan_for_budget(model, resolve_budget(max_memory, device, model), config, layers)
+        # Copies overlap compute only on a GPU; on the CPU they are synchronous and the fewest bytes is fastest.
+        link = None
+        if config.compute_seconds is not None and device.type == "cuda":
+            link = measure_link_gbps(device) * max(1, len(links))
+        plan = plan_for_budget(model, resolve_budget(max_memory, device, model), config, layers, link_gbps=link)
     if not links:
         return plan
     plan = replace(plan, links=links)
@@ -136,9 +152,14 @@ def plan_for_budget(
     config: PrefetchConfig | None = None,
     layers: str | Sequence[str] | None = None,
     segment: tuple[range, int] | None = None,
+    link_gbps: float | None = None,
 ) -> OffloadPlan:
     """The plan that streams the fewest bytes per forward while resident weights, the buffer pool and the reserve fit
     the device budget and the pinned bytes fit the host budget. Pure: the budget comes in as numbers.
+
+    With `config.compute_seconds` and `link_gbps` (the link's speed, all links together), the plan that fits and
+    whose forwards take the least time by `schedule.forward_seconds` instead (the fewest bytes among equal times);
+    without `link_gbps` (a CPU execution device) the times are checked and the fewest bytes win.
 
     For each layer list, `s` streamed layers are laid out by `spread` (strided, later layers first, runs of consecutive
     streamed layers no longer than `config.prefetch_step` whenever `s <= prefetch_step * (resident + 1)`); over the
@@ -188,6 +209,7 @@ def plan_for_budget(
         total = segment[1] + sum(
             model_bytes(model.get_submodule(c.path)) for ring in candidates.values() for c in ring
         )
+    compute = None if config.compute_seconds is None else _compute_seconds(config.compute_seconds, candidates)
     explicit_cache = config.expert_cache or 0
     selections = [(config, candidates)]
     experts = _experts_segments(config, candidates)
@@ -227,6 +249,17 @@ def plan_for_budget(
         raise _host_error(budget, candidates, min(fits_device, key=lambda o: o.pinned_bytes))
     # Equal bytes: the whole-layer selection (listed first; min keeps the first of equals).
     best = min(fits, key=lambda o: (o.streamed_bytes, o.pinned_bytes, o.device_bytes))
+    if compute is not None and link_gbps is not None:
+        rate = link_gbps * 1e9
+        best = min(
+            fits,
+            key=lambda o: (
+                round(forward_seconds(o.rings, compute, rate), 9),
+                o.streamed_bytes,
+                o.pinned_bytes,
+                o.device_bytes,
+            ),
+        )
     if any(layer.streamed for ring in best.rings for layer in ring.layers):
         warn_unroutable(best.candidates, config.routed_experts)
     if not any(layer.streamed for ring in best.rings for layer in ring.layers):
@@ -239,6 +272,26 @@ def plan_for_budget(
         )
         cached = min(most, (budget.weights_bytes - best.device_bytes) // per_expert) if per_expert else 0
     return plan_of(model, best.config, best.rings, Source.BUDGET, budget, cached_experts=max(0, cached))
+
+
+def _compute_seconds(pairs: tuple[tuple[str, float], ...], candidates: dict) -> dict[str, float]:
+    """`PrefetchConfig.compute_seconds` checked against the layer lists: one time for every layer, no other."""
+    compute = dict(pairs)
+    paths = [layer.path for ring in candidates.values() for layer in ring]
+    missing = [path for path in paths if path not in compute]
+    unknown = sorted(set(compute) - set(paths))
+    if missing or unknown:
+        problem = (
+            f"has no time for {len(missing)} layers ({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''})"
+            if missing
+            else f"names {len(unknown)} paths that are no layer of {list(candidates)} ({', '.join(unknown[:4])}"
+            f"{', ...' if len(unknown) > 4 else ''})"
+        )
+        raise ValueError(
+            f"PrefetchConfig.compute_seconds {problem}: it needs exactly one time per layer of the layer lists "
+            f"{list(candidates)}. Measure them with hf_prefetch.time_layers(model, ...) on the same model."
+        )
+    return compute
 
 
 def _in_segment(candidates: dict, segment: tuple[range, int] | None) -> dict:

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import sys
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
@@ -53,6 +54,16 @@ class PrefetchConfig:
             slot losslessly compressed in host memory (about 75% of bf16's bytes, 88% of fp32's), copy the compressed
             bytes and decode them on the device into the slot, bit for bit (see docs/design.md, "Compressed
             streaming"). Encoding runs once, on the host, at dispatch or load time.
+        compute_seconds (`Mapping[str, float]`, *optional*): How long each layer of the layer lists computes in the
+            forward to plan for (layer path, e.g. `"transformer_blocks.3"`, to seconds; `time_layers` measures them).
+            With a `max_memory` budget on a GPU, the planner then picks, of the plans that fit, the one whose
+            forwards take the least time when copies and compute overlap (a simulation of the ring's schedule at
+            the measured link speed; fewest bytes among equals) instead of the one that streams the fewest bytes:
+            where a forward computes about as long as it copies (diffusion transformers at thousands of tokens),
+            streamed layers are then spread over the parts of the forward whose compute can hide their copies.
+            Every layer of every layer list needs a time. None (the default): the fewest bytes per forward, which
+            is the fastest plan where copies take longer than compute (decoding) and on the CPU (where copies do
+            not overlap compute, so `compute_seconds` changes nothing there).
 
     Example:
 
@@ -74,6 +85,7 @@ class PrefetchConfig:
     routed_max_tokens: int | None = None
     expert_cache: int | None = None
     compress: bool = False
+    compute_seconds: Mapping[str, float] | None = None
 
     def __post_init__(self) -> None:
         for name in ("group_size", "num_in_group", "prefetch_step"):
@@ -112,6 +124,8 @@ class PrefetchConfig:
                 f"PrefetchConfig.routed_max_tokens={limit!r} must be None (each experts module's break-even point) "
                 "or an int >= 0 (0 copies whole expert tensors in every forward)."
             )
+        if self.compute_seconds is not None:
+            object.__setattr__(self, "compute_seconds", _validate_seconds(self.compute_seconds))
         key = (self.prefetch_step, self.num_in_group)
         if self.prefetch_step < self.num_in_group and key not in _warned_prefetch_step:
             _warned_prefetch_step.add(key)
@@ -124,6 +138,30 @@ class PrefetchConfig:
     def compute_hash(self) -> str:
         """A sha256 hex digest of the fields: equal configs give equal digests in every process."""
         return config_hash(self)
+
+
+def _validate_seconds(seconds: Mapping[str, float]) -> tuple[tuple[str, float], ...]:
+    # A mapping of layer path -> seconds, kept as sorted pairs: hashable, and equal for equal mappings. The pairs
+    # themselves are accepted too (`dataclasses.replace` validates a config's fields again).
+    if isinstance(seconds, tuple) and all(isinstance(pair, tuple) and len(pair) == 2 for pair in seconds):
+        seconds = dict(seconds)
+    if not isinstance(seconds, Mapping):
+        raise ValueError(
+            f"PrefetchConfig.compute_seconds={seconds!r} must be a mapping of layer path to seconds, e.g. "
+            "compute_seconds=hf_prefetch.time_layers(model, **inputs), or None."
+        )
+    pairs = []
+    for path, value in seconds.items():
+        if not isinstance(path, str):
+            raise ValueError(
+                f"PrefetchConfig.compute_seconds has the key {path!r}: keys are layer paths such as 'model.layers.3'."
+            )
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+            raise ValueError(
+                f"PrefetchConfig.compute_seconds[{path!r}]={value!r} must be a finite number of seconds >= 0."
+            )
+        pairs.append((path, float(value)))
+    return tuple(sorted(pairs))
 
 
 def _validate_segments(segments: Iterable[str], name: str = "PrefetchConfig.offload_params") -> frozenset[str]:
@@ -160,6 +198,8 @@ def _factors(value: Any) -> Any:
         return {"class": type(value).__name__, **{f.name: _factors(getattr(value, f.name)) for f in fields(value)}}
     if isinstance(value, set | frozenset):
         return sorted(_factors(item) for item in value)
+    if isinstance(value, tuple):
+        return [_factors(item) for item in value]
     if isinstance(value, float):
         return repr(value + 0.0)  # round-trips exactly; 'inf'; -0.0 + 0.0 is 0.0, equal values have one form
     if value is None or isinstance(value, bool | int | str):

@@ -146,7 +146,48 @@ def test_diffusers_transformers_stream_their_block_lists_bitwise(name):
         assert torch.equal(model(**inputs, return_dict=False)[0], expected)
 
 
-def _flux_pipeline():
+def _tokenizer(max_length: int):
+    """A word-level tokenizer built in memory (no download), as Flux's CLIP and T5 tokenizers are called."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["<pad>", "<unk>", "<eos>", "a", "cat", "on", "the", "mat", "photo", "of"]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        unk_token="<unk>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        model_max_length=max_length,
+    )
+
+
+def _text_encoders() -> dict:
+    """Tiny random CLIP and T5 encoders in the places of Flux's (pooled 32, sequence 32: the tiny transformer's)."""
+    from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+
+    torch.manual_seed(0)
+    clip = CLIPTextModel(
+        CLIPTextConfig(
+            hidden_size=32,
+            intermediate_size=37,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            vocab_size=10,
+            max_position_embeddings=16,
+            eos_token_id=2,
+        )
+    ).eval()
+    t5 = T5EncoderModel(
+        T5Config(
+            d_model=32, d_kv=8, d_ff=37, num_layers=4, num_heads=4, vocab_size=10, relative_attention_num_buckets=8
+        )
+    ).eval()
+    return dict(text_encoder=clip, text_encoder_2=t5, tokenizer=_tokenizer(16), tokenizer_2=_tokenizer(48))
+
+
+def _flux_pipeline(text_encoders: bool = False):
     torch.manual_seed(0)
     transformer = diffusers.FluxTransformer2DModel(**MODELS["FluxTransformer2DModel"][0]).eval()
     torch.manual_seed(0)
@@ -163,14 +204,13 @@ def _flux_pipeline():
         shift_factor=0.0609,
         scaling_factor=1.5035,
     )
+    encoders = (
+        _text_encoders()
+        if text_encoders
+        else dict.fromkeys(("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"))
+    )
     return diffusers.FluxPipeline(
-        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(),
-        text_encoder=None,
-        text_encoder_2=None,
-        tokenizer=None,
-        tokenizer_2=None,
-        transformer=transformer,
-        vae=vae,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), transformer=transformer, vae=vae, **encoders
     )
 
 
@@ -187,6 +227,78 @@ def _call(pipe) -> torch.Tensor:
         width=8,
         output_type="pt",
     ).images
+
+
+def _call_with_prompt(pipe) -> torch.Tensor:
+    return pipe(
+        prompt="a photo of a cat on the mat",
+        generator=torch.Generator().manual_seed(0),
+        num_inference_steps=2,
+        guidance_scale=5.0,
+        height=8,
+        width=8,
+        max_sequence_length=48,
+        output_type="pt",
+    ).images
+
+
+def _dispatch_pipeline(pipe, device: str) -> list:
+    """The transformer and both text encoders dispatched (every 2nd block streamed), the VAE moved."""
+    parts = [pipe.transformer, pipe.text_encoder, pipe.text_encoder_2]
+    for part in parts:
+        hf_prefetch.dispatch_model(part, CONFIG, device=device)
+    pipe.vae.to(device)
+    return parts
+
+
+def test_a_pipeline_runs_unchanged_with_its_text_encoders_and_transformer_dispatched():
+    expected = _call_with_prompt(_flux_pipeline(text_encoders=True))
+    pipe = _flux_pipeline(text_encoders=True)
+    parts = _dispatch_pipeline(pipe, "cpu")
+    try:
+        lists = [[ring.path for ring in hf_prefetch.get_state(part).plan.rings] for part in parts[1:]]
+        assert [len(paths) for paths in lists] == [1, 1]  # CLIP's (text_model.)encoder.layers, T5's encoder.block
+        assert lists[0][0].endswith("encoder.layers") and lists[1][0] == "encoder.block"
+        for _ in range(2):
+            assert torch.equal(_call_with_prompt(pipe), expected)
+        assert all(hf_prefetch.stats(part).misses == 0 for part in parts)
+    finally:
+        for part in parts:
+            hf_prefetch.remove_offload(part)
+    assert torch.equal(_call_with_prompt(pipe), expected)
+
+
+@pytest.mark.gpu
+def test_a_pipeline_on_cuda_is_bitwise_with_its_text_encoders_and_transformer_dispatched():
+    expected = _call_with_prompt(_flux_pipeline(text_encoders=True).to("cuda"))
+    pipe = _flux_pipeline(text_encoders=True)
+    parts = _dispatch_pipeline(pipe, "cuda")
+    try:
+        for _ in range(2):
+            assert torch.equal(_call_with_prompt(pipe), expected)
+        assert all(hf_prefetch.stats(part).misses == 0 for part in parts)
+    finally:
+        for part in parts:
+            hf_prefetch.remove_offload(part)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(MODELS))
+def test_diffusers_transformers_on_cuda_are_bitwise(name):
+    kwargs, spec, _ = MODELS[name]
+    torch.manual_seed(0)
+    model = getattr(diffusers, name)(**kwargs).eval()
+    inputs = {k: v.to("cuda") if isinstance(v, torch.Tensor) else v for k, v in _inputs(spec).items()}
+    with torch.no_grad():
+        expected = copy.deepcopy(model).to("cuda")(**inputs, return_dict=False)[0]
+    hf_prefetch.dispatch_model(model, CONFIG, device="cuda")
+    try:
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(**inputs, return_dict=False)[0], expected)
+        assert hf_prefetch.stats(model).misses == 0
+    finally:
+        hf_prefetch.remove_offload(model)
 
 
 def test_a_pipeline_runs_unchanged_with_its_transformer_dispatched():
@@ -249,3 +361,27 @@ def test_layerwise_casting_is_refused_before_anything_changes():
     with pytest.raises(ValueError, match=r"moves or casts its weights \(layerwise_casting on"):
         hf_prefetch.dispatch_model(pipe.transformer, CONFIG, device="cpu")
     assert hf_prefetch.get_state(pipe.transformer) is None
+
+
+def test_a_budget_plans_both_block_lists_of_flux_and_measured_block_times_are_accepted():
+    kwargs, spec, lists = MODELS["FluxTransformer2DModel"]
+    torch.manual_seed(0)
+    model = diffusers.FluxTransformer2DModel(**kwargs).eval()
+    inputs = _inputs(spec)
+    with torch.no_grad():
+        expected = model(**inputs, return_dict=False)[0]
+    seconds = hf_prefetch.time_layers(model, **inputs)
+    assert sorted(seconds) == sorted(f"{path}.{i}" for path in lists for i in range(4))
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    config = hf_prefetch.PrefetchConfig(prefetch_step=1, compute_seconds=seconds)
+    budget = {0: int(total * 0.8)}
+    plan = hf_prefetch.plan(model, config, max_memory=budget, reserve_bytes=0, device="cpu")
+    assert [ring.path for ring in plan.rings] == lists and plan.device_bytes <= budget[0]
+    hf_prefetch.dispatch_model(model, config, device="cpu", max_memory=budget, reserve_bytes=0)
+    try:
+        assert hf_prefetch.get_state(model).plan.rings == plan.rings
+        assert any(ring.streamed for ring in plan.rings)
+        with torch.no_grad():
+            assert torch.equal(model(**inputs, return_dict=False)[0], expected)
+    finally:
+        hf_prefetch.remove_offload(model)

@@ -152,6 +152,9 @@ with warnings.catch_warnings():
         "PrefetchConfig.compress": dataclasses.replace(
             BASE, prefetch=dataclasses.replace(BASE.prefetch, compress=True)
         ),
+        "PrefetchConfig.compute_seconds": dataclasses.replace(
+            BASE, prefetch=dataclasses.replace(BASE.prefetch, compute_seconds={"model.layers.0": 0.001})
+        ),
     }
 
 
