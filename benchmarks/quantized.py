@@ -2,7 +2,8 @@
 
 8B shape, random bf16 weights quantized on the GPU by torchao's `quantize_` (float8 weight-only, int8 weight-only, int4
 weight-only with tile packing) or by bitsandbytes (nf4 with double quantization and bf16 compute: every decoder linear
-replaced by `Linear4bit`, as transformers' `BitsAndBytesConfig(load_in_4bit=True)` does), then moved to the CPU and
+replaced by `Linear4bit`, as transformers' `BitsAndBytesConfig(load_in_4bit=True)` does; `llm_int8`: by
+`Linear8bitLt`, as `load_in_8bit=True` does), then moved to the CPU and
 dispatched with half and all of the layers streamed. Every system is measured alternately in one process, several
 rounds, medians reported (the lent machine's speed drifts). bound = max(all-on-GPU s/token of the same quantized model,
 packed bytes per token / pinned H2D peak); the speed-up over bf16 is the median over rounds of each round's ratio.
@@ -43,6 +44,9 @@ def _quantize(model, method: str) -> None:
     if method == "nf4":
         _to_nf4(model)
         return
+    if method == "llm_int8":
+        _to_llm_int8(model)
+        return
     from torchao import quantization
 
     if method == "float8":
@@ -52,7 +56,7 @@ def _quantize(model, method: str) -> None:
     elif method == "int4":
         config = quantization.Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
     else:
-        raise ValueError(f"--methods: unknown method {method!r}; known: float8, int8, int4, nf4")
+        raise ValueError(f"--methods: unknown method {method!r}; known: float8, int8, int4, nf4, llm_int8")
     quantization.quantize_(model, config)
 
 
@@ -82,6 +86,35 @@ def _to_nf4(model) -> None:
                 packed.bias = linear.bias
             parent, _, child = name.rpartition(".")
             setattr(layer.get_submodule(parent), child, packed)
+            del linear
+    torch.cuda.empty_cache()
+
+
+def _to_llm_int8(model) -> None:
+    # Every linear of the decoder layers becomes a bitsandbytes Linear8bitLt (LLM.int8(), outlier threshold 6.0, as
+    # BitsAndBytesConfig(load_in_8bit=True) builds), quantized from its bf16 weight on the GPU, one at a time.
+    import bitsandbytes as bnb
+    from torch import nn
+
+    for layer in model.model.layers:
+        for name, linear in list(layer.named_modules()):
+            if not isinstance(linear, nn.Linear):
+                continue
+            int8 = bnb.nn.Linear8bitLt(
+                linear.in_features,
+                linear.out_features,
+                bias=linear.bias is not None,
+                has_fp16_weights=False,
+                threshold=6.0,
+                device="meta",
+            )
+            # What Int8Params.to(cuda) does to a CPU weight, from the GPU copy: int8 rows and their float32 scales.
+            values, scales, _ = bnb.functional.int8_vectorwise_quant(linear.weight.data.to(torch.float16))
+            int8.weight = bnb.nn.Int8Params(values, requires_grad=False, has_fp16_weights=False, CB=values, SCB=scales)
+            if linear.bias is not None:
+                int8.bias = linear.bias
+            parent, _, child = name.rpartition(".")
+            setattr(layer.get_submodule(parent), child, int8)
             del linear
     torch.cuda.empty_cache()
 

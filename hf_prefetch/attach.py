@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 
-from .bnb import is_params4bit, plain_save, repacks_on_cpu, unpack_for
+from .bnb import following_state, int8_modules, is_params4bit, plain_save, repacks_on_cpu, settle_int8, unpack_for
 from .changes import Journal, Phase, deferred_interrupts, move_tensors
 from .compressed import refuse_unencodable
 from .config import warn_at_caller
@@ -59,6 +59,15 @@ def host_layout(plan: OffloadPlan) -> list[tuple[str, ParamSpec]]:
     return [(layer.path, spec) for ring in plan.rings for layer in ring.layers for spec in layer.offloaded]
 
 
+def keep_int8_scales(model: nn.Module, journal: Journal) -> None:
+    """Before the host storage is filled: each 8-bit layer's scales on its parameter (`weight.SCB`, where its first
+    forward leaves None) so that they are the parameter's part `SCB` (bnb.py). Undone by a rollback only."""
+    for path, module in int8_modules(model):
+        weight = module.weight
+        if weight.SCB is None and module.state.SCB is not None:
+            journal.point(Phase.PLACE, weight, module.state.SCB, f"{path}.weight.SCB from its state", "SCB")
+
+
 def begin(
     model: nn.Module,
     plan: OffloadPlan,
@@ -88,6 +97,9 @@ def begin(
 def attach(model: nn.Module, state: OffloadState) -> None:
     """Second half of a dispatch: `state.offloaded` hold their values in host storage; place the rest, point the
     offloaded parameters at their slots (or mapped views), hook the layers. Also used by the loader."""
+    for path, module in int8_modules(model):  # bnb.py: their matmul state reads through the parameter
+        state.journal.set_attribute(module.weight, "CB", None, f"{path}.weight.CB (values read through the state)")
+        state.journal.set_attribute(module, "state", following_state(module), f"matmul state of {path}")
     if state.plan.backend == "uva":
         _attach_uva(model, state)
     else:
@@ -383,6 +395,7 @@ def detach(model: nn.Module, state: OffloadState, target: torch.device | None) -
     if target is not None:
         move_tensors(model, target)
         unpack_for(model, target)  # 4-bit layers repacked for the CPU kernels, moved to a GPU: as .cuda() does
+    settle_int8(model)  # 8-bit layers as freshly quantized ones (bnb.py), their state emptied
     _end(model, state)
 
 
@@ -392,6 +405,7 @@ def rollback(model: nn.Module, state: OffloadState) -> None:
     _quiesce(state)
     state.journal.unwind(Phase.PLACE)
     state.engine = None
+    settle_int8(model)  # 8-bit layers' values named by their parameter's storage again (bnb.py)
     _end(model, state)
 
 

@@ -1,4 +1,4 @@
-"""bitsandbytes' 4-bit parameters as the tensors they are stored in.
+"""bitsandbytes' 4-bit and 8-bit parameters as the tensors they are stored in.
 
 A `Params4bit` (transformers' `BitsAndBytesConfig(load_in_4bit=True)`, `bnb.nn.Linear4bit`) is a plain uint8 tensor of
 packed weights with a `QuantState` beside it: the blocks' scales (`absmax`), the 16-value code (`code`) and, with
@@ -10,8 +10,15 @@ name bitsandbytes' state_dict gives it (`weight:absmax` in a plan). Nothing is d
 bitsandbytes' forward changes a layer's tensors in two cases, which a slot would not follow: on a CPU with AVX512-BF16
 it repacks the weight for its CPU kernels (a model dispatched onto the CPU keeps its portable kernels instead,
 `repacks_on_cpu`), and it casts a bias to the activations' dtype by assigning `bias.data` (a `Linear4bit`'s bias stays
-resident, `replaced_in_forward`). 8-bit parameters (`Int8Params`) are not handled here: their forward moves their
-scales between the parameter and the module's matmul state, so they stay refused (see `layers._quantized`).
+resident, `replaced_in_forward`).
+
+An 8-bit parameter (`Int8Params`, `BitsAndBytesConfig(load_in_8bit=True)`, `bnb.nn.Linear8bitLt`) is an int8 tensor
+with its rows' scales (`SCB`, float32). Its module's forward first moves both from the parameter (`weight.CB`,
+`weight.SCB`) into the module's matmul state (`state.CB`, `state.SCB`), then computes from the state and sets
+`weight.data` to `state.CB`: once a slot is in the state, nothing would follow the next pointing. So a dispatch keeps
+the scales on the parameter (`weight.SCB`, the part `SCB`, pointed at like `data`) and gives the module a state that
+reads both through the parameter whatever it points at (`following_state`, journaled); after a removal the layer is
+put back as bitsandbytes leaves a freshly quantized one (`settle_int8`): its next forward moves them into its state.
 
 This module knows bitsandbytes' layout, not plans or streams; it never imports bitsandbytes unless a model holds its
 parameters.
@@ -29,6 +36,9 @@ from torch import nn
 
 __all__ = [
     "is_params4bit",
+    "is_int8",
+    "following_state",
+    "settle_int8",
     "storage_parts",
     "attribute_path",
     "check_layout",
@@ -46,6 +56,21 @@ def is_params4bit(param: Any) -> bool:
     return any(cls.__name__ == "Params4bit" and cls.__module__.startswith("bitsandbytes") for cls in classes)
 
 
+def is_int8(param: Any) -> bool:
+    """Whether `param` is a quantized bitsandbytes `Int8Params` (int8 values, not training weights kept in 16 bits)."""
+    classes = type(param).__mro__
+    named = any(cls.__name__ == "Int8Params" and cls.__module__.startswith("bitsandbytes") for cls in classes)
+    return named and param.dtype == torch.int8 and not getattr(param, "has_fp16_weights", True)
+
+
+def int8_scales(param: torch.Tensor, module: nn.Module | None) -> torch.Tensor | None:
+    """An 8-bit parameter's row scales: on the parameter before its first forward, in its module's state after."""
+    scales = getattr(param, "SCB", None)
+    if scales is None and module is not None and getattr(module, "weight", None) is param:
+        scales = getattr(getattr(module, "state", None), "SCB", None)
+    return scales
+
+
 # A 4-bit parameter's tensors: the name each goes by (bitsandbytes' own state_dict keys, after `weight.`), and where
 # it is from the parameter. The packed bytes come first; the last three exist with double quantization only.
 _PATHS = {
@@ -58,10 +83,14 @@ _PATHS = {
 }
 
 
-def storage_parts(param: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+def storage_parts(param: torch.Tensor, module: nn.Module | None = None) -> list[tuple[str, torch.Tensor]] | None:
     """A quantized `Params4bit`'s tensors, (name, tensor): the packed bytes (`data`) first, then its quantization
-    state's (`absmax`, `quant_map`, with double quantization `nested_offset`, `nested_absmax`, `nested_quant_map`).
-    None for any other parameter, and for a `Params4bit` not quantized yet."""
+    state's (`absmax`, `quant_map`, with double quantization `nested_offset`, `nested_absmax`, `nested_quant_map`); a
+    quantized `Int8Params`'s values (`data`) and row scales (`SCB`, found in `module`'s state after a forward). None
+    for any other parameter, and for one not quantized yet (or whose scales cannot be found)."""
+    if is_int8(param):
+        scales = int8_scales(param, module)
+        return None if scales is None else [("data", param.data), ("SCB", scales)]
     state = getattr(param, "quant_state", None) if is_params4bit(param) else None
     if state is None:
         return None
@@ -114,18 +143,71 @@ def repacks_on_cpu(module: nn.Module) -> bool:
     `Linear4bit` on a CPU with AVX512-BF16, not repacked yet): its forward would replace the weight's tensors."""
     weight = getattr(module, "weight", None)
     repacks = getattr(module, "support_avx512bf16_for_cpu", False)  # Linear4bit's; bitsandbytes' other modules: none
-    return repacks and storage_parts(weight) is not None and not _packed_for_cpu(weight)
+    return repacks and is_params4bit(weight) and storage_parts(weight) is not None and not _packed_for_cpu(weight)
 
 
 def _packed_for_cpu(weight: Any) -> bool:
     # A quantized 4-bit weight that bitsandbytes repacked for its CPU kernels.
-    return storage_parts(weight) is not None and getattr(weight.quant_state, "packing_format_for_cpu", False)
+    quantized = is_params4bit(weight) and storage_parts(weight) is not None
+    return quantized and getattr(weight.quant_state, "packing_format_for_cpu", False)
 
 
 def replaced_in_forward(module: nn.Module, name: str) -> bool:
-    """Whether `module`'s forward may replace its parameter `name` with a new tensor: a `Linear4bit` casts its bias to
-    the activations' dtype by assigning `bias.data` (bitsandbytes 0.50), which a streamed bias's slot would not see."""
-    return name == "bias" and is_params4bit(getattr(module, "weight", None))
+    """Whether `module`'s forward may replace its parameter `name` with a new tensor: a `Linear4bit` or `Linear8bitLt`
+    casts its bias to the activations' dtype by assigning `bias.data` (bitsandbytes 0.50), which a streamed bias's slot
+    would not see."""
+    weight = getattr(module, "weight", None)
+    return name == "bias" and (is_params4bit(weight) or is_int8(weight))
+
+
+def int8_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules whose `weight` is a quantized 8-bit parameter with a matmul state (`Linear8bitLt`)."""
+    return [
+        (path, module)
+        for path, module in model.named_modules()
+        if is_int8(getattr(module, "weight", None)) and hasattr(module, "state")
+    ]
+
+
+def following_state(module: nn.Module) -> Any:
+    """A matmul state for an 8-bit `module` that reads its values and scales through `module.weight` (`data`, `SCB`)
+    whatever they point at, with the original state's other fields (threshold, ...). Setting them to anything else is
+    a RuntimeError: bitsandbytes' inference forward never does (its weight has no `CB` during a dispatch)."""
+    from bitsandbytes import MatmulLtState
+
+    class FollowingState(MatmulLtState):
+        CB = property(lambda self: self._module().weight.data, lambda self, value: self._keep("CB", value))
+        SCB = property(lambda self: self._module().weight.SCB, lambda self, value: self._keep("SCB", value))
+
+        def _keep(self, name: str, value: Any) -> None:
+            current = getattr(self, name)
+            if value is not None and value.data_ptr() == current.data_ptr() and value.shape == current.shape:
+                return  # e.g. `load_state_dict` setting state.SCB to weight.SCB: what it reads already
+            raise RuntimeError(
+                f"bitsandbytes set the matmul state's {name} of an 8-bit layer dispatched by hf_prefetch, whose "
+                "values live in host storage and its slot: train or re-quantize it after hf_prefetch.remove_offload."
+            )
+
+    state = object.__new__(FollowingState)
+    for name, value in vars(module.state).items():
+        if name not in ("CB", "SCB"):
+            object.__setattr__(state, name, value)
+    object.__setattr__(state, "_module", weakref.ref(module))  # the module holds the state: no reference cycle
+    return state
+
+
+def settle_int8(model: nn.Module) -> None:
+    """After a removal or a rollback, each 8-bit layer's tensors named consistently with its parameter, which may now
+    hold other storage than before: with its scales on the parameter, as bitsandbytes leaves a freshly quantized layer
+    (`weight.CB` is its data, nothing in its state: its next forward moves them there); with its scales in its state (a
+    rolled-back dispatch of a layer that had run), the state's values are the parameter's data again."""
+    for _, module in int8_modules(model):
+        weight = module.weight
+        if weight.SCB is not None:
+            weight.CB = weight.data
+            module.state.CB = module.state.SCB = None
+        elif module.state.CB is not None:
+            module.state.CB = weight.data
 
 
 def host_state_dict(param: torch.Tensor, host: dict[str, torch.Tensor], prefix: str, state_dict: dict) -> None:

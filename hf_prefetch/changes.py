@@ -198,8 +198,9 @@ class Journal:
 
 def _moved_parts(param: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     # What moves a parameter to another device: `data` (a tensor subclass's `data` carries its inner tensors), and
-    # for a bitsandbytes 4-bit parameter its quantization state's tensors too, as its own `.to()` moves them.
-    if bnb.is_params4bit(param):
+    # for a bitsandbytes 4-bit parameter its quantization state's tensors too, as its own `.to()` moves them (an 8-bit
+    # one's scales, which a dispatch keeps on the parameter: `bnb.following_state`).
+    if bnb.is_params4bit(param) or bnb.is_int8(param):
         return bnb.storage_parts(param) or [("data", param.data)]
     return [("data", param.data)]
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from . import host
-from .attach import attach, begin, detach, finish_interrupted, host_layout, rollback
+from .attach import attach, begin, detach, finish_interrupted, host_layout, keep_int8_scales, rollback
 from .budget import choose_plan
 from .compressed import compress_arena
 from .config import PrefetchConfig
@@ -141,6 +141,7 @@ def dispatch_model(
     arena = HostArena([spec.nbytes for _, spec in layout], freed_bytes=on_host)
     state = begin(model, plan, exec_device, arena, timing)
     try:
+        keep_int8_scales(model, state.journal)
         for index, (layer_path, spec) in enumerate(layout):
             name, param = f"{layer_path}.{spec.name}", _param(model, layer_path, spec)
             offloaded = OffloadedParam(

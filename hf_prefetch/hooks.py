@@ -26,7 +26,7 @@ from accelerate.hooks import ModelHook
 from torch import nn
 
 from . import ops  # noqa: F401  (registers torch.ops.hf_prefetch)
-from .bnb import host_state_dict, is_params4bit
+from .bnb import host_state_dict, is_int8, is_params4bit
 from .compressed import encode_for, host_value, write_encoded
 from .engine import PrefetchEngine
 from .layers import set_part, with_inner
@@ -280,6 +280,11 @@ def host_values_in_state_dict(
             continue
         if is_params4bit(tensors[0].param):  # its quantization state's entries too, as Linear4bit saves them
             host_state_dict(tensors[0].param, {o.inner: host_value(o) for o in tensors}, prefix + name, state_dict)
+        elif is_int8(tensors[0].param):  # its values, and its scales under the module's key, as Linear8bitLt saves
+            host = {o.inner: host_value(o) for o in tensors}
+            state_dict[prefix + name] = host["data"]
+            if prefix + "SCB" in state_dict:
+                state_dict[prefix + "SCB"] = host["SCB"]
         else:
             state_dict[prefix + name] = _host_parameter(tensors)
 

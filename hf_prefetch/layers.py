@@ -175,10 +175,10 @@ class CandidateLayer:
                 raise ValueError(
                     f"{self.path}.{c.spec.name} is a quantized tensor ({c.quantized}), which hf_prefetch cannot "
                     "stream or map yet: it streams dense tensors (floating-point, float8 and integer dtypes), "
-                    "torchao's tensor subclasses and bitsandbytes' quantized 4-bit parameters (load_in_4bit), not "
-                    "bitsandbytes' 8-bit ones (load_in_8bit). Quantize to 4-bit, or keep the quantized parameters "
-                    "resident: name only dense ones in offload_params / cpu_offload_params, or select layers "
-                    "without them."
+                    "torchao's tensor subclasses and bitsandbytes' quantized 4-bit and 8-bit parameters "
+                    "(load_in_4bit, load_in_8bit; an 8-bit one needs its scales, SCB). Quantize the model first, or "
+                    "keep the quantized parameters resident: name only dense ones in offload_params / "
+                    "cpu_offload_params, or select layers without them."
                 )
             if placement is Placement.MAPPED and c.spec.inner:
                 name = c.spec.name.partition(INNER_SEP)[0]
@@ -222,9 +222,10 @@ def candidate_layers(
             params = []
             for name, param in layer.named_parameters():
                 matched, shared = segment_matches(segments, name), uses[id(param)] > 1
-                parts = stored_parts(param)
+                module_path, _, attr = name.rpartition(".")
+                parts = stored_parts(param, layer.get_submodule(module_path))
                 if parts is not None:
-                    # A tensor subclass (torchao) or a bitsandbytes 4-bit parameter: its tensors stream together,
+                    # A tensor subclass (torchao) or a bitsandbytes parameter: its tensors stream together,
                     # each as a dense tensor of its own, never expert by expert.
                     for attr, tensor in parts:
                         spec = ParamSpec(
@@ -242,7 +243,6 @@ def candidate_layers(
                 unroutable = experts[owner] if owner is not None and isinstance(experts[owner], str) else None
                 spec = replace(spec, routing=routing)
                 quantized = _quantized(param, model)
-                module_path, _, attr = name.rpartition(".")
                 replaced = bnb.replaced_in_forward(layer.get_submodule(module_path), attr)
                 params.append(Candidate(spec, matched, shared, param, unroutable, owner, quantized, replaced))
             found[path].append(CandidateLayer(f"{path}.{index}", index, tuple(params)))
@@ -294,17 +294,18 @@ def set_part(param: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
     setattr(value, attr, tensor)
 
 
-def stored_parts(param: torch.Tensor) -> list[tuple[str, torch.Tensor]] | None:
+def stored_parts(param: torch.Tensor, module: nn.Module | None = None) -> list[tuple[str, torch.Tensor]] | None:
     """The tensors a parameter is stored in when it is more than one, (name, tensor): a tensor subclass's inner
-    tensors by attribute (torchao), or a bitsandbytes 4-bit parameter's packed bytes and quantization state. None for a
-    plain tensor, and for a subclass that holds anything else (a nested subclass, state outside its inner tensors)."""
+    tensors by attribute (torchao), a bitsandbytes 4-bit parameter's packed bytes and quantization state, or an 8-bit
+    one's values and scales (found in `module`, its owner, after a forward). None for a plain tensor, and for a
+    subclass that holds anything else (a nested subclass, state outside its inner tensors)."""
     if is_traceable_wrapper_subclass(param):
         names, _ = param.__tensor_flatten__()
         inner = [(name, getattr(param, name)) for name in names]
         if not inner or any(type(tensor) is not torch.Tensor for _, tensor in inner):
             return None
         return inner
-    return bnb.storage_parts(param)
+    return bnb.storage_parts(param, module)
 
 
 def with_inner(param: torch.Tensor, inner: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """bitsandbytes' 4-bit models (transformers' `BitsAndBytesConfig(load_in_4bit=True)`) stream their packed bytes and
-quantization state (scales, code, the scales' own scales with double quantization), never a dequantized copy: the same
-bits as the same quantized model resident, on every path that reads or writes the weights. bitsandbytes runs on the
+quantization state (scales, code, the scales' own scales with double quantization), and 8-bit ones (`load_in_8bit`)
+their int8 values and row scales, never a dequantized copy: the same bits as the same quantized model resident, on
+every path that reads or writes the weights. bitsandbytes runs on the
 CPU, so CI runs the real thing; the GPU test runs the same on CUDA.
 
 On the CPU a dispatched model computes its 4-bit layers with bitsandbytes' portable kernels (its AVX512-BF16 kernels
@@ -258,20 +259,133 @@ def test_a_deleted_model_frees_its_host_storage(checkpoint):
     assert host() is None
 
 
+def _load_8bit(folder, device: str = "cpu", **settings):
+    config = BitsAndBytesConfig(load_in_8bit=True, **settings)
+    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, device_map=device).eval()
+
+
+def _int8_state(model) -> dict[str, torch.Tensor]:
+    # Every 8-bit layer's values and scales, wherever bitsandbytes keeps them (the parameter before its first forward,
+    # the module's matmul state after), and every other tensor.
+    found = {name: param.data for name, param in model.named_parameters()}
+    for name, module in model.named_modules():
+        if hasattr(module, "state") and hasattr(module.weight, "SCB"):
+            scales = module.weight.SCB if module.weight.SCB is not None else module.state.SCB
+            found[f"{name}.SCB"] = scales
+            values = module.weight.CB if module.weight.CB is not None else module.state.CB
+            assert values is not None and values.data_ptr() == module.weight.data_ptr()  # one tensor, two names
+    return found
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_8bit_layers_are_refused_before_anything_changes(checkpoint):
-    model = AutoModelForCausalLM.from_pretrained(
-        checkpoint, quantization_config=BitsAndBytesConfig(load_in_8bit=True), device_map="cpu"
-    )
-    before = {name: p.data_ptr() for name, p in model.named_parameters()}
-    with pytest.raises(
-        ValueError,
-        match=r"layers\.1\.self_attn\.q_proj\.weight is a quantized tensor \(Int8Params, "
-        r"quantization method 'bitsandbytes'\).*not bitsandbytes' 8-bit ones",
-    ):
+@pytest.mark.parametrize("ran_before", [False, True], ids=["fresh", "after-a-forward"])
+@pytest.mark.parametrize("threshold", [6.0, 0.0])
+def test_8bit_layers_stream_their_values_and_scales_and_compute_what_the_resident_model_computes(
+    checkpoint, ran_before, threshold
+):
+    model, resident = (_load_8bit(checkpoint, llm_int8_threshold=threshold) for _ in range(2))
+    ids = prompt()
+    want = generate_with_logits(resident, ids)
+    if ran_before:  # bitsandbytes' first forward moves the values and scales into each module's matmul state
+        with torch.no_grad():
+            model(ids)
+        assert model.model.layers[1].mlp.up_proj.weight.SCB is None
+    stored = {name: tensor.clone() for name, tensor in _int8_state(model).items()}
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    state = hf_prefetch.get_state(model)
+    # What streams is bitsandbytes' storage: the int8 values and the float32 row scales, never a dequantized copy.
+    weight = model.model.layers[1].mlp.up_proj.weight
+    parts = {o.inner: o.host for o in state.offloaded if o.param is weight}
+    assert parts.keys() == {"data", "SCB"} and parts["data"].dtype == torch.int8
+    assert parts["SCB"].dtype == torch.float32 and parts["SCB"].shape == (weight.shape[0],)
+    assert state.plan.offloaded_bytes == sum(o.host.nbytes for o in state.offloaded)
+    for _ in range(2):  # the second run reads every slot again
+        assert_same_generation(generate_with_logits(model, ids), want)
+    assert _same(model.state_dict(), resident.state_dict())
+    hf_prefetch.remove_offload(model)
+    # Back as bitsandbytes leaves a freshly quantized layer, with the values and scales it had.
+    up = model.model.layers[1].mlp.up_proj
+    assert up.state.CB is None and up.weight.CB.data_ptr() == up.weight.data_ptr()
+    assert _same(_int8_state(model), stored)
+    assert_same_generation(generate_with_logits(model, ids), want)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_8bit_load_state_dict_writes_values_and_scales_to_host_storage(checkpoint):
+    model, resident = _load_8bit(checkpoint), _load_8bit(checkpoint)
+    ids = prompt()
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    with torch.no_grad():
+        model(ids)  # layer 5 holds the slot now: a load into layer 1 must not write the slot
+        up = resident.model.layers[1].mlp.up_proj
+        up.weight.data.copy_(torch.flip(up.weight.data, [0]))
+        up.weight.SCB.mul_(1.5)
+    new = {k: v for k, v in resident.state_dict().items() if k.startswith("model.layers.1.mlp.up_proj.")}
+    assert new.keys() >= {"model.layers.1.mlp.up_proj.weight", "model.layers.1.mlp.up_proj.SCB"}
+    model.load_state_dict(new, strict=False)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, resident(ids).logits)
+    assert _same(model.state_dict(), resident.state_dict())
+    model.load_state_dict(model.state_dict(), strict=False)  # its own state_dict loads back and changes nothing
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, resident(ids).logits)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("fail_at", ["_report_host_values", "_guard_moves"])
+def test_an_interrupted_8bit_dispatch_gives_every_tensor_back(checkpoint, monkeypatch, fail_at):
+    from hf_prefetch import attach
+
+    model, untouched = _load_8bit(checkpoint), _load_8bit(checkpoint)
+    ids = prompt()
+    with torch.no_grad():
+        model(ids), untouched(ids)  # scales in the modules' states: the dispatch moves them onto the parameters
+    before = {k: v.clone() for k, v in _int8_state(model).items()}
+    states = {name: m.state for name, m in model.named_modules() if hasattr(m, "state")}
+    original = getattr(attach, fail_at)
+
+    def interrupted(*args):
+        original(*args)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(attach, fail_at, interrupted)
+    with pytest.raises(KeyboardInterrupt):
         hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
     assert hf_prefetch.get_state(model) is None
-    assert all(p.data_ptr() == before[name] for name, p in model.named_parameters())
+    assert _same(_int8_state(model), before)
+    assert all(m.state is states[name] for name, m in model.named_modules() if hasattr(m, "state"))
+    assert model.model.layers[1].mlp.up_proj.weight.SCB is None  # as given: in the state
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, untouched(ids).logits)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_dispatched_8bit_layer_refuses_new_values_in_its_matmul_state(checkpoint):
+    model = _load_8bit(checkpoint)
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    up = model.model.layers[1].mlp.up_proj
+    assert up.state.CB.data_ptr() == up.weight.data_ptr() and up.state.SCB is up.weight.SCB
+    assert up.state.threshold == 6.0 and not up.state.has_fp16_weights
+    with pytest.raises(RuntimeError, match=r"set the matmul state's CB of an 8-bit layer dispatched by hf_prefetch"):
+        up.state.CB = torch.zeros_like(up.weight.data)
+    with pytest.raises(RuntimeError, match=r"matmul state's SCB .*after hf_prefetch.remove_offload"):
+        up.state.SCB = torch.ones_like(up.weight.SCB)
+    with pytest.raises(RuntimeError, match=r"matmul state's CB"):
+        up.state.reset_grads()  # bitsandbytes' training path
+    up.state.SCB = up.weight.SCB  # what its load_state_dict does: the tensor it reads already
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_checks_for_a_gpu_pass_8bit_layers_by(checkpoint):
+    # What a dispatch onto a GPU and a removal onto one ask of a model, asked on the CPU: 8-bit layers have no CPU
+    # layout (only 4-bit ones are repacked for bitsandbytes' CPU kernels), so they pass and stay as they are.
+    from hf_prefetch import bnb
+
+    model, untouched = _load_8bit(checkpoint), _load_8bit(checkpoint)
+    bnb.check_layout(model, torch.device("cuda"))
+    bnb.unpack_for(model, torch.device("cuda"))
+    assert not any(bnb.repacks_on_cpu(module) for module in model.modules())
+    assert _same(_int8_state(model), _int8_state(untouched))
 
 
 @pytest.mark.gpu
@@ -296,3 +410,30 @@ def test_on_cuda_4bit_layers_stream_and_compute_what_the_resident_model_computes
     hf_prefetch.remove_offload(model)
     assert_same_generation(generate_with_logits(model, ids, max_new_tokens=24), want)
     assert _same(_quantized_state(model), _quantized_state(resident))
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("origin", ["moved-to-the-cpu", "on-the-gpu"])
+def test_on_cuda_8bit_layers_stream_and_compute_what_the_resident_model_computes(tmp_path, origin):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from models import gpu_llama
+
+    gpu_llama(8).save_pretrained(tmp_path)
+    # Quantized on the GPU both; dispatched from host memory (as if loaded there) or from the GPU.
+    model, resident = _load_8bit(tmp_path, device="cuda"), _load_8bit(tmp_path, device="cuda")
+    if origin == "moved-to-the-cpu":
+        model.to("cpu")
+    ids = prompt(vocab=1024).cuda()
+    want = generate_with_logits(resident, ids, max_new_tokens=24)
+    stored = {name: tensor.cpu() for name, tensor in _int8_state(resident).items()}
+    config = PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=2)  # every layer streams through 2 slots
+    hf_prefetch.dispatch_model(model, config, device="cuda")
+    for _ in range(2):
+        assert_same_generation(generate_with_logits(model, ids, max_new_tokens=24), want)
+    on_host = {key: value.cpu() for key, value in resident.state_dict().items()}
+    assert _same({key: value.cpu() for key, value in model.state_dict().items()}, on_host)
+    hf_prefetch.remove_offload(model)
+    assert _same({k: v.cpu() for k, v in _int8_state(model).items()}, stored)
+    assert_same_generation(generate_with_logits(model, ids, max_new_tokens=24), want)
