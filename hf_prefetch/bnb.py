@@ -47,6 +47,8 @@ __all__ = [
     "replaced_in_forward",
     "host_state_dict",
     "plain_save",
+    "prepare_prequantized",
+    "checkpoint_parts",
 ]
 
 
@@ -239,3 +241,112 @@ def plain_save(module: nn.Module) -> Callable[[dict, str, bool], None]:
         nn.Module._save_to_state_dict(ref(), destination, prefix, keep_vars)
 
     return save
+
+
+def prepare_prequantized(model: nn.Module, checkpoint: Any) -> None:
+    """A pre-quantized bitsandbytes checkpoint's model, on the meta device after transformers' quantizer replaced its
+    linears: each layer's weight made what the checkpoint stores (`checkpoint`: a `checkpoint.Checkpoint`), so that a
+    plan counts the stored bytes and the loader reads them into place. A 4-bit weight: the packed bytes' dtype and
+    shape, and a quantization state of meta tensors of the stored shapes, its settings (and double quantization's
+    offset, a number) read from the checkpoint's packed `weight.quant_state.bitsandbytes__<type>` entry, as
+    `Params4bit.from_prequantized` does. An 8-bit weight: int8 values and float32 row scales (`SCB`), both meta."""
+    from bitsandbytes.nn import Int8Params, Linear4bit, Linear8bitLt, Params4bit
+    from bitsandbytes.utils import unpack_tensor_to_dict
+
+    for path, module in model.named_modules():
+        if not isinstance(module, (Linear4bit, Linear8bitLt)):
+            continue
+        weight = _stored(checkpoint, f"{path}.weight", module)
+        if isinstance(module, Linear8bitLt):
+            scales = _stored(checkpoint, f"{path}.SCB", module)
+            if weight.dtype != torch.int8 or scales.dtype != torch.float32 or scales.shape != weight.shape[:1]:
+                raise ValueError(
+                    f"{checkpoint[f'{path}.weight'].path}: {path}.weight ({weight.dtype}, {list(weight.shape)}) and "
+                    f"{path}.SCB ({scales.dtype}, {list(scales.shape)}) are not a bitsandbytes 8-bit weight (int8 "
+                    "rows and one float32 scale per row). The checkpoint does not match its config.json "
+                    "quantization_config: re-save it from the quantized model."
+                )
+            _check_row_major(checkpoint, f"{path}.weight_format")
+            module.weight = Int8Params(weight, requires_grad=False, has_fp16_weights=False, SCB=scales)
+            continue
+        packed = [key for key in checkpoint.keys() if key.startswith(f"{path}.weight.quant_state.bitsandbytes__")]
+        if len(packed) != 1:
+            raise ValueError(
+                f"{checkpoint.folder}: the 4-bit layer {path} needs exactly one quantization-state entry "
+                f"'{path}.weight.quant_state.bitsandbytes__nf4' (or __fp4), found {packed}. The checkpoint was not "
+                "saved from a bitsandbytes 4-bit model of this config: re-save it from the quantized model."
+            )
+        entry = checkpoint[packed[0]]
+        raw = torch.empty(entry.nbytes, dtype=torch.uint8)
+        checkpoint.read(entry, raw.numpy())
+        try:
+            settings = unpack_tensor_to_dict(raw)
+            if not isinstance(settings, dict):
+                raise ValueError(f"JSON {type(settings).__name__}, not an object")
+        except ValueError as error:  # UnicodeDecodeError and json's errors are ValueErrors
+            raise ValueError(
+                f"{entry.path}: {entry.key!r} is not bitsandbytes' packed quantization state ({error}): the "
+                "checkpoint is damaged. Re-save it from the quantized model."
+            ) from None
+        nested = ("nested_absmax", "nested_quant_map") if "nested_offset" in settings else ()
+        names = ("absmax", "quant_map", *nested)
+        stats = {name: _stored(checkpoint, f"{path}.weight.{name}", module) for name in names}
+        stats[packed[0].removeprefix(f"{path}.weight.")] = raw
+        try:
+            module.weight = Params4bit.from_prequantized(weight, stats, device="meta", module=module)
+        except (AssertionError, KeyError, ValueError, TypeError, AttributeError) as error:
+            raise ValueError(
+                f"{entry.path}: {entry.key!r} holds settings bitsandbytes cannot build a quantization state from "
+                f"({type(error).__name__}: {error}): {settings}. Re-save the checkpoint from the quantized model."
+            ) from None
+        if module.weight.quant_state.nested:  # a number in the checkpoint: a real tensor, as bitsandbytes makes it
+            module.weight.quant_state.offset = torch.tensor(float(settings["nested_offset"]))
+
+
+def _check_row_major(checkpoint: Any, key: str) -> None:
+    # bitsandbytes saves 8-bit weights row-major (format 0); older releases wrote tiled GPU layouts (1-3).
+    if key not in checkpoint:
+        return
+    entry = checkpoint[key]
+    value = torch.zeros(1, dtype=torch.uint8)
+    if entry.nbytes == 1:
+        checkpoint.read(entry, value.numpy())
+    if entry.nbytes != 1 or value.item() != 0:
+        raise ValueError(
+            f"{entry.path}: {key!r} says the 8-bit weight is stored in a tiled GPU layout of an older bitsandbytes "
+            f"(format {value.item() if entry.nbytes == 1 else entry.shape}, row-major is 0), which hf_prefetch does "
+            "not convert. Load the checkpoint with transformers and save it again with a current bitsandbytes."
+        )
+
+
+def _stored(checkpoint: Any, key: str, module: nn.Module) -> torch.Tensor:
+    # A meta tensor of the dtype and shape `key` has in the checkpoint.
+    if key not in checkpoint:
+        raise ValueError(
+            f"{checkpoint.folder}: no tensor {key!r} for the bitsandbytes layer {type(module).__name__} that the "
+            f"config.json quantization_config makes of it (the checkpoint holds keys like {checkpoint.keys()[:3]}). "
+            "It was saved from another model or without quantization: check config.json, or re-save it."
+        )
+    entry = checkpoint[key]
+    return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+
+
+def checkpoint_parts(model: nn.Module) -> dict[str, tuple[str, torch.Tensor] | None]:
+    """For the bitsandbytes layers of `model`: each checkpoint key of their weights -> (the part's name in a plan,
+    `weight:absmax` after the layer's path, and the tensor it fills), or None for a key that fills nothing (the packed
+    quantization settings `prepare_prequantized` read, an 8-bit layer's `weight_format`)."""
+    found: dict[str, tuple[str, torch.Tensor] | None] = {}
+    for path, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if is_int8(weight) and hasattr(module, "state"):
+            found[f"{path}.weight"] = (f"{path}.weight:data", weight)
+            found[f"{path}.SCB"] = (f"{path}.weight:SCB", weight.SCB)
+            found[f"{path}.weight_format"] = None
+        elif (parts := storage_parts(weight)) is not None:
+            state = weight.quant_state
+            found[f"{path}.weight"] = (f"{path}.weight:data", weight)
+            for name, tensor in parts[1:]:
+                if name != "nested_offset":  # a number in the packed settings
+                    found[f"{path}.weight.{name}"] = (f"{path}.weight:{name}", tensor)
+            found[f"{path}.weight.quant_state.bitsandbytes__{state.quant_type}"] = None
+    return found

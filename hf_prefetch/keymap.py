@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import bnb
 from .checkpoint import Checkpoint, TensorEntry
 
 __all__ = ["KeyMap", "Region", "map_keys", "convert", "filled_names", "region_view"]
@@ -50,9 +51,20 @@ def map_keys(model: nn.Module, checkpoint: Checkpoint) -> KeyMap:
 
     meta_state = model.state_dict(keep_vars=True)
     canonical: dict[int, str] = {}
+    # A pre-quantized bitsandbytes layer's tensors (bnb.checkpoint_parts), named as a plan names them
+    # (`weight:absmax`); its packed settings were read when its weight was built (bnb.prepare_prequantized).
+    consumed = set()
+    for key, part in bnb.checkpoint_parts(model).items():
+        meta_state.pop(key, None)
+        if part is None:
+            consumed.add(key)
+        else:
+            name, tensor = part
+            canonical[id(tensor)], meta_state[key] = name, tensor
     for name, tensor in meta_state.items():
         canonical.setdefault(id(tensor), name)
-    keymap = KeyMap({name: meta_state[name] for name in canonical.values()})
+    tensors = {id(tensor): tensor for tensor in meta_state.values()}
+    keymap = KeyMap({name: tensors[key] for key, name in canonical.items()})
     model_name = type(model).__name__
 
     is_hf = isinstance(model, PreTrainedModel)
@@ -66,6 +78,8 @@ def map_keys(model: nn.Module, checkpoint: Checkpoint) -> KeyMap:
     groups: dict[str, tuple[Any, list[tuple[str, TensorEntry]]]] = {}
     unexpected: list[tuple[TensorEntry, str]] = []
     for key in sorted(checkpoint.keys(), key=dot_natural_key):
+        if key in consumed:
+            continue
         entry = checkpoint[key]
         renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta_state)
         if renamed not in meta_state and key in meta_state:

@@ -316,7 +316,7 @@ def with_inner(param: torch.Tensor, inner: dict[str, torch.Tensor]) -> torch.Ten
 
 def _quantized(param: torch.Tensor, model: nn.Module) -> str | None:
     # A tensor subclass whose bytes are not all in plain inner tensors, or a Parameter subclass carrying quantization
-    # state that `stored_parts` does not know (bitsandbytes' Int8Params, a Params4bit not quantized yet).
+    # state that `stored_parts` does not know (a bitsandbytes Int8Params or Params4bit not quantized yet).
     data = param.data if isinstance(param, nn.Parameter) else param
     if type(param) in (nn.Parameter, torch.Tensor) and type(data) is torch.Tensor:
         return None

@@ -27,9 +27,11 @@ from .compressed import compress_arena
 from .config import PrefetchConfig
 from .host import HostArena
 from .keymap import KeyMap, convert, filled_names, map_keys, region_view
+from .layers import get_part
 from .links import resolve_links
 from .memory_budget import MaxMemory, device_argument, parse_max_memory
 from .pipeline import home_of
+from .placements import INNER_SEP
 from .reader import TensorReader
 from .skeleton import FLOAT8, build_skeleton, checkpoint_folder, set_dtypes
 from .state import (
@@ -281,13 +283,12 @@ def _load(
         seconds, bytes_read, direct_bytes = _read_all(
             checkpoint, keymap, dests, model, progress, direct_io, pin, timeline
         )
-        _install(keymap, dests, journal)
+        _install(model, keymap, dests, journal)
         warmup.join()
         if warmup.seconds is not None:
             torch.cuda.empty_cache()  # the twin's blocks: the pool is allocated next, in sizes of its own
         timeline.mark("warm-up")  # what was left of it after the reads
-        tensors = keymap.model_tensors
-        state.offloaded = [OffloadedParam(n, tensors[n], dests[n]) for n in offloaded_names]
+        state.offloaded = [_offloaded(model, keymap, name, dests[name]) for name in offloaded_names]
         if compressing:
             compress_arena(model, state, progress)
             timeline.mark("compress")
@@ -407,9 +408,32 @@ def _pin_on(arena: HostArena, device: torch.device) -> None:
         arena.pin()
 
 
-def _install(keymap: KeyMap, dests: dict[str, torch.Tensor], journal: Journal) -> None:
-    # Swap each meta tensor's contents for its loaded value in place, so every name of a tied tensor sees it.
+def _offloaded(model: nn.Module, keymap: KeyMap, name: str, host: torch.Tensor) -> OffloadedParam:
+    param_name, _, inner = name.partition(INNER_SEP)
+    if inner:  # one of the tensors a parameter is stored in (a bitsandbytes layer's)
+        return OffloadedParam(name, model.get_parameter(param_name), host, None, inner)
+    return OffloadedParam(name, keymap.model_tensors[name], host)
+
+
+def _install(model: nn.Module, keymap: KeyMap, dests: dict[str, torch.Tensor], journal: Journal) -> None:
+    # Swap each meta tensor's contents for its loaded value in place, so every name of a tied tensor sees it; point a
+    # part of a parameter stored as several tensors (`weight:absmax`) at its value. A part no checkpoint tensor fills
+    # (a 4-bit layer's double-quantization offset, a number in its packed settings) keeps the value the skeleton has.
+    filled = set(filled_names(keymap))
     for name, value in dests.items():
+        param_name, _, inner = name.partition(INNER_SEP)
+        if inner:
+            param = model.get_parameter(param_name)
+            if name not in filled:
+                value.copy_(get_part(param, inner))
+            if inner != "data":
+                journal.point(Phase.PLACE, param, value, f"{name} loaded", inner)
+                continue
+            # A meta parameter's data cannot be assigned a real tensor: swap in one of its class and attributes.
+            value = torch.Tensor._make_subclass(type(param), value, param.requires_grad)
+            value.__dict__.update(param.__dict__)
+            journal.swap(param, value, f"{name} loaded")
+            continue
         tensor = keymap.model_tensors[name]
         if isinstance(tensor, nn.Parameter):
             value = nn.Parameter(value, requires_grad=tensor.requires_grad)

@@ -2,9 +2,9 @@
 
 Finds the folder's `config.json` (nothing is downloaded), resolves `dtype="auto"` as transformers does, builds the
 model class (an Auto class or a model class) under `init_empty_weights` with buffers real, prepares a pre-quantized
-FP8 checkpoint's model with transformers' own quantizer (other quantization methods are refused), and applies
-transformers' per-module dtype plan (`_keep_in_fp32_modules`). It reads no weights: filling the model is the
-loader's job; `hf_prefetch.plan` of a folder uses the skeleton alone.
+FP8 or bitsandbytes checkpoint's model with transformers' own quantizer (other quantization methods are refused), and
+applies transformers' per-module dtype plan (`_keep_in_fp32_modules`). It reads no weights (but bitsandbytes' packed
+quantization settings): filling the model is the loader's job; `hf_prefetch.plan` of a folder uses the skeleton alone.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import bnb
 from .changes import Journal, Phase
 from .checkpoint import Checkpoint
 
@@ -52,9 +53,12 @@ def build_skeleton(
     if quantizer is not None:
         # transformers' own preparation, on the meta device: its quantized modules, whose parameters are the packed
         # tensors the checkpoint holds (read as they are, never dequantized).
-        quantizer.preprocess_model(model, dtype=torch_dtype)
+        quantizer.preprocess_model(model, dtype=torch_dtype, device_map=None)
         model.hf_quantizer = quantizer
         model.config.quantization_config = quantizer.quantization_config
+        if _method(quantizer.quantization_config) == "bitsandbytes":
+            bnb.prepare_prequantized(model, checkpoint)  # each layer's weight as stored, its settings read
+            quantizer.postprocess_model(model)  # transformers' marks of a loaded one (is_loaded_in_4bit, ...)
     if isinstance(model, PreTrainedModel):
         model.tie_weights()  # as _load does: the plan must see tied tensors as one parameter
     set_dtypes(model, torch_dtype, cast=False, journal=Journal())
@@ -63,25 +67,33 @@ def build_skeleton(
 
 # Pre-quantized checkpoints whose packed storage is plain tensors that transformers' quantizer declares on the meta
 # device (the loader fills them like any parameter).
-PREQUANTIZED = ("fp8",)
+# bitsandbytes' 4-bit and 8-bit layers are made to hold what the checkpoint stores (bnb.prepare_prequantized).
+PREQUANTIZED = ("fp8", "bitsandbytes")
+
+
+def _method(quantization: Any) -> Any:
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    method = getattr(quantization, "quant_method", method)
+    return getattr(method, "value", method)  # transformers' QuantizationMethod enum
 
 
 def _prequantized(folder: Path, quantization: Any) -> Any:
     """transformers' quantizer for a pre-quantized checkpoint hf_prefetch loads (None for an unquantized one)."""
     if quantization is None:
         return None
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-    method = getattr(quantization, "quant_method", method)
-    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    method = _method(quantization)
     where = f"{folder}/config.json quantization_config"
     if method not in PREQUANTIZED:
         raise ValueError(
             f"{where}.quant_method = {method!r}: from_pretrained loads unquantized checkpoints and pre-quantized ones "
-            f"of {list(PREQUANTIZED)} (transformers' fine-grained FP8). A model quantized in memory streams its "
-            "packed bytes through hf_prefetch.dispatch_model: load it with transformers' from_pretrained "
-            "(e.g. device_map='cuda', then .to('cpu')) and dispatch it. That covers transformers' fine-grained FP8 "
-            "(FP8Linear), torchao's tensor subclasses (quantize_ or TorchAoConfig) and bitsandbytes' 4-bit layers."
+            f"of {list(PREQUANTIZED)} (transformers' fine-grained FP8, bitsandbytes 4-bit and 8-bit). A model "
+            "quantized in memory streams its packed bytes through hf_prefetch.dispatch_model: load it with "
+            "transformers' from_pretrained (e.g. device_map='cuda', then .to('cpu'), or device_map='cpu') and "
+            "dispatch it. That covers transformers' fine-grained FP8 (FP8Linear), torchao's tensor subclasses "
+            "(quantize_ or TorchAoConfig) and bitsandbytes' 4-bit and 8-bit layers."
         )
+    if method == "bitsandbytes":
+        _check_bitsandbytes(where, quantization)
     from transformers.quantizers import AutoHfQuantizer
 
     try:
@@ -100,6 +112,23 @@ def _prequantized(folder: Path, quantization: Any) -> Any:
             "supported yet; from_pretrained reads FP8 checkpoints with float scales (scale_fmt 'float')."
         )
     return quantizer
+
+
+def _check_bitsandbytes(where: str, quantization: Any) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise ImportError(
+            f"{where}.quant_method = 'bitsandbytes': loading this checkpoint needs the bitsandbytes package, which "
+            "is not installed. pip install bitsandbytes"
+        )
+    settings = quantization if isinstance(quantization, dict) else quantization.to_dict()
+    if settings.get("llm_int8_has_fp16_weight"):
+        raise ValueError(
+            f"{where}.llm_int8_has_fp16_weight = True: the checkpoint keeps 16-bit weights that bitsandbytes "
+            "quantizes at every forward (training), which hf_prefetch does not stream. Set it to false for an 8-bit "
+            "checkpoint, or load the model with transformers and train it resident."
+        )
 
 
 def _build_empty(model_class: type, config: Any, dtype: torch.dtype) -> nn.Module:

@@ -437,3 +437,144 @@ def test_on_cuda_8bit_layers_stream_and_compute_what_the_resident_model_computes
     hf_prefetch.remove_offload(model)
     assert _same({k: v.cpu() for k, v in _int8_state(model).items()}, stored)
     assert_same_generation(generate_with_logits(model, ids, max_new_tokens=24), want)
+
+
+def _saved_quantized(checkpoint, folder, bits: str):
+    # A checkpoint saved from a bitsandbytes model (transformers' save_pretrained), and a function that loads it with
+    # transformers, quantized as stored, with the kernels a dispatch onto the CPU keeps.
+    quantized = _load_8bit(checkpoint) if bits == "8bit" else _load(checkpoint, bits)
+    quantized.save_pretrained(folder)
+    del quantized
+
+    def reload():
+        model = AutoModelForCausalLM.from_pretrained(folder, device_map="cpu").eval()
+        for module in model.modules():
+            if hasattr(module, "support_avx512bf16_for_cpu"):
+                module.support_avx512bf16_for_cpu = False
+        return model
+
+    return reload
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("bits", ["nf4", "fp4", "nf4-double", "8bit"])
+def test_from_pretrained_reads_a_prequantized_checkpoints_packed_tensors_and_computes_what_it_computes(
+    checkpoint, tmp_path, bits
+):
+    reload = _saved_quantized(checkpoint, tmp_path, bits)
+    resident, dispatched = reload(), reload()
+    ids = prompt()
+    want = generate_with_logits(resident, ids)
+    hf_prefetch.dispatch_model(dispatched, CONFIG, device="cpu")
+    model = hf_prefetch.from_pretrained(tmp_path, CONFIG, device="cpu")
+    state = hf_prefetch.get_state(model)
+    # What streams is what the checkpoint stores (packed bytes, scales), as for the same model loaded by transformers.
+    weight = model.model.layers[1].mlp.up_proj.weight
+    assert weight.dtype == (torch.int8 if bits == "8bit" else torch.uint8)
+    assert {o.inner for o in state.offloaded if o.param is weight} == {
+        o.inner
+        for o in hf_prefetch.get_state(dispatched).offloaded
+        if o.param_name == "model.layers.1.mlp.up_proj.weight"
+    }
+    assert state.plan.offloaded_bytes == hf_prefetch.get_state(dispatched).plan.offloaded_bytes
+    assert hf_prefetch.plan(tmp_path, CONFIG, device="cpu").offloaded_bytes == state.plan.offloaded_bytes
+    for _ in range(2):
+        assert_same_generation(generate_with_logits(model, ids), want)
+    assert _same(model.state_dict(), resident.state_dict())
+    assert getattr(model, "is_loaded_in_8bit" if bits == "8bit" else "is_loaded_in_4bit", False)
+    hf_prefetch.remove_offload(model)
+    model.apply(lambda m: setattr(m, "support_avx512bf16_for_cpu", False) if hasattr(m, "quant_state") else None)
+    assert_same_generation(generate_with_logits(model, ids), want)
+    assert _same(model.state_dict(), resident.state_dict())
+
+
+def _rewrite(folder, change) -> None:
+    # The checkpoint's tensors passed through `change(tensors)`, saved back in place.
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / "model.safetensors")
+    change(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+
+
+def _garbage(tensors, key):
+    tensors[key] = torch.full_like(tensors[key], 0xFF)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize(
+    "bits, change, message",
+    [
+        ("nf4", lambda t: t.pop("model.layers.1.mlp.up_proj.weight.absmax"), r"no tensor 'model.layers.1.mlp.up_proj."
+         r"weight.absmax' for the bitsandbytes layer Linear4bit"),
+        ("nf4", lambda t: _garbage(t, "model.layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__nf4"),
+         r"'model.layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__nf4' is not bitsandbytes' packed"),
+        ("nf4", lambda t: t.pop("model.layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__nf4"),
+         r"the 4-bit layer model.layers.1.mlp.up_proj needs exactly one quantization-state entry"),
+        ("8bit", lambda t: t.pop("model.layers.2.self_attn.o_proj.SCB"),
+         r"no tensor 'model.layers.2.self_attn.o_proj.SCB'"),
+        ("8bit", lambda t: t.update({"model.layers.1.mlp.up_proj.SCB": torch.ones(3)}),
+         r"model.layers.1.mlp.up_proj.SCB \(torch.float32, \[3\]\) are not a bitsandbytes 8-bit weight"),
+        ("8bit", lambda t: t.update({"model.layers.0.mlp.up_proj.weight_format": torch.tensor(2, dtype=torch.uint8)}),
+         r"'model.layers.0.mlp.up_proj.weight_format' says the 8-bit weight is stored in a tiled GPU layout"),
+    ],
+    ids=["missing-scales", "damaged-settings", "missing-settings", "missing-8bit-scales", "wrong-8bit-scales",
+         "tiled-8bit-layout"],
+)  # fmt: skip
+def test_from_pretrained_refuses_a_damaged_prequantized_checkpoint_naming_the_key(
+    checkpoint, tmp_path, bits, change, message
+):
+    _saved_quantized(checkpoint, tmp_path, bits)
+    _rewrite(tmp_path, change)
+    with pytest.raises(ValueError, match=message):
+        hf_prefetch.from_pretrained(tmp_path, CONFIG, device="cpu")
+
+
+def test_from_pretrained_refuses_an_8bit_checkpoint_of_16bit_training_weights(checkpoint, tmp_path):
+    import json
+
+    _saved_quantized(checkpoint, tmp_path, "8bit")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["llm_int8_has_fp16_weight"] = True
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"quantization_config.llm_int8_has_fp16_weight = True: the checkpoint keeps"):
+        hf_prefetch.from_pretrained(tmp_path, CONFIG, device="cpu")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_an_8bit_model_dispatched_again_with_another_config_keeps_computing_the_same(checkpoint):
+    model, resident = _load_8bit(checkpoint), _load_8bit(checkpoint)
+    ids = prompt()
+    want = generate_with_logits(resident, ids)
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    assert_same_generation(generate_with_logits(model, ids), want)
+    every_layer = PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=2)
+    hf_prefetch.dispatch_model(model, every_layer, device="cpu", replace=True)
+    streamed = {o.param for o in hf_prefetch.get_state(model).offloaded}
+    assert model.model.layers[0].mlp.up_proj.weight in streamed
+    assert_same_generation(generate_with_logits(model, ids), want)
+    assert _same(model.state_dict(), resident.state_dict())
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("bits", ["nf4-double", "8bit"])
+def test_on_cuda_from_pretrained_of_a_prequantized_checkpoint_computes_what_transformers_loads(tmp_path, bits):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from models import gpu_llama
+
+    source, folder = tmp_path / "bf16", tmp_path / bits
+    gpu_llama(8).save_pretrained(source)
+    quantized = _load_8bit(source, device="cuda") if bits == "8bit" else _load(source, bits, device="cuda")
+    quantized.save_pretrained(folder)
+    del quantized
+    resident = AutoModelForCausalLM.from_pretrained(folder, device_map="cuda").eval()
+    ids = prompt(vocab=1024).cuda()
+    want = generate_with_logits(resident, ids, max_new_tokens=24)
+    config = PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=2)  # every layer streams through 2 slots
+    model = hf_prefetch.from_pretrained(folder, config, device="cuda")
+    for _ in range(2):
+        assert_same_generation(generate_with_logits(model, ids, max_new_tokens=24), want)
+    on_host = {key: value.cpu() for key, value in resident.state_dict().items()}
+    assert _same({key: value.cpu() for key, value in model.state_dict().items()}, on_host)

@@ -161,7 +161,7 @@ def test_from_pretrained_reads_a_pre_quantized_fp8_checkpoint_as_packed_bytes(tm
 @pytest.mark.parametrize(
     "settings, named",
     [
-        ({"quant_method": "bitsandbytes"}, "quant_method = 'bitsandbytes'"),
+        ({"quant_method": "awq"}, "quant_method = 'awq'"),
         ({"dequantize": True}, "dequantize = True"),
         ({"scale_fmt": "ue8m0"}, "scale_fmt = 'ue8m0'"),
         ({"weight_block_size": "128"}, "weight_block_size must be a tuple of two integers"),
@@ -174,7 +174,7 @@ def test_from_pretrained_refuses_quantized_checkpoints_it_cannot_stream_packed(t
     message = str(error.value)
     assert named in message and "config.json quantization_config" in message
     if "quant_method" in settings:
-        assert "['fp8']" in message and "dispatch_model" in message and "torchao" in message
+        assert "['fp8', 'bitsandbytes']" in message and "dispatch_model" in message and "torchao" in message
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float32])
