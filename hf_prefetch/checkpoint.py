@@ -81,9 +81,10 @@ class Checkpoint:
     ```
     """
 
-    def __init__(self, folder: Path, entries: dict[str, TensorEntry]) -> None:
+    def __init__(self, folder: Path, entries: dict[str, TensorEntry], metadata: dict[str, str] | None = None) -> None:
         self.folder = folder
         self.entries = entries
+        self.metadata = metadata or {}  # the files' `__metadata__`, merged (torchao describes its tensors there)
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
 
@@ -112,9 +113,9 @@ class Checkpoint:
         else:
             folder = path.parent
         if path.name.endswith(".json"):
-            return cls(folder, _entries_from_index(path, folder))
+            return cls(folder, *_entries_from_index(path, folder))
         _check_inside(path, folder, path, "the checkpoint file")
-        return cls(folder, _parse_file(path))
+        return cls(folder, *_parse_file(path))
 
     def __getitem__(self, key: str) -> TensorEntry:
         return self.entries[key]
@@ -171,7 +172,7 @@ class Checkpoint:
             return self._fds[path]
 
 
-def _entries_from_index(index_path: Path, folder: Path) -> dict[str, TensorEntry]:
+def _entries_from_index(index_path: Path, folder: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
     _check_inside(index_path, folder, index_path, "the index")
     if index_path.stat().st_size > MAX_HEADER_BYTES:
         raise ValueError(f"{index_path} is over {MAX_HEADER_BYTES} bytes: not a weight map. Re-save the checkpoint.")
@@ -189,6 +190,7 @@ def _entries_from_index(index_path: Path, folder: Path) -> dict[str, TensorEntry
         keys_by_shard.setdefault(shard, []).append(key)
 
     entries: dict[str, TensorEntry] = {}
+    metadata: dict[str, str] = {}
     for shard, keys in keys_by_shard.items():
         shard_path = folder / shard
         if Path(shard).is_absolute() or ".." in Path(shard).parts:
@@ -202,7 +204,8 @@ def _entries_from_index(index_path: Path, folder: Path) -> dict[str, TensorEntry
                 "exist. Download the missing shard or re-save the checkpoint."
             )
         _check_inside(shard_path, folder, index_path, f"the shard holding {keys[0]!r}")
-        parsed = _parse_file(shard_path)
+        parsed, shard_metadata = _parse_file(shard_path)
+        metadata.update(shard_metadata)
         for key in keys:
             if key not in parsed:
                 raise ValueError(
@@ -216,7 +219,7 @@ def _entries_from_index(index_path: Path, folder: Path) -> dict[str, TensorEntry
                     "Re-save the checkpoint."
                 )
             entries[key] = entry
-    return entries
+    return entries, metadata
 
 
 def _check_inside(path: Path, folder: Path, named_by: Path, what: str) -> None:
@@ -233,17 +236,18 @@ def _check_inside(path: Path, folder: Path, named_by: Path, what: str) -> None:
         )
 
 
-def _parse_file(path: Path) -> dict[str, TensorEntry]:
+def _parse_file(path: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:
     # The rules are safetensors' own (`SafeTensors::read_metadata` and `Metadata::validate` in its Rust source): a file
     # that safetensors refuses is refused here too, and one it accepts is accepted unless it holds a dtype that
     # hf_prefetch cannot load or a dimension of 2**63 or more.
     file_bytes = path.stat().st_size
     header_bytes, header = _read_header(path, file_bytes)
-    _check_metadata(path, header.pop("__metadata__", None))
+    metadata = header.pop("__metadata__", None)
+    _check_metadata(path, metadata)
     data_start, data_bytes = 8 + header_bytes, file_bytes - 8 - header_bytes
     entries = {key: _parse_entry(path, key, info, data_start, data_bytes) for key, info in header.items()}
     _check_coverage(path, list(entries.values()), header_bytes, data_bytes)
-    return entries
+    return entries, metadata or {}
 
 
 def _read_header(path: Path, file_bytes: int) -> tuple[int, dict[str, Any]]:

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import bnb
+from . import prequantized
 from .checkpoint import Checkpoint, TensorEntry
 
 __all__ = ["KeyMap", "Region", "map_keys", "convert", "filled_names", "region_view"]
@@ -51,16 +51,18 @@ def map_keys(model: nn.Module, checkpoint: Checkpoint) -> KeyMap:
 
     meta_state = model.state_dict(keep_vars=True)
     canonical: dict[int, str] = {}
-    # A pre-quantized bitsandbytes layer's tensors (bnb.checkpoint_parts), named as a plan names them
-    # (`weight:absmax`); its packed settings were read when its weight was built (bnb.prepare_prequantized).
-    consumed = set()
-    for key, part in bnb.checkpoint_parts(model).items():
+    # A pre-quantized parameter's stored tensors (prequantized.checkpoint_parts) fill its parts, named as a plan names
+    # them (`weight:absmax`), each read as stored (no renaming, no conversion); its own key and the keys its settings
+    # were read from when it was built fill nothing.
+    stored, consumed = {}, set()
+    for key, part in prequantized.checkpoint_parts(model).items():
         meta_state.pop(key, None)
         if part is None:
             consumed.add(key)
         else:
-            name, tensor = part
-            canonical[id(tensor)], meta_state[key] = name, tensor
+            stored[key], tensor = part
+            canonical[id(tensor)] = stored[key]
+            meta_state[key] = tensor
     for name, tensor in meta_state.items():
         canonical.setdefault(id(tensor), name)
     tensors = {id(tensor): tensor for tensor in meta_state.values()}
@@ -81,6 +83,16 @@ def map_keys(model: nn.Module, checkpoint: Checkpoint) -> KeyMap:
         if key in consumed:
             continue
         entry = checkpoint[key]
+        if key in stored:
+            expected = keymap.model_tensors[stored[key]]
+            if (entry.dtype, entry.shape) != (expected.dtype, tuple(expected.shape)):
+                raise ValueError(
+                    f"{entry.path}: tensor {key!r} is {entry.dtype} {list(entry.shape)} but {model_name}'s "
+                    f"{stored[key]} is {expected.dtype} {list(expected.shape)}: the checkpoint was quantized with other "
+                    "settings than config.json's quantization_config. Re-save it from the quantized model."
+                )
+            keymap.streamed[stored[key]] = [(entry, None)]
+            continue
         renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta_state)
         if renamed not in meta_state and key in meta_state:
             renamed, pattern = rename_source_key(key, [], [], prefix, meta_state)

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import attach
 from .budget import choose_plan
@@ -416,25 +417,34 @@ def _offloaded(model: nn.Module, keymap: KeyMap, name: str, host: torch.Tensor) 
 
 
 def _install(model: nn.Module, keymap: KeyMap, dests: dict[str, torch.Tensor], journal: Journal) -> None:
-    # Swap each meta tensor's contents for its loaded value in place, so every name of a tied tensor sees it; point a
-    # part of a parameter stored as several tensors (`weight:absmax`) at its value. A part no checkpoint tensor fills
-    # (a 4-bit layer's double-quantization offset, a number in its packed settings) keeps the value the skeleton has.
+    # Swap each meta tensor's contents for its loaded value in place, so every name of a tied tensor sees it. The parts
+    # of a parameter stored as several tensors (`weight:absmax`, `weight:qdata`) become its parts: a tensor subclass
+    # (torchao) is rebuilt around them and swapped in; a bitsandbytes parameter's data is swapped for a tensor of its
+    # class and attributes, its other parts pointed at. A part no checkpoint tensor fills (a 4-bit layer's
+    # double-quantization offset, a number in its packed settings) keeps the value the skeleton has.
     filled = set(filled_names(keymap))
+    subclass_parts: dict[str, dict[str, torch.Tensor]] = {}
     for name, value in dests.items():
         param_name, _, inner = name.partition(INNER_SEP)
-        if inner:
-            param = model.get_parameter(param_name)
-            if name not in filled:
-                value.copy_(get_part(param, inner))
-            if inner != "data":
-                journal.point(Phase.PLACE, param, value, f"{name} loaded", inner)
-                continue
-            # A meta parameter's data cannot be assigned a real tensor: swap in one of its class and attributes.
+        if not inner:
+            tensor = keymap.model_tensors[name]
+            if isinstance(tensor, nn.Parameter):
+                value = nn.Parameter(value, requires_grad=tensor.requires_grad)
+            journal.swap(tensor, value, f"{name} loaded")
+            continue
+        param = model.get_parameter(param_name)
+        if name not in filled:
+            value.copy_(get_part(param, inner))
+        if is_traceable_wrapper_subclass(param):
+            subclass_parts.setdefault(param_name, {})[inner] = value
+        elif inner != "data":
+            journal.point(Phase.PLACE, param, value, f"{name} loaded", inner)
+        else:  # a meta parameter's data cannot be assigned a real tensor
             value = torch.Tensor._make_subclass(type(param), value, param.requires_grad)
             value.__dict__.update(param.__dict__)
             journal.swap(param, value, f"{name} loaded")
-            continue
-        tensor = keymap.model_tensors[name]
-        if isinstance(tensor, nn.Parameter):
-            value = nn.Parameter(value, requires_grad=tensor.requires_grad)
-        journal.swap(tensor, value, f"{name} loaded")
+    for param_name, inner in subclass_parts.items():
+        param = model.get_parameter(param_name)
+        _, context = param.__tensor_flatten__()
+        rebuilt = type(param).__tensor_unflatten__(inner, context, param.size(), param.stride())
+        journal.swap(param, nn.Parameter(rebuilt, requires_grad=param.requires_grad), f"{param_name} loaded")

@@ -2,9 +2,10 @@
 
 Finds the folder's `config.json` (nothing is downloaded), resolves `dtype="auto"` as transformers does, builds the
 model class (an Auto class or a model class) under `init_empty_weights` with buffers real, prepares a pre-quantized
-FP8 or bitsandbytes checkpoint's model with transformers' own quantizer (other quantization methods are refused), and
-applies transformers' per-module dtype plan (`_keep_in_fp32_modules`). It reads no weights (but bitsandbytes' packed
-quantization settings): filling the model is the loader's job; `hf_prefetch.plan` of a folder uses the skeleton alone.
+FP8, bitsandbytes or torchao checkpoint's model with transformers' own quantizer and makes its quantized parameters
+what the checkpoint stores (prequantized.py; other quantization methods are refused), and applies transformers'
+per-module dtype plan (`_keep_in_fp32_modules`). It reads no weights (but bitsandbytes' packed quantization settings):
+filling the model is the loader's job; `hf_prefetch.plan` of a folder uses the skeleton alone.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import bnb
+from . import prequantized
 from .changes import Journal, Phase
 from .checkpoint import Checkpoint
 
@@ -56,8 +57,10 @@ def build_skeleton(
         quantizer.preprocess_model(model, dtype=torch_dtype, device_map=None)
         model.hf_quantizer = quantizer
         model.config.quantization_config = quantizer.quantization_config
-        if _method(quantizer.quantization_config) == "bitsandbytes":
-            bnb.prepare_prequantized(model, checkpoint)  # each layer's weight as stored, its settings read
+        method = _method(quantizer.quantization_config)
+        if method in ("bitsandbytes", "torchao"):
+            quantizer.metadata = checkpoint.metadata  # as transformers' loader sets it (torchao describes its tensors)
+            prequantized.prepare(model, checkpoint, method)  # each quantized parameter as stored (meta tensors)
             quantizer.postprocess_model(model)  # transformers' marks of a loaded one (is_loaded_in_4bit, ...)
     if isinstance(model, PreTrainedModel):
         model.tie_weights()  # as _load does: the plan must see tied tensors as one parameter
@@ -67,8 +70,8 @@ def build_skeleton(
 
 # Pre-quantized checkpoints whose packed storage is plain tensors that transformers' quantizer declares on the meta
 # device (the loader fills them like any parameter).
-# bitsandbytes' 4-bit and 8-bit layers are made to hold what the checkpoint stores (bnb.prepare_prequantized).
-PREQUANTIZED = ("fp8", "bitsandbytes")
+# bitsandbytes' layers and torchao's tensor subclasses are made to hold what the checkpoint stores (prequantized.py).
+PREQUANTIZED = ("fp8", "bitsandbytes", "torchao")
 
 
 def _method(quantization: Any) -> Any:
@@ -86,12 +89,14 @@ def _prequantized(folder: Path, quantization: Any) -> Any:
     if method not in PREQUANTIZED:
         raise ValueError(
             f"{where}.quant_method = {method!r}: from_pretrained loads unquantized checkpoints and pre-quantized ones "
-            f"of {list(PREQUANTIZED)} (transformers' fine-grained FP8, bitsandbytes 4-bit and 8-bit). A model "
+            f"of {list(PREQUANTIZED)} (transformers' fine-grained FP8, bitsandbytes 4-bit and 8-bit, torchao). A model "
             "quantized in memory streams its packed bytes through hf_prefetch.dispatch_model: load it with "
             "transformers' from_pretrained (e.g. device_map='cuda', then .to('cpu'), or device_map='cpu') and "
             "dispatch it. That covers transformers' fine-grained FP8 (FP8Linear), torchao's tensor subclasses "
             "(quantize_ or TorchAoConfig) and bitsandbytes' 4-bit and 8-bit layers."
         )
+    if method in ("bitsandbytes", "torchao"):
+        _check_installed(where, method)
     if method == "bitsandbytes":
         _check_bitsandbytes(where, quantization)
     from transformers.quantizers import AutoHfQuantizer
@@ -114,14 +119,17 @@ def _prequantized(folder: Path, quantization: Any) -> Any:
     return quantizer
 
 
-def _check_bitsandbytes(where: str, quantization: Any) -> None:
+def _check_installed(where: str, method: str) -> None:
     import importlib.util
 
-    if importlib.util.find_spec("bitsandbytes") is None:
+    if importlib.util.find_spec(method) is None:
         raise ImportError(
-            f"{where}.quant_method = 'bitsandbytes': loading this checkpoint needs the bitsandbytes package, which "
-            "is not installed. pip install bitsandbytes"
+            f"{where}.quant_method = {method!r}: loading this checkpoint needs the {method} package, which is not "
+            f"installed. pip install {method}"
         )
+
+
+def _check_bitsandbytes(where: str, quantization: Any) -> None:
     settings = quantization if isinstance(quantization, dict) else quantization.to_dict()
     if settings.get("llm_int8_has_fp16_weight"):
         raise ValueError(

@@ -174,7 +174,7 @@ def test_from_pretrained_refuses_quantized_checkpoints_it_cannot_stream_packed(t
     message = str(error.value)
     assert named in message and "config.json quantization_config" in message
     if "quant_method" in settings:
-        assert "['fp8', 'bitsandbytes']" in message and "dispatch_model" in message and "torchao" in message
+        assert "['fp8', 'bitsandbytes', 'torchao']" in message and "dispatch_model" in message and "torchao" in message
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float32])

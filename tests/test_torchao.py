@@ -244,3 +244,99 @@ def test_a_model_transformers_quantized_with_torchao_config_streams_and_saves_it
     model.save_pretrained(tmp_path / "saved")  # through state_dict(): the host values
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "saved", dtype=torch.bfloat16)
     assert _same_values(saved.state_dict(), values)
+
+
+def _saved_torchao(folder, method: str = "Int8WeightOnlyConfig", **save):
+    # A checkpoint saved from a model transformers quantized with TorchAoConfig (safetensors: each subclass flattened
+    # into its inner tensors, its type and attributes in the files' __metadata__).
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    tiny_llama(6, dtype=torch.bfloat16).save_pretrained(folder / "plain")
+    config = TorchAoConfig(getattr(quantization, method)())
+    model = AutoModelForCausalLM.from_pretrained(folder / "plain", quantization_config=config, dtype=torch.bfloat16)
+    model.save_pretrained(folder / "quantized", **save)
+    return folder / "quantized"
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize(
+    "method, save",
+    [
+        ("Int8WeightOnlyConfig", {}),
+        ("Float8WeightOnlyConfig", {}),
+        ("Int8WeightOnlyConfig", {"max_shard_size": "30KB"}),
+    ],
+    ids=["int8", "float8", "int8-sharded"],
+)
+def test_from_pretrained_reads_a_prequantized_torchao_checkpoint_as_stored(tmp_path, method, save):
+    from transformers import AutoModelForCausalLM
+
+    folder = _saved_torchao(tmp_path, method, **save)
+    resident = AutoModelForCausalLM.from_pretrained(folder, device_map="cpu").eval()
+    dispatched = copy.deepcopy(resident)
+    ids = prompt()
+    want = generate_with_logits(resident, ids)
+    hf_prefetch.dispatch_model(dispatched, CONFIG, device="cpu")
+    model = hf_prefetch.from_pretrained(folder, CONFIG, device="cpu")
+    state = hf_prefetch.get_state(model)
+    # The inner tensors stream, as for the same model loaded by transformers and dispatched; the plan of the folder
+    # counts the same bytes.
+    weight = model.model.layers[1].mlp.up_proj.weight
+    assert type(weight) is type(resident.model.layers[1].mlp.up_proj.weight)
+    assert {o.inner for o in state.offloaded if o.param is weight} == set(weight.__tensor_flatten__()[0])
+    assert state.plan.offloaded_bytes == hf_prefetch.get_state(dispatched).plan.offloaded_bytes
+    assert hf_prefetch.plan(folder, CONFIG, device="cpu").offloaded_bytes == state.plan.offloaded_bytes
+    for _ in range(2):
+        assert_same_generation(generate_with_logits(model, ids), want)
+    assert _same_values(model.state_dict(), resident.state_dict())
+    hf_prefetch.remove_offload(model)
+    assert_same_generation(generate_with_logits(model, ids), want)
+    assert _same_values(model.state_dict(), resident.state_dict())
+
+
+def _rewrite(folder, change, metadata=None) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(folder / "model.safetensors", "pt") as opened:
+        kept = opened.metadata()
+    tensors = load_file(folder / "model.safetensors")
+    change(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata=metadata(kept) if metadata else kept)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize(
+    "change, metadata, message",
+    [
+        (lambda t: t.pop("model.layers.1.mlp.up_proj._weight_scale"), None,
+         r"no tensor 'model.layers.1.mlp.up_proj._weight_scale', the 'scale' of the torchao Int8Tensor "
+         r"model.layers.1.mlp.up_proj.weight"),
+        (lambda t: None, lambda m: {"format": "pt"}, r"__metadata__ does not describe torchao tensors"),
+        (lambda t: t.update({"model.layers.1.mlp.up_proj._weight_qdata": torch.zeros(3, 64, dtype=torch.int8)}),
+         None, r"the quantized model.layers.1.mlp.up_proj.weight has shape \[3, 64\] but LlamaForCausalLM's has "
+         r"\[128, 64\]"),
+    ],
+    ids=["missing-inner-tensor", "no-torchao-metadata", "wrong-shape"],
+)  # fmt: skip
+def test_from_pretrained_refuses_a_damaged_torchao_checkpoint_naming_the_key(tmp_path, change, metadata, message):
+    folder = _saved_torchao(tmp_path)
+    _rewrite(folder, change, metadata)
+    with pytest.raises(ValueError, match=message):
+        hf_prefetch.from_pretrained(folder, CONFIG, device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_on_cuda_from_pretrained_of_a_prequantized_torchao_checkpoint_computes_what_transformers_loads(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from transformers import AutoModelForCausalLM
+
+    folder = _saved_torchao(tmp_path)
+    resident = AutoModelForCausalLM.from_pretrained(folder, device_map="cuda").eval()
+    ids = prompt().cuda()
+    want = generate_with_logits(resident, ids)
+    model = hf_prefetch.from_pretrained(folder, CONFIG, device="cuda")
+    for _ in range(2):
+        assert_same_generation(generate_with_logits(model, ids), want)

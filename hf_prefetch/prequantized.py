@@ -1,0 +1,125 @@
+"""Pre-quantized checkpoints: the skeleton's quantized parameters made what the checkpoint stores, and which checkpoint
+key fills which of their parts.
+
+transformers' own quantizer prepares the skeleton (skeleton.py); its quantized parameters are then rebuilt on the meta
+device from the checkpoint's headers, so that a plan counts the stored bytes and the loader reads each stored tensor
+straight into its place, as a part of its parameter (`weight:qdata`, the names `layers.stored_parts` gives):
+
+- bitsandbytes 4-bit and 8-bit layers: `bnb.prepare_prequantized`, `bnb.checkpoint_parts`;
+- torchao tensor subclasses (`TorchAoConfig`, saved as safetensors): each subclass parameter is stored flattened, one
+  tensor per inner tensor (`<module>._weight_qdata`), with its type and non-tensor attributes in the files'
+  `__metadata__`; torchao's own `unflatten_tensor_state_dict` rebuilds it here around meta tensors.
+
+FP8 checkpoints need nothing of this: transformers' `FP8Linear` holds plain tensors. This module reads headers and
+metadata only (bitsandbytes' packed settings aside, a few bytes each), never the weights.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+from . import bnb
+
+__all__ = ["prepare", "checkpoint_parts"]
+
+
+def prepare(model: nn.Module, checkpoint: Any, method: str) -> None:
+    """Make `model`'s quantized parameters (after transformers' quantizer prepared it for quantization `method`) what
+    `checkpoint` stores; `ValueError` naming the key or the metadata entry for a checkpoint that does not hold them."""
+    if method == "bitsandbytes":
+        bnb.prepare_prequantized(model, checkpoint)
+    elif method == "torchao":
+        _prepare_torchao(model, checkpoint)
+
+
+def checkpoint_parts(model: nn.Module) -> dict[str, tuple[str, torch.Tensor] | None]:
+    """Checkpoint key -> (the name of the parameter part it fills, `<param>:<part>`, and that part's tensor), for
+    `model`'s parameters stored as several tensors; None for a key that fills nothing (a parameter's own name, and the
+    entries its settings were read from)."""
+    found = bnb.checkpoint_parts(model)
+    for path, module in model.named_modules():
+        for attr, param in module.named_parameters(recurse=False):
+            if not is_traceable_wrapper_subclass(param):
+                continue
+            name = f"{path}.{attr}" if path else attr
+            found[name] = None
+            owner = f"{path}." if path else ""
+            for inner in param.__tensor_flatten__()[0]:
+                found[f"{owner}_{attr}_{inner}"] = (f"{name}:{inner}", getattr(param, inner))
+    return found
+
+
+def _prepare_torchao(model: nn.Module, checkpoint: Any) -> None:
+    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+    from torchao.prototype.safetensors.safetensors_utils import is_metadata_torchao
+
+    metadata = checkpoint.metadata
+    if not is_metadata_torchao(metadata):
+        raise ValueError(
+            f"{checkpoint.folder}: its safetensors files' __metadata__ does not describe torchao tensors (no valid "
+            "'tensor_names' entry, or a tensor type torchao does not load). Save the quantized model with "
+            "save_pretrained (safetensors) from a transformers and torchao that write it, or load it with transformers "
+            "and dispatch it with hf_prefetch.dispatch_model."
+        )
+    stored = {}
+    for name in json.loads(metadata["tensor_names"]):
+        described = json.loads(metadata[name])
+        if described.get("_type") == "Tensor":
+            continue
+        module_path, _, attr = name.rpartition(".")
+        prefix = f"{module_path}._{attr}_" if module_path else f"_{attr}_"
+        for inner in described.get("_tensor_data_names") or []:
+            if prefix + inner not in checkpoint:
+                raise ValueError(
+                    f"{checkpoint.folder}: no tensor {prefix + inner!r}, the {inner!r} of the torchao "
+                    f"{described.get('_type')} {name} that the files' __metadata__ describes. The checkpoint is "
+                    "incomplete: re-save it."
+                )
+        stored |= {key: _meta(checkpoint, key) for key in checkpoint.keys() if key.startswith(prefix)}
+    try:
+        built, _ = unflatten_tensor_state_dict(stored, metadata)
+    except (ValueError, TypeError, KeyError, AttributeError) as error:
+        raise ValueError(
+            f"{checkpoint.folder}: torchao cannot rebuild the tensors its __metadata__ describes "
+            f"({type(error).__name__}: {error}). Re-save the checkpoint with this torchao version."
+        ) from None
+    for name in json.loads(metadata["tensor_names"]):
+        if json.loads(metadata[name]).get("_type") == "Tensor":
+            continue
+        if name not in built:
+            raise ValueError(
+                f"{checkpoint.folder}: torchao did not rebuild {name} from its stored tensors (its __metadata__ names "
+                "other tensors than the file holds). Re-save the checkpoint."
+            )
+        _install_meta(model, name, built[name], checkpoint)
+
+
+def _meta(checkpoint: Any, key: str) -> torch.Tensor:
+    entry = checkpoint[key]
+    return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
+
+
+def _install_meta(model: nn.Module, name: str, tensor: torch.Tensor, checkpoint: Any) -> None:
+    # The skeleton's parameter `name` replaced by the rebuilt subclass (on the meta device), shapes checked.
+    module_path, _, attr = name.rpartition(".")
+    try:
+        module = model.get_submodule(module_path)
+        current = getattr(module, attr)
+    except AttributeError:
+        current = None
+    if not isinstance(current, nn.Parameter):
+        raise ValueError(
+            f"{checkpoint.folder}: its __metadata__ describes a quantized tensor {name}, which is not a parameter of "
+            f"{type(model).__name__}. The checkpoint is for another architecture: check config.json."
+        )
+    if tuple(current.shape) != tuple(tensor.shape):
+        raise ValueError(
+            f"{checkpoint.folder}: the quantized {name} has shape {list(tensor.shape)} but {type(model).__name__}'s "
+            f"has {list(current.shape)}. The checkpoint was saved for another configuration: check config.json."
+        )
+    setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
