@@ -60,63 +60,67 @@ def _quantize(model, method: str) -> None:
     quantization.quantize_(model, config)
 
 
-def _to_nf4(model) -> None:
-    # Every linear of the decoder layers becomes a bitsandbytes Linear4bit quantized from its bf16 weight on the GPU
-    # (nf4, double quantization, bf16 compute), one at a time so that the bf16 weights leave as the packed ones come.
-    import bitsandbytes as bnb
+def _replace_linears(model, quantized) -> None:
+    # Every linear of the decoder layers replaced by `quantized(linear)`, one at a time so that the bf16 weights leave
+    # as the quantized ones come.
     from torch import nn
 
     for layer in model.model.layers:
         for name, linear in list(layer.named_modules()):
-            if not isinstance(linear, nn.Linear):
-                continue
-            packed = bnb.nn.Linear4bit(
-                linear.in_features,
-                linear.out_features,
-                bias=linear.bias is not None,
-                compute_dtype=torch.bfloat16,
-                compress_statistics=True,
-                quant_type="nf4",
-                device="meta",
-            )
-            packed.weight = bnb.nn.Params4bit(
-                linear.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4", module=packed
-            ).to(linear.weight.device)
-            if linear.bias is not None:
-                packed.bias = linear.bias
-            parent, _, child = name.rpartition(".")
-            setattr(layer.get_submodule(parent), child, packed)
-            del linear
+            if isinstance(linear, nn.Linear):
+                parent, _, child = name.rpartition(".")
+                setattr(layer.get_submodule(parent), child, quantized(linear))
+                del linear
     torch.cuda.empty_cache()
+
+
+def _to_nf4(model) -> None:
+    # bitsandbytes Linear4bit layers quantized from the bf16 weights on the GPU (nf4, double quantization, bf16
+    # compute), as BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_use_double_quant=True) builds them.
+    import bitsandbytes as bnb
+
+    def quantized(linear):
+        packed = bnb.nn.Linear4bit(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            compute_dtype=torch.bfloat16,
+            compress_statistics=True,
+            quant_type="nf4",
+            device="meta",
+        )
+        packed.weight = bnb.nn.Params4bit(
+            linear.weight.data, requires_grad=False, compress_statistics=True, quant_type="nf4", module=packed
+        ).to(linear.weight.device)
+        if linear.bias is not None:
+            packed.bias = linear.bias
+        return packed
+
+    _replace_linears(model, quantized)
 
 
 def _to_llm_int8(model) -> None:
-    # Every linear of the decoder layers becomes a bitsandbytes Linear8bitLt (LLM.int8(), outlier threshold 6.0, as
-    # BitsAndBytesConfig(load_in_8bit=True) builds), quantized from its bf16 weight on the GPU, one at a time.
+    # bitsandbytes Linear8bitLt layers (LLM.int8(), outlier threshold 6.0) quantized from the bf16 weights on the GPU,
+    # as BitsAndBytesConfig(load_in_8bit=True) builds them.
     import bitsandbytes as bnb
-    from torch import nn
 
-    for layer in model.model.layers:
-        for name, linear in list(layer.named_modules()):
-            if not isinstance(linear, nn.Linear):
-                continue
-            int8 = bnb.nn.Linear8bitLt(
-                linear.in_features,
-                linear.out_features,
-                bias=linear.bias is not None,
-                has_fp16_weights=False,
-                threshold=6.0,
-                device="meta",
-            )
-            # What Int8Params.to(cuda) does to a CPU weight, from the GPU copy: int8 rows and their float32 scales.
-            values, scales, _ = bnb.functional.int8_vectorwise_quant(linear.weight.data.to(torch.float16))
-            int8.weight = bnb.nn.Int8Params(values, requires_grad=False, has_fp16_weights=False, CB=values, SCB=scales)
-            if linear.bias is not None:
-                int8.bias = linear.bias
-            parent, _, child = name.rpartition(".")
-            setattr(layer.get_submodule(parent), child, int8)
-            del linear
-    torch.cuda.empty_cache()
+    def quantized(linear):
+        int8 = bnb.nn.Linear8bitLt(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            has_fp16_weights=False,
+            threshold=6.0,
+            device="meta",
+        )
+        # What Int8Params.to(cuda) does to a CPU weight, from the GPU copy: int8 rows and their float32 scales.
+        values, scales, _ = bnb.functional.int8_vectorwise_quant(linear.weight.data.to(torch.float16))
+        int8.weight = bnb.nn.Int8Params(values, requires_grad=False, has_fp16_weights=False, CB=values, SCB=scales)
+        if linear.bias is not None:
+            int8.bias = linear.bias
+        return int8
+
+    _replace_linears(model, quantized)
 
 
 def _reference(model, ids, prompt):

@@ -62,3 +62,16 @@ def assert_same_generation(got, want) -> None:
     assert torch.equal(got.sequences, want.sequences)
     for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
         assert torch.equal(a, b), f"logits differ at step {step}"
+
+
+def rewrite_checkpoint(folder, change, metadata=None) -> None:
+    """A single-file checkpoint's tensors passed through `change(tensors)` (a dict it edits), saved back in place with
+    the file's metadata, or with `metadata(kept)` when given."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(folder / "model.safetensors", "pt") as opened:
+        kept = opened.metadata()
+    tensors = load_file(folder / "model.safetensors")
+    change(tensors)
+    save_file(tensors, folder / "model.safetensors", metadata=metadata(kept) if metadata else kept)

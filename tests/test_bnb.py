@@ -13,7 +13,7 @@ import weakref
 
 import pytest
 import torch
-from models import assert_same_generation, generate_with_logits, prompt, tiny_llama
+from models import assert_same_generation, generate_with_logits, prompt, rewrite_checkpoint, tiny_llama
 
 import hf_prefetch
 from hf_prefetch import PrefetchConfig
@@ -399,17 +399,24 @@ def test_on_cuda_4bit_layers_stream_and_compute_what_the_resident_model_computes
     gpu_llama(8).save_pretrained(tmp_path)
     # Quantized on the GPU both (bitsandbytes' CPU and CUDA quantizers differ in the last bits of double quantization).
     model, resident = _load(tmp_path, setting, device="cuda").to("cpu"), _load(tmp_path, setting, device="cuda")
-    ids = prompt(vocab=1024).cuda()
-    want = generate_with_logits(resident, ids, max_new_tokens=24)
-    config = PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=2)  # every layer streams through 2 slots
-    hf_prefetch.dispatch_model(model, config, device="cuda")
-    for _ in range(2):
-        assert_same_generation(generate_with_logits(model, ids, max_new_tokens=24), want)
-    on_host = {key: value.cpu() for key, value in resident.state_dict().items()}  # a streamed one's is on the host
-    assert _same({key: value.cpu() for key, value in model.state_dict().items()}, on_host)
+    ids, want = _streams_on_cuda_as(resident, model)
     hf_prefetch.remove_offload(model)
     assert_same_generation(generate_with_logits(model, ids, max_new_tokens=24), want)
     assert _same(_quantized_state(model), _quantized_state(resident))
+
+
+def _streams_on_cuda_as(resident, model):
+    # `model` dispatched onto the GPU with every layer streamed through 2 slots (or, when it is dispatched already,
+    # as it is) generates what `resident` does, twice, and its state_dict (a streamed one's is on the host) is equal.
+    ids = prompt(vocab=1024).cuda()
+    want = generate_with_logits(resident, ids, max_new_tokens=24)
+    if hf_prefetch.get_state(model) is None:
+        hf_prefetch.dispatch_model(model, PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=2), device="cuda")
+    for _ in range(2):
+        assert_same_generation(generate_with_logits(model, ids, max_new_tokens=24), want)
+    on_host = {key: value.cpu() for key, value in resident.state_dict().items()}
+    assert _same({key: value.cpu() for key, value in model.state_dict().items()}, on_host)
+    return ids, want
 
 
 @pytest.mark.gpu
@@ -425,15 +432,8 @@ def test_on_cuda_8bit_layers_stream_and_compute_what_the_resident_model_computes
     model, resident = _load_8bit(tmp_path, device="cuda"), _load_8bit(tmp_path, device="cuda")
     if origin == "moved-to-the-cpu":
         model.to("cpu")
-    ids = prompt(vocab=1024).cuda()
-    want = generate_with_logits(resident, ids, max_new_tokens=24)
     stored = {name: tensor.cpu() for name, tensor in _int8_state(resident).items()}
-    config = PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=2)  # every layer streams through 2 slots
-    hf_prefetch.dispatch_model(model, config, device="cuda")
-    for _ in range(2):
-        assert_same_generation(generate_with_logits(model, ids, max_new_tokens=24), want)
-    on_host = {key: value.cpu() for key, value in resident.state_dict().items()}
-    assert _same({key: value.cpu() for key, value in model.state_dict().items()}, on_host)
+    ids, want = _streams_on_cuda_as(resident, model)
     hf_prefetch.remove_offload(model)
     assert _same({k: v.cpu() for k, v in _int8_state(model).items()}, stored)
     assert_same_generation(generate_with_logits(model, ids, max_new_tokens=24), want)
@@ -488,15 +488,6 @@ def test_from_pretrained_reads_a_prequantized_checkpoints_packed_tensors_and_com
     assert _same(model.state_dict(), resident.state_dict())
 
 
-def _rewrite(folder, change) -> None:
-    # The checkpoint's tensors passed through `change(tensors)`, saved back in place.
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(folder / "model.safetensors")
-    change(tensors)
-    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
-
-
 def _garbage(tensors, key):
     tensors[key] = torch.full_like(tensors[key], 0xFF)
 
@@ -525,7 +516,7 @@ def test_from_pretrained_refuses_a_damaged_prequantized_checkpoint_naming_the_ke
     checkpoint, tmp_path, bits, change, message
 ):
     _saved_quantized(checkpoint, tmp_path, bits)
-    _rewrite(tmp_path, change)
+    rewrite_checkpoint(tmp_path, change)
     with pytest.raises(ValueError, match=message):
         hf_prefetch.from_pretrained(tmp_path, CONFIG, device="cpu")
 
@@ -570,11 +561,5 @@ def test_on_cuda_from_pretrained_of_a_prequantized_checkpoint_computes_what_tran
     quantized.save_pretrained(folder)
     del quantized
     resident = AutoModelForCausalLM.from_pretrained(folder, device_map="cuda").eval()
-    ids = prompt(vocab=1024).cuda()
-    want = generate_with_logits(resident, ids, max_new_tokens=24)
-    config = PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=2)  # every layer streams through 2 slots
-    model = hf_prefetch.from_pretrained(folder, config, device="cuda")
-    for _ in range(2):
-        assert_same_generation(generate_with_logits(model, ids, max_new_tokens=24), want)
-    on_host = {key: value.cpu() for key, value in resident.state_dict().items()}
-    assert _same({key: value.cpu() for key, value in model.state_dict().items()}, on_host)
+    config = PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=2)
+    _streams_on_cuda_as(resident, hf_prefetch.from_pretrained(folder, config, device="cuda"))

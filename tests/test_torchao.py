@@ -9,7 +9,7 @@ import weakref
 
 import pytest
 import torch
-from models import assert_same_generation, generate_with_logits, prompt, tiny_llama
+from models import assert_same_generation, generate_with_logits, prompt, rewrite_checkpoint, tiny_llama
 from torch import nn
 
 import hf_prefetch
@@ -294,17 +294,6 @@ def test_from_pretrained_reads_a_prequantized_torchao_checkpoint_as_stored(tmp_p
     assert _same_values(model.state_dict(), resident.state_dict())
 
 
-def _rewrite(folder, change, metadata=None) -> None:
-    from safetensors import safe_open
-    from safetensors.torch import load_file, save_file
-
-    with safe_open(folder / "model.safetensors", "pt") as opened:
-        kept = opened.metadata()
-    tensors = load_file(folder / "model.safetensors")
-    change(tensors)
-    save_file(tensors, folder / "model.safetensors", metadata=metadata(kept) if metadata else kept)
-
-
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize(
     "change, metadata, message",
@@ -321,7 +310,7 @@ def _rewrite(folder, change, metadata=None) -> None:
 )  # fmt: skip
 def test_from_pretrained_refuses_a_damaged_torchao_checkpoint_naming_the_key(tmp_path, change, metadata, message):
     folder = _saved_torchao(tmp_path)
-    _rewrite(folder, change, metadata)
+    rewrite_checkpoint(folder, change, metadata)
     with pytest.raises(ValueError, match=message):
         hf_prefetch.from_pretrained(folder, CONFIG, device="cpu")
 
