@@ -27,6 +27,7 @@ parameters.
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -174,7 +175,18 @@ def int8_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def following_state(module: nn.Module) -> Any:
     """A matmul state for an 8-bit `module` that reads its values and scales through `module.weight` (`data`, `SCB`)
     whatever they point at, with the original state's other fields (threshold, ...). Setting them to anything else is
-    a RuntimeError: bitsandbytes' inference forward never does (its weight has no `CB` during a dispatch)."""
+    a RuntimeError: bitsandbytes' inference forward never does (its weight has no `CB` during a dispatch). A copy or a
+    pickle of it is a plain `MatmulLtState` holding what it reads now (a resident layer copied out of the model)."""
+    state = object.__new__(_following_state_class())
+    for name, value in vars(module.state).items():
+        if name not in ("CB", "SCB"):
+            object.__setattr__(state, name, value)
+    object.__setattr__(state, "_module", weakref.ref(module))  # the module holds the state: no reference cycle
+    return state
+
+
+@functools.cache
+def _following_state_class() -> type:
     from bitsandbytes import MatmulLtState
 
     class FollowingState(MatmulLtState):
@@ -190,11 +202,25 @@ def following_state(module: nn.Module) -> Any:
                 "values live in host storage and its slot: train or re-quantize it after hf_prefetch.remove_offload."
             )
 
-    state = object.__new__(FollowingState)
-    for name, value in vars(module.state).items():
-        if name not in ("CB", "SCB"):
-            object.__setattr__(state, name, value)
-    object.__setattr__(state, "_module", weakref.ref(module))  # the module holds the state: no reference cycle
+        def _fields(self) -> dict[str, Any]:
+            fields = {name: value for name, value in vars(self).items() if name != "_module"}
+            return fields | {"CB": self.CB, "SCB": self.SCB}
+
+        def __deepcopy__(self, memo: dict) -> MatmulLtState:
+            return _matmul_state(copy.deepcopy(self._fields(), memo))
+
+        def __reduce_ex__(self, protocol: Any) -> Any:
+            return _matmul_state, (self._fields(),)
+
+    return FollowingState
+
+
+def _matmul_state(fields: dict[str, Any]) -> Any:
+    # A plain bitsandbytes MatmulLtState holding `fields` (a copy or an unpickled `following_state`).
+    from bitsandbytes import MatmulLtState
+
+    state = object.__new__(MatmulLtState)
+    state.__dict__.update(fields)
     return state
 
 
@@ -249,58 +275,104 @@ def prepare_prequantized(model: nn.Module, checkpoint: Any) -> None:
     plan counts the stored bytes and the loader reads them into place. A 4-bit weight: the packed bytes' dtype and
     shape, and a quantization state of meta tensors of the stored shapes, its settings (and double quantization's
     offset, a number) read from the checkpoint's packed `weight.quant_state.bitsandbytes__<type>` entry, as
-    `Params4bit.from_prequantized` does. An 8-bit weight: int8 values and float32 row scales (`SCB`), both meta."""
-    from bitsandbytes.nn import Int8Params, Linear4bit, Linear8bitLt, Params4bit
-    from bitsandbytes.utils import unpack_tensor_to_dict
+    `Params4bit.from_prequantized` does. An 8-bit weight: int8 values and float32 row scales (`SCB`), both meta. Every
+    stored tensor is checked against the layer's features (`ValueError` naming the key)."""
+    from bitsandbytes.nn import Linear4bit, Linear8bitLt
 
     for path, module in model.named_modules():
-        if not isinstance(module, (Linear4bit, Linear8bitLt)):
-            continue
-        weight = _stored(checkpoint, f"{path}.weight", module)
         if isinstance(module, Linear8bitLt):
-            scales = _stored(checkpoint, f"{path}.SCB", module)
-            if weight.dtype != torch.int8 or scales.dtype != torch.float32 or scales.shape != weight.shape[:1]:
-                raise ValueError(
-                    f"{checkpoint[f'{path}.weight'].path}: {path}.weight ({weight.dtype}, {list(weight.shape)}) and "
-                    f"{path}.SCB ({scales.dtype}, {list(scales.shape)}) are not a bitsandbytes 8-bit weight (int8 "
-                    "rows and one float32 scale per row). The checkpoint does not match its config.json "
-                    "quantization_config: re-save it from the quantized model."
-                )
-            _check_row_major(checkpoint, f"{path}.weight_format")
-            module.weight = Int8Params(weight, requires_grad=False, has_fp16_weights=False, SCB=scales)
-            continue
-        packed = [key for key in checkpoint.keys() if key.startswith(f"{path}.weight.quant_state.bitsandbytes__")]
-        if len(packed) != 1:
+            module.weight = _stored_8bit(checkpoint, path, module)
+        elif isinstance(module, Linear4bit):
+            module.weight = _stored_4bit(checkpoint, path, module)
+            _check_4bit(checkpoint, path, module)
+
+
+def _stored_8bit(checkpoint: Any, path: str, module: nn.Module) -> torch.Tensor:
+    from bitsandbytes.nn import Int8Params
+
+    weight, scales = _stored(checkpoint, f"{path}.weight", module), _stored(checkpoint, f"{path}.SCB", module)
+    features = (module.out_features, module.in_features)
+    if (weight.dtype, tuple(weight.shape)) != (torch.int8, features) or (scales.dtype, tuple(scales.shape)) != (
+        torch.float32,
+        features[:1],
+    ):
+        raise ValueError(
+            f"{checkpoint[f'{path}.weight'].path}: {path}.weight ({weight.dtype}, {list(weight.shape)}) and "
+            f"{path}.SCB ({scales.dtype}, {list(scales.shape)}) are not the 8-bit weight of {path}, a linear of "
+            f"{features[1]} inputs and {features[0]} outputs (int8 {list(features)} and float32 [{features[0]}]). The "
+            "checkpoint does not match its config.json: re-save it from the quantized model."
+        )
+    _check_row_major(checkpoint, f"{path}.weight_format")
+    return Int8Params(weight, requires_grad=False, has_fp16_weights=False, SCB=scales)
+
+
+def _stored_4bit(checkpoint: Any, path: str, module: nn.Module) -> torch.Tensor:
+    from bitsandbytes.nn import Params4bit
+    from bitsandbytes.utils import unpack_tensor_to_dict
+
+    packed = [key for key in checkpoint.keys() if key.startswith(f"{path}.weight.quant_state.bitsandbytes__")]
+    if len(packed) != 1:
+        raise ValueError(
+            f"{checkpoint.folder}: the 4-bit layer {path} needs exactly one quantization-state entry "
+            f"'{path}.weight.quant_state.bitsandbytes__nf4' (or __fp4), found {packed}. The checkpoint was not "
+            "saved from a bitsandbytes 4-bit model of this config: re-save it from the quantized model."
+        )
+    entry = checkpoint[packed[0]]
+    raw = torch.empty(entry.nbytes, dtype=torch.uint8)
+    checkpoint.read(entry, raw.numpy())
+    try:
+        settings = unpack_tensor_to_dict(raw)
+        if not isinstance(settings, dict):
+            raise ValueError(f"JSON {type(settings).__name__}, not an object")
+    except ValueError as error:  # UnicodeDecodeError and json's errors are ValueErrors
+        raise ValueError(
+            f"{entry.path}: {entry.key!r} is not bitsandbytes' packed quantization state ({error}): the "
+            "checkpoint is damaged. Re-save it from the quantized model."
+        ) from None
+    nested = ("nested_absmax", "nested_quant_map") if "nested_offset" in settings else ()
+    stats = {name: _stored(checkpoint, f"{path}.weight.{name}", module) for name in ("absmax", "quant_map", *nested)}
+    stats[packed[0].removeprefix(f"{path}.weight.")] = raw
+    weight = _stored(checkpoint, f"{path}.weight", module)
+    try:
+        param = Params4bit.from_prequantized(weight, stats, device="meta", module=module)
+        if param.quant_state.nested:  # a number in the checkpoint: a real tensor, as bitsandbytes makes it
+            param.quant_state.offset = torch.tensor(float(settings["nested_offset"]))
+    except (AssertionError, KeyError, ValueError, TypeError, AttributeError) as error:
+        raise ValueError(
+            f"{entry.path}: {entry.key!r} holds settings bitsandbytes cannot build a quantization state from "
+            f"({type(error).__name__}: {error}): {settings}. Re-save the checkpoint from the quantized model."
+        ) from None
+    return param
+
+
+def _check_4bit(checkpoint: Any, path: str, module: nn.Module) -> None:
+    # The stored tensors of a 4-bit weight against its linear's features: packed values (two per byte), one scale per
+    # block, 16 code values; with double quantization one scale per block of scales, 256 code values.
+    state = module.weight.quant_state
+    features = (module.out_features, module.in_features)
+    values = features[0] * features[1]
+    blocks = -(-values // state.blocksize)
+    expected = {
+        "weight.quant_state": (tuple(state.shape), features, "shape"),
+        "weight": (module.weight.numel() * module.weight.element_size(), -(-values // 2), "bytes"),
+        "weight.absmax": (state.absmax.numel(), blocks, "scales"),
+        "weight.quant_map": (state.code.numel(), 16, "code values"),
+    }
+    if state.nested:
+        expected["weight.nested_absmax"] = (
+            state.state2.absmax.numel(),
+            -(-blocks // state.state2.blocksize),
+            "scales",
+        )
+        expected["weight.nested_quant_map"] = (state.state2.code.numel(), 256, "code values")
+    for key, (stored, wanted, what) in expected.items():
+        if stored != wanted:
+            name = f"{path}.{key}" + (f".bitsandbytes__{state.quant_type}" if key == "weight.quant_state" else "")
             raise ValueError(
-                f"{checkpoint.folder}: the 4-bit layer {path} needs exactly one quantization-state entry "
-                f"'{path}.weight.quant_state.bitsandbytes__nf4' (or __fp4), found {packed}. The checkpoint was not "
-                "saved from a bitsandbytes 4-bit model of this config: re-save it from the quantized model."
+                f"{checkpoint.folder}: {name!r} gives {stored} {what} where {path}, a 4-bit linear of {features[1]} "
+                f"inputs and {features[0]} outputs, needs {wanted}. The checkpoint does not match its config.json: "
+                "re-save it from the quantized model."
             )
-        entry = checkpoint[packed[0]]
-        raw = torch.empty(entry.nbytes, dtype=torch.uint8)
-        checkpoint.read(entry, raw.numpy())
-        try:
-            settings = unpack_tensor_to_dict(raw)
-            if not isinstance(settings, dict):
-                raise ValueError(f"JSON {type(settings).__name__}, not an object")
-        except ValueError as error:  # UnicodeDecodeError and json's errors are ValueErrors
-            raise ValueError(
-                f"{entry.path}: {entry.key!r} is not bitsandbytes' packed quantization state ({error}): the "
-                "checkpoint is damaged. Re-save it from the quantized model."
-            ) from None
-        nested = ("nested_absmax", "nested_quant_map") if "nested_offset" in settings else ()
-        names = ("absmax", "quant_map", *nested)
-        stats = {name: _stored(checkpoint, f"{path}.weight.{name}", module) for name in names}
-        stats[packed[0].removeprefix(f"{path}.weight.")] = raw
-        try:
-            module.weight = Params4bit.from_prequantized(weight, stats, device="meta", module=module)
-        except (AssertionError, KeyError, ValueError, TypeError, AttributeError) as error:
-            raise ValueError(
-                f"{entry.path}: {entry.key!r} holds settings bitsandbytes cannot build a quantization state from "
-                f"({type(error).__name__}: {error}): {settings}. Re-save the checkpoint from the quantized model."
-            ) from None
-        if module.weight.quant_state.nested:  # a number in the checkpoint: a real tensor, as bitsandbytes makes it
-            module.weight.quant_state.offset = torch.tensor(float(settings["nested_offset"]))
 
 
 def _check_row_major(checkpoint: Any, key: str) -> None:
@@ -308,14 +380,18 @@ def _check_row_major(checkpoint: Any, key: str) -> None:
     if key not in checkpoint:
         return
     entry = checkpoint[key]
-    value = torch.zeros(1, dtype=torch.uint8)
-    if entry.nbytes == 1:
-        checkpoint.read(entry, value.numpy())
-    if entry.nbytes != 1 or value.item() != 0:
+    value = None
+    if entry.nbytes <= 8 and not entry.dtype.is_floating_point and len(entry.shape) <= 1:
+        stored = torch.zeros(entry.nbytes, dtype=torch.uint8)
+        checkpoint.read(entry, stored.numpy())
+        value = stored.view(entry.dtype).tolist()
+        value = value[0] if isinstance(value, list) and len(value) == 1 else value
+    if value != 0:
         raise ValueError(
-            f"{entry.path}: {key!r} says the 8-bit weight is stored in a tiled GPU layout of an older bitsandbytes "
-            f"(format {value.item() if entry.nbytes == 1 else entry.shape}, row-major is 0), which hf_prefetch does "
-            "not convert. Load the checkpoint with transformers and save it again with a current bitsandbytes."
+            f"{entry.path}: {key!r} ({entry.dtype}, shape {list(entry.shape)}, value {value}) is not bitsandbytes' "
+            "row-major format 0: the 8-bit weight is stored in a tiled GPU layout of an older bitsandbytes, which "
+            "hf_prefetch does not convert. Load the checkpoint with transformers and save it again with a current "
+            "bitsandbytes."
         )
 
 

@@ -29,6 +29,7 @@ from . import ops  # noqa: F401  (registers torch.ops.hf_prefetch)
 from .bnb import host_state_dict, is_int8, is_params4bit
 from .compressed import encode_for, host_value, write_encoded
 from .engine import PrefetchEngine
+from .host import own_storage
 from .layers import set_part, with_inner
 from .state import Lifecycle, OffloadedParam, OffloadState
 
@@ -278,22 +279,17 @@ def host_values_in_state_dict(
     for name, tensors in hosts.items():
         if prefix + name not in state_dict:
             continue
+        values = {o.inner: own_storage(host_value(o)) for o in tensors}  # each saved alone (host.own_storage)
         if is_params4bit(tensors[0].param):  # its quantization state's entries too, as Linear4bit saves them
-            host_state_dict(tensors[0].param, {o.inner: host_value(o) for o in tensors}, prefix + name, state_dict)
+            host_state_dict(tensors[0].param, values, prefix + name, state_dict)
         elif is_int8(tensors[0].param):  # its values, and its scales under the module's key, as Linear8bitLt saves
-            host = {o.inner: host_value(o) for o in tensors}
-            state_dict[prefix + name] = host["data"]
+            state_dict[prefix + name] = values["data"]
             if prefix + "SCB" in state_dict:
-                state_dict[prefix + "SCB"] = host["SCB"]
-        else:
-            state_dict[prefix + name] = _host_parameter(tensors)
-
-
-def _host_parameter(tensors: list[OffloadedParam]) -> torch.Tensor:
-    first = tensors[0]
-    if first.inner is None:
-        return host_value(first)
-    return with_inner(first.param, {o.inner: host_value(o) for o in tensors})
+                state_dict[prefix + "SCB"] = values["SCB"]
+        elif tensors[0].inner is None:
+            state_dict[prefix + name] = values[None]
+        else:  # a tensor subclass rebuilt around its inner tensors
+            state_dict[prefix + name] = with_inner(tensors[0].param, values)
 
 
 class Streamed(NamedTuple):

@@ -44,6 +44,7 @@ __all__ = [
     "ALIGN_BYTES",
     "padded_bytes",
     "span_bytes",
+    "own_storage",
     "pinned_bytes",
     "HostLimits",
     "host_limits",
@@ -302,6 +303,21 @@ def span_bytes(shape: Sequence[int], stride: Sequence[int], dtype: torch.dtype) 
     if not all(shape):
         return 0
     return (1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))) * dtype.itemsize
+
+
+def own_storage(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`, a view into host memory (an arena), as a tensor over the same bytes with a storage object of its own,
+    which keeps the memory alive. `torch.save` writes every storage whole and refuses two views of one storage in
+    different dtypes (an arena holds bf16 weights beside float32 norms, int8 values beside float32 scales): a host
+    value handed out in a `state_dict` is saved alone, its bytes only."""
+    nbytes = span_bytes(tensor.shape, tensor.stride(), tensor.dtype)
+    if tensor.device.type != "cpu" or nbytes == 0:
+        return tensor
+    whole = torch.empty(0, dtype=torch.uint8).set_(tensor.untyped_storage())
+    start = tensor.storage_offset() * tensor.element_size()
+    # numpy's view of `whole` keeps it (and the storage) alive; torch.from_numpy makes a new storage over its bytes.
+    own = torch.from_numpy(whole.numpy()[start : start + nbytes])
+    return own.view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
 
 
 class HostArena:

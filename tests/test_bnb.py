@@ -492,6 +492,12 @@ def _garbage(tensors, key):
     tensors[key] = torch.full_like(tensors[key], 0xFF)
 
 
+def _swap_settings(tensors):
+    # up_proj's and down_proj's packed settings exchanged (each a different shape): every tensor still present.
+    up, down = (f"model.layers.1.mlp.{name}.weight.quant_state.bitsandbytes__nf4" for name in ("up_proj", "down_proj"))
+    tensors[up], tensors[down] = tensors[down], tensors[up]
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize(
     "bits, change, message",
@@ -505,12 +511,22 @@ def _garbage(tensors, key):
         ("8bit", lambda t: t.pop("model.layers.2.self_attn.o_proj.SCB"),
          r"no tensor 'model.layers.2.self_attn.o_proj.SCB'"),
         ("8bit", lambda t: t.update({"model.layers.1.mlp.up_proj.SCB": torch.ones(3)}),
-         r"model.layers.1.mlp.up_proj.SCB \(torch.float32, \[3\]\) are not a bitsandbytes 8-bit weight"),
+         r"model.layers.1.mlp.up_proj.SCB \(torch.float32, \[3\]\) are not the 8-bit weight of "
+         r"model.layers.1.mlp.up_proj, a linear of 64 inputs and 128 outputs"),
+        ("8bit", lambda t: t.update({"model.layers.1.mlp.up_proj.weight": torch.ones(130, 64, dtype=torch.int8),
+                                     "model.layers.1.mlp.up_proj.SCB": torch.ones(130)}),
+         r"model.layers.1.mlp.up_proj.weight \(torch.int8, \[130, 64\]\)"),
         ("8bit", lambda t: t.update({"model.layers.0.mlp.up_proj.weight_format": torch.tensor(2, dtype=torch.uint8)}),
-         r"'model.layers.0.mlp.up_proj.weight_format' says the 8-bit weight is stored in a tiled GPU layout"),
+         r"'model.layers.0.mlp.up_proj.weight_format' \(torch.uint8, shape \[\], value 2\) is not bitsandbytes' "
+         r"row-major format 0"),
+        ("nf4", lambda t: t.update({"model.layers.1.mlp.up_proj.weight.absmax": torch.zeros(126, dtype=torch.uint8)}),
+         r"'model.layers.1.mlp.up_proj.weight.absmax' gives 126 scales where model.layers.1.mlp.up_proj, a 4-bit "
+         r"linear of 64 inputs and 128 outputs, needs 128"),
+        ("nf4", _swap_settings, r"'model.layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__nf4' gives \(64, 128\) "
+         r"shape where model.layers.1.mlp.up_proj, a 4-bit linear of 64 inputs and 128 outputs, needs \(128, 64\)"),
     ],
     ids=["missing-scales", "damaged-settings", "missing-settings", "missing-8bit-scales", "wrong-8bit-scales",
-         "tiled-8bit-layout"],
+         "wrong-8bit-rows", "tiled-8bit-layout", "short-4bit-scales", "another-layers-4bit-settings"],
 )  # fmt: skip
 def test_from_pretrained_refuses_a_damaged_prequantized_checkpoint_naming_the_key(
     checkpoint, tmp_path, bits, change, message
@@ -563,3 +579,51 @@ def test_on_cuda_from_pretrained_of_a_prequantized_checkpoint_computes_what_tran
     resident = AutoModelForCausalLM.from_pretrained(folder, device_map="cuda").eval()
     config = PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=2)
     _streams_on_cuda_as(resident, hf_prefetch.from_pretrained(folder, config, device="cuda"))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_row_major_8bit_format_stored_in_another_integer_dtype_is_read_as_row_major(checkpoint, tmp_path):
+    reload = _saved_quantized(checkpoint, tmp_path, "8bit")
+    rewrite_checkpoint(tmp_path, lambda t: t.update({"model.layers.0.mlp.up_proj.weight_format": torch.tensor(0)}))
+    ids = prompt()
+    want = generate_with_logits(reload(), ids)
+    assert_same_generation(
+        generate_with_logits(hf_prefetch.from_pretrained(tmp_path, CONFIG, device="cpu"), ids), want
+    )
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_resident_8bit_layer_of_a_dispatched_model_copies_and_pickles_as_a_module_of_its_own(checkpoint):
+    import copy
+    import pickle
+
+    model, resident = _load_8bit(checkpoint), _load_8bit(checkpoint)
+    ids = prompt()
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    mlp = model.model.layers[0].mlp  # layer 0 stays resident
+    assert not any(o.param is mlp.up_proj.weight for o in hf_prefetch.get_state(model).offloaded)
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = mlp(x)
+    for other in (copy.deepcopy(mlp), pickle.loads(pickle.dumps(mlp))):
+        with torch.no_grad():
+            assert torch.equal(other(x), want)
+            for linear in (other.gate_proj, other.up_proj, other.down_proj):
+                linear.weight.data.zero_()  # the copy's own values: the dispatched model keeps computing its own
+            assert not torch.equal(other(x), want)
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, resident(ids).logits)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("bits", ["nf4-double", "8bit"])
+def test_torch_save_of_a_dispatched_quantized_models_state_dict_saves_its_host_values(checkpoint, bits):
+    # Packed values beside float32 scales in one host arena: each value of the state_dict is saved alone.
+    import io
+
+    model, resident = (_load_8bit(checkpoint) if bits == "8bit" else _load(checkpoint, bits) for _ in range(2))
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    saved = io.BytesIO()
+    torch.save(model.state_dict(), saved)
+    saved.seek(0)
+    assert _same(torch.load(saved, weights_only=False), resident.state_dict())

@@ -80,6 +80,26 @@ def test_copying_a_dispatched_model_refuses_and_leaves_it_computing(six, copy_it
         hf_prefetch.remove_offload(model)
 
 
+def test_torch_save_of_a_dispatched_models_state_dict_saves_each_value_alone(six):
+    # Streamed values in several dtypes live in one host arena (bf16 weights beside float32 norms): torch.save refused
+    # to save views of one storage in two dtypes, and would have written the whole arena for each.
+    model = copy.deepcopy(six[0]).to(torch.bfloat16)
+    for layer in model.model.layers:
+        layer.input_layernorm.float()
+    want = copy.deepcopy(model.state_dict())
+    model = _dispatched(model)
+    try:
+        saved = io.BytesIO()
+        torch.save(model.state_dict(), saved)
+        assert saved.tell() < 1.1 * sum(value.nbytes for value in want.values())
+        saved.seek(0)
+        loaded = torch.load(saved)
+        assert loaded.keys() == want.keys() and all(torch.equal(loaded[k], want[k]) for k in want)
+        assert loaded["model.layers.5.input_layernorm.weight"].dtype == torch.float32
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
 @pytest.mark.parametrize(
     "copy_it",
     [copy.deepcopy, pickle.dumps, lambda module: torch.save(module, io.BytesIO())],
