@@ -21,6 +21,7 @@ from torch import nn
 
 from . import prequantized
 from .checkpoint import Checkpoint, TensorEntry
+from .placements import INNER_SEP
 
 __all__ = ["KeyMap", "Region", "map_keys", "convert", "filled_names", "region_view"]
 
@@ -52,16 +53,17 @@ def map_keys(model: nn.Module, checkpoint: Checkpoint) -> KeyMap:
     meta_state = model.state_dict(keep_vars=True)
     canonical: dict[int, str] = {}
     # A pre-quantized parameter's stored tensors (prequantized.checkpoint_parts) fill its parts, named as a plan names
-    # them (`weight:absmax`), each read as stored (no renaming, no conversion); its own key and the keys its settings
-    # were read from when it was built fill nothing.
-    stored, consumed = {}, set()
-    for key, part in prequantized.checkpoint_parts(model).items():
+    # them (`weight:absmax`), each read as stored (no renaming, no conversion); the keys its settings were read from
+    # when it was built fill nothing, and a tensor under its own name beside its parts is refused.
+    parts = prequantized.checkpoint_parts(model)
+    stored, consumed = {}, {key for key, part in parts.items() if part is None}
+    owners = {part[0].partition(INNER_SEP)[0] for part in parts.values() if part is not None}
+    for key in consumed | owners:
         meta_state.pop(key, None)
-        if part is None:
-            consumed.add(key)
-        else:
-            stored[key], tensor = part
-            canonical[id(tensor)] = stored[key]
+    for key, part in parts.items():
+        if part is not None:  # a tied parameter's parts go by its first name (its second one's entries: duplicates)
+            name, tensor = part
+            stored[key] = canonical.setdefault(id(tensor), name)
             meta_state[key] = tensor
     for name, tensor in meta_state.items():
         canonical.setdefault(id(tensor), name)
@@ -83,6 +85,12 @@ def map_keys(model: nn.Module, checkpoint: Checkpoint) -> KeyMap:
         if key in consumed:
             continue
         entry = checkpoint[key]
+        if key in owners and key not in stored:
+            raise ValueError(
+                f"{entry.path}: tensor {key!r} is stored beside the quantized parts of the same parameter (keys like "
+                f"{[k for k, name in stored.items() if name.startswith(key + ':')][:3]}): which one it holds is "
+                "ambiguous. Re-save the checkpoint from the quantized model."
+            )
         if key in stored:
             expected = keymap.model_tensors[stored[key]]
             if (entry.dtype, entry.shape) != (expected.dtype, tuple(expected.shape)):
@@ -91,7 +99,10 @@ def map_keys(model: nn.Module, checkpoint: Checkpoint) -> KeyMap:
                     f"{stored[key]} is {expected.dtype} {list(expected.shape)}: the checkpoint was quantized with other "
                     "settings than config.json's quantization_config. Re-save it from the quantized model."
                 )
-            keymap.streamed[stored[key]] = [(entry, None)]
+            if stored[key] in keymap.streamed:
+                keymap.duplicates.append((entry, stored[key]))
+            else:
+                keymap.streamed[stored[key]] = [(entry, None)]
             continue
         renamed, pattern = rename_source_key(key, renamings, converters, prefix, meta_state)
         if renamed not in meta_state and key in meta_state:

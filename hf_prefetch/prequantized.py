@@ -17,7 +17,7 @@ metadata only (bitsandbytes' packed settings aside, a few bytes each), never the
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
@@ -39,15 +39,14 @@ def prepare(model: nn.Module, checkpoint: Any, method: str) -> None:
 
 def checkpoint_parts(model: nn.Module) -> dict[str, tuple[str, torch.Tensor] | None]:
     """Checkpoint key -> (the name of the parameter part it fills, `<param>:<part>`, and that part's tensor), for
-    `model`'s parameters stored as several tensors; None for a key that fills nothing (a parameter's own name, and the
-    entries its settings were read from)."""
+    `model`'s parameters stored as several tensors; None for a key that fills nothing (the entries a parameter's
+    settings were read from). A parameter two modules share (tied embeddings) has its parts under both names."""
     found = bnb.checkpoint_parts(model)
-    for path, module in model.named_modules():
+    for path, module in model.named_modules(remove_duplicate=False):
         for attr, param in module.named_parameters(recurse=False):
             if not is_traceable_wrapper_subclass(param):
                 continue
             name = f"{path}.{attr}" if path else attr
-            found[name] = None
             owner = f"{path}." if path else ""
             for inner in param.__tensor_flatten__()[0]:
                 found[f"{owner}_{attr}_{inner}"] = (f"{name}:{inner}", getattr(param, inner))
@@ -56,47 +55,72 @@ def checkpoint_parts(model: nn.Module) -> dict[str, tuple[str, torch.Tensor] | N
 
 def _prepare_torchao(model: nn.Module, checkpoint: Any) -> None:
     from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
-    from torchao.prototype.safetensors.safetensors_utils import is_metadata_torchao
 
-    metadata = checkpoint.metadata
-    if not is_metadata_torchao(metadata):
-        raise ValueError(
-            f"{checkpoint.folder}: its safetensors files' __metadata__ does not describe torchao tensors (no valid "
-            "'tensor_names' entry, or a tensor type torchao does not load). Save the quantized model with "
-            "save_pretrained (safetensors) from a transformers and torchao that write it, or load it with transformers "
-            "and dispatch it with hf_prefetch.dispatch_model."
-        )
     stored = {}
-    for name in json.loads(metadata["tensor_names"]):
-        described = json.loads(metadata[name])
-        if described.get("_type") == "Tensor":
-            continue
+    described = _torchao_tensors(checkpoint)
+    for name, (kind, inner) in described.items():
         module_path, _, attr = name.rpartition(".")
         prefix = f"{module_path}._{attr}_" if module_path else f"_{attr}_"
-        for inner in described.get("_tensor_data_names") or []:
-            if prefix + inner not in checkpoint:
-                raise ValueError(
-                    f"{checkpoint.folder}: no tensor {prefix + inner!r}, the {inner!r} of the torchao "
-                    f"{described.get('_type')} {name} that the files' __metadata__ describes. The checkpoint is "
-                    "incomplete: re-save it."
-                )
-        stored |= {key: _meta(checkpoint, key) for key in checkpoint.keys() if key.startswith(prefix)}
+        keys = {key for key in checkpoint.keys() if key.startswith(prefix)}
+        wanted = {prefix + part for part in inner}
+        if keys != wanted:
+            missing, extra = sorted(wanted - keys), sorted(keys - wanted)
+            raise ValueError(
+                f"{checkpoint.folder}: the torchao {kind} {name} is stored as {inner} (the files' __metadata__), but "
+                + (f"there is no tensor {missing[0]!r}" if missing else f"the files also hold {extra}")
+                + ". The checkpoint is damaged or incomplete: re-save it from the quantized model."
+            )
+        stored |= {key: _meta(checkpoint, key) for key in keys}
     try:
-        built, _ = unflatten_tensor_state_dict(stored, metadata)
+        built, _ = unflatten_tensor_state_dict(stored, checkpoint.metadata)
     except (ValueError, TypeError, KeyError, AttributeError) as error:
         raise ValueError(
             f"{checkpoint.folder}: torchao cannot rebuild the tensors its __metadata__ describes "
             f"({type(error).__name__}: {error}). Re-save the checkpoint with this torchao version."
         ) from None
-    for name in json.loads(metadata["tensor_names"]):
-        if json.loads(metadata[name]).get("_type") == "Tensor":
-            continue
+    for name in described:
         if name not in built:
             raise ValueError(
-                f"{checkpoint.folder}: torchao did not rebuild {name} from its stored tensors (its __metadata__ names "
-                "other tensors than the file holds). Re-save the checkpoint."
+                f"{checkpoint.folder}: torchao did not rebuild {name} from its stored tensors. Re-save it."
             )
         _install_meta(model, name, built[name], checkpoint)
+
+
+def _torchao_tensors(checkpoint: Any) -> dict[str, tuple[str, list[str]]]:
+    # The quantized tensors the files' __metadata__ describes: name -> (its torchao type, its inner tensors' names).
+    from torchao.prototype.safetensors.safetensors_utils import ALLOWED_TENSORS_SUBCLASSES
+
+    def refuse(problem: str) -> NoReturn:
+        raise ValueError(
+            f"{checkpoint.folder}: its safetensors files' __metadata__ does not describe torchao tensors ({problem}). "
+            "Save the quantized model with save_pretrained (safetensors) from a transformers and torchao that write "
+            "it, or load it with transformers and dispatch it with hf_prefetch.dispatch_model."
+        )
+
+    metadata = checkpoint.metadata
+    names = _json(metadata.get("tensor_names"))
+    if not isinstance(names, list) or not names or not all(isinstance(name, str) for name in names):
+        refuse(f"'tensor_names' is {metadata.get('tensor_names')!r:.80}, not a JSON list of tensor names")
+    found = {}
+    for name in names:
+        entry = _json(metadata.get(name))
+        kind = entry.get("_type") if isinstance(entry, dict) else None
+        if kind == "Tensor":
+            continue
+        if kind not in ALLOWED_TENSORS_SUBCLASSES:
+            refuse(f"{name!r} is {metadata.get(name)!r:.80}: not a tensor type torchao loads")
+        inner = entry.get("_tensor_data_names")
+        if not isinstance(inner, list) or not inner or not all(isinstance(part, str) for part in inner):
+            refuse(f"{name!r} names its inner tensors {inner!r:.80}, not a list of names")
+        found[name] = (kind, inner)
+    return found
+
+
+def _json(text: Any) -> Any:
+    try:
+        return json.loads(text) if isinstance(text, str) else None
+    except (json.JSONDecodeError, RecursionError):
+        return None
 
 
 def _meta(checkpoint: Any, key: str) -> torch.Tensor:

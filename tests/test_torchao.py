@@ -294,19 +294,37 @@ def test_from_pretrained_reads_a_prequantized_torchao_checkpoint_as_stored(tmp_p
     assert _same_values(model.state_dict(), resident.state_dict())
 
 
+def _described(metadata, **changes) -> str:
+    # The __metadata__ entry of up_proj's weight in layer 1, with `changes`.
+    import json
+
+    return json.dumps(json.loads(metadata["model.layers.1.mlp.up_proj.weight"]) | changes)
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize(
     "change, metadata, message",
     [
         (lambda t: t.pop("model.layers.1.mlp.up_proj._weight_scale"), None,
-         r"no tensor 'model.layers.1.mlp.up_proj._weight_scale', the 'scale' of the torchao Int8Tensor "
-         r"model.layers.1.mlp.up_proj.weight"),
+         r"the torchao Int8Tensor model.layers.1.mlp.up_proj.weight is stored as \['zero_point', 'qdata', 'scale'\] "
+         r"\(the files' __metadata__\), but there is no tensor 'model.layers.1.mlp.up_proj._weight_scale'"),
+        (lambda t: t.update({"model.layers.1.mlp.up_proj._weight_bogus": torch.zeros(3)}), None,
+         r"but the files also hold \['model.layers.1.mlp.up_proj._weight_bogus'\]"),
+        (lambda t: t.update({"model.layers.1.mlp.up_proj.weight": torch.zeros(128, 64)}), None,
+         r"tensor 'model.layers.1.mlp.up_proj.weight' is stored beside the quantized parts of the same parameter"),
         (lambda t: None, lambda m: {"format": "pt"}, r"__metadata__ does not describe torchao tensors"),
+        (lambda t: None, lambda m: m | {"model.layers.1.mlp.up_proj.weight": "[1, 2]"},
+         r"'model.layers.1.mlp.up_proj.weight' is '\[1, 2\]': not a tensor type torchao loads"),
+        (lambda t: None, lambda m: m | {"tensor_names": '[["model.norm.weight"]]'},
+         r"'tensor_names' is .*not a JSON list of tensor names"),
+        (lambda t: None, lambda m: m | {"model.layers.1.mlp.up_proj.weight": _described(m, _tensor_data_names=5)},
+         r"'model.layers.1.mlp.up_proj.weight' names its inner tensors 5, not a list of names"),
         (lambda t: t.update({"model.layers.1.mlp.up_proj._weight_qdata": torch.zeros(3, 64, dtype=torch.int8)}),
          None, r"the quantized model.layers.1.mlp.up_proj.weight has shape \[3, 64\] but LlamaForCausalLM's has "
          r"\[128, 64\]"),
     ],
-    ids=["missing-inner-tensor", "no-torchao-metadata", "wrong-shape"],
+    ids=["missing-inner-tensor", "extra-inner-tensor", "plain-tensor-beside-its-parts", "no-torchao-metadata",
+         "entry-not-an-object", "names-not-strings", "inner-names-not-a-list", "wrong-shape"],
 )  # fmt: skip
 def test_from_pretrained_refuses_a_damaged_torchao_checkpoint_naming_the_key(tmp_path, change, metadata, message):
     folder = _saved_torchao(tmp_path)
@@ -329,3 +347,25 @@ def test_on_cuda_from_pretrained_of_a_prequantized_torchao_checkpoint_computes_w
     model = hf_prefetch.from_pretrained(folder, CONFIG, device="cuda")
     for _ in range(2):
         assert_same_generation(generate_with_logits(model, ids), want)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_from_pretrained_keeps_quantized_tied_embeddings_one_parameter(tmp_path):
+    # Embeddings and head tied and quantized (include_input_output_embeddings): the checkpoint holds the same inner
+    # tensors under both names; the model gets one subclass parameter, resident, read once and checked equal.
+    from transformers import AutoModelForCausalLM, TorchAoConfig
+
+    tiny_llama(6, dtype=torch.bfloat16, tie_word_embeddings=True).save_pretrained(tmp_path / "plain")
+    per_row = quantization.IntxWeightOnlyConfig(weight_dtype=torch.int8, granularity=quantization.PerAxis(0))
+    config = quantization.FqnToConfig(
+        {"model.embed_tokens": per_row, "lm_head": per_row, "_default": quantization.Int8WeightOnlyConfig()}
+    )
+    settings = TorchAoConfig(config, include_input_output_embeddings=True)
+    quantized = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", quantization_config=settings)
+    quantized.save_pretrained(tmp_path / "quantized")
+    ids = prompt()
+    want = generate_with_logits(quantized, ids)
+    model = hf_prefetch.from_pretrained(tmp_path / "quantized", CONFIG, device="cpu")
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not any(o.param is model.lm_head.weight for o in hf_prefetch.get_state(model).offloaded)
+    assert_same_generation(generate_with_logits(model, ids), want)
