@@ -60,12 +60,32 @@ def host_layout(plan: OffloadPlan) -> list[tuple[str, ParamSpec]]:
 
 
 def keep_int8_scales(model: nn.Module, journal: Journal) -> None:
-    """Before the host storage is filled: each 8-bit layer's scales on its parameter (`weight.SCB`, where its first
-    forward leaves None) so that they are the parameter's part `SCB` (bnb.py). Undone by a rollback only."""
+    """Before the host storage is filled: each 8-bit layer in one form, its values and scales named by its parameter
+    only (`weight.data`, `weight.SCB`; `weight.CB` and its matmul state's `CB` and `SCB` emptied, where bitsandbytes
+    keeps them before and after a first forward), so that no other name keeps alive the storage the dispatch
+    replaces. A rollback rebuilds the form it had from the parameter: the undo holds no tensor (bnb.py)."""
     for path, module in int8_modules(model):
-        weight = module.weight
-        if weight.SCB is None and module.state.SCB is not None:
-            journal.point(Phase.PLACE, weight, module.state.SCB, f"{path}.weight.SCB from its state", "SCB")
+        weight, state = module.weight, module.state
+        ran = weight.SCB is None and state.SCB is not None  # its first forward moved them into its state
+        if weight.SCB is None and not ran:
+            continue  # no scales anywhere: not quantized, refused at planning if it streams
+
+        with deferred_interrupts():
+            if ran:
+                weight.SCB = state.SCB
+            weight.CB = state.CB = state.SCB = None
+            what = f"{path}: values and scales named by its parameter only"
+            journal.record(Phase.PLACE, what, partial(_int8_as_given, weakref.ref(module), ran))
+
+
+def _int8_as_given(ref: weakref.ref, ran: bool) -> None:
+    # Undo of keep_int8_scales, from the parameter (its values back where they were): as bitsandbytes left the layer.
+    if (layer := ref()) is None:
+        return
+    if ran:
+        layer.state.CB, layer.state.SCB, layer.weight.SCB = layer.weight.data, layer.weight.SCB, None
+    else:
+        layer.weight.CB = layer.weight.data
 
 
 def begin(

@@ -310,7 +310,8 @@ def _stored_4bit(checkpoint: Any, path: str, module: nn.Module) -> torch.Tensor:
     from bitsandbytes.nn import Params4bit
     from bitsandbytes.utils import unpack_tensor_to_dict
 
-    packed = [key for key in checkpoint.keys() if key.startswith(f"{path}.weight.quant_state.bitsandbytes__")]
+    packed = [f"{path}.weight.quant_state.bitsandbytes__{kind}" for kind in ("nf4", "fp4")]
+    packed = [key for key in packed if key in checkpoint]
     if len(packed) != 1:
         raise ValueError(
             f"{checkpoint.folder}: the 4-bit layer {path} needs exactly one quantization-state entry "
@@ -318,13 +319,18 @@ def _stored_4bit(checkpoint: Any, path: str, module: nn.Module) -> torch.Tensor:
             "saved from a bitsandbytes 4-bit model of this config: re-save it from the quantized model."
         )
     entry = checkpoint[packed[0]]
+    if entry.nbytes > _MAX_SETTINGS_BYTES:
+        raise ValueError(
+            f"{entry.path}: {entry.key!r} is {entry.nbytes} bytes, not the few hundred of bitsandbytes' packed "
+            "quantization settings: the checkpoint is damaged. Re-save it from the quantized model."
+        )
     raw = torch.empty(entry.nbytes, dtype=torch.uint8)
     checkpoint.read(entry, raw.numpy())
     try:
         settings = unpack_tensor_to_dict(raw)
         if not isinstance(settings, dict):
             raise ValueError(f"JSON {type(settings).__name__}, not an object")
-    except ValueError as error:  # UnicodeDecodeError and json's errors are ValueErrors
+    except (ValueError, RecursionError) as error:  # UnicodeDecodeError and json's errors are ValueErrors
         raise ValueError(
             f"{entry.path}: {entry.key!r} is not bitsandbytes' packed quantization state ({error}): the "
             "checkpoint is damaged. Re-save it from the quantized model."
@@ -343,6 +349,9 @@ def _stored_4bit(checkpoint: Any, path: str, module: nn.Module) -> torch.Tensor:
             f"({type(error).__name__}: {error}): {settings}. Re-save the checkpoint from the quantized model."
         ) from None
     return param
+
+
+_MAX_SETTINGS_BYTES = 1 << 16  # a 4-bit layer's packed settings: a JSON object of seven fields
 
 
 def _check_4bit(checkpoint: Any, path: str, module: nn.Module) -> None:
@@ -398,10 +407,17 @@ def _check_row_major(checkpoint: Any, key: str) -> None:
 def _stored(checkpoint: Any, key: str, module: nn.Module) -> torch.Tensor:
     # A meta tensor of the dtype and shape `key` has in the checkpoint.
     if key not in checkpoint:
+        shorter = key.partition(".")[2]
+        hint = (
+            f" It names it {shorter!r}: it was saved from the base model; load it with model_class=transformers."
+            "AutoModel (or the base model's class)."
+            if shorter in checkpoint
+            else " It was saved from another model or without quantization: check config.json, or re-save it."
+        )
         raise ValueError(
             f"{checkpoint.folder}: no tensor {key!r} for the bitsandbytes layer {type(module).__name__} that the "
-            f"config.json quantization_config makes of it (the checkpoint holds keys like {checkpoint.keys()[:3]}). "
-            "It was saved from another model or without quantization: check config.json, or re-save it."
+            f"config.json quantization_config makes of it (the checkpoint holds keys like {checkpoint.keys()[:3]})."
+            + hint
         )
     entry = checkpoint[key]
     return torch.empty(entry.shape, dtype=entry.dtype, device="meta")
@@ -418,7 +434,7 @@ def checkpoint_parts(model: nn.Module) -> dict[str, tuple[str, torch.Tensor] | N
             found[f"{path}.weight"] = (f"{path}.weight:data", weight)
             found[f"{path}.SCB"] = (f"{path}.weight:SCB", weight.SCB)
             found[f"{path}.weight_format"] = None
-        elif (parts := storage_parts(weight)) is not None:
+        elif is_params4bit(weight) and (parts := storage_parts(weight)) is not None:
             state = weight.quant_state
             found[f"{path}.weight"] = (f"{path}.weight:data", weight)
             for name, tensor in parts[1:]:

@@ -56,21 +56,36 @@ def checkpoint_parts(model: nn.Module) -> dict[str, tuple[str, torch.Tensor] | N
 def _prepare_torchao(model: nn.Module, checkpoint: Any) -> None:
     from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
 
-    stored = {}
     described = _torchao_tensors(checkpoint)
+    # A quantized tensor `<module>.<attr>` is stored as `<module>._<attr>_<inner>`, one key per inner tensor.
+    flattened: dict[str, set[str]] = {}  # module -> the names of its keys that start with "_"
+    for key in checkpoint.keys():
+        module_path, _, leaf = key.rpartition(".")
+        if leaf.startswith("_"):
+            flattened.setdefault(module_path, set()).add(leaf)
+    claimed = {name.rpartition(".")[0]: set() for name in described}  # module -> the keys its tensors name
+    for name, (_, inner) in described.items():
+        module_path, _, attr = name.rpartition(".")
+        claimed[module_path] |= {f"_{attr}_{part}" for part in inner}
+    stored = {}
     for name, (kind, inner) in described.items():
         module_path, _, attr = name.rpartition(".")
-        prefix = f"{module_path}._{attr}_" if module_path else f"_{attr}_"
-        keys = {key for key in checkpoint.keys() if key.startswith(prefix)}
-        wanted = {prefix + part for part in inner}
-        if keys != wanted:
-            missing, extra = sorted(wanted - keys), sorted(keys - wanted)
+        leaves = flattened.get(module_path, set())
+        wanted = {f"_{attr}_{part}" for part in inner}
+        missing = sorted(wanted - leaves)
+        extra = sorted(leaf for leaf in leaves - claimed[module_path] if leaf.startswith(f"_{attr}_"))
+        owner = f"{module_path}." if module_path else ""
+        if missing or extra:
             raise ValueError(
                 f"{checkpoint.folder}: the torchao {kind} {name} is stored as {inner} (the files' __metadata__), but "
-                + (f"there is no tensor {missing[0]!r}" if missing else f"the files also hold {extra}")
+                + (
+                    f"there is no tensor {owner + missing[0]!r}"
+                    if missing
+                    else f"the files also hold {[owner + leaf for leaf in extra]}"
+                )
                 + ". The checkpoint is damaged or incomplete: re-save it from the quantized model."
             )
-        stored |= {key: _meta(checkpoint, key) for key in keys}
+        stored |= {owner + leaf: _meta(checkpoint, owner + leaf) for leaf in wanted}
     try:
         built, _ = unflatten_tensor_state_dict(stored, checkpoint.metadata)
     except (ValueError, TypeError, KeyError, AttributeError) as error:
@@ -137,9 +152,16 @@ def _install_meta(model: nn.Module, name: str, tensor: torch.Tensor, checkpoint:
     except AttributeError:
         current = None
     if not isinstance(current, nn.Parameter):
+        prefix = getattr(model, "base_model_prefix", "")
+        hint = (
+            " It was saved from the base model: load it with model_class=transformers.AutoModel (or the base "
+            "model's class)."
+            if prefix and _is_parameter(model, f"{prefix}.{name}")
+            else " The checkpoint is for another architecture: check config.json."
+        )
         raise ValueError(
             f"{checkpoint.folder}: its __metadata__ describes a quantized tensor {name}, which is not a parameter of "
-            f"{type(model).__name__}. The checkpoint is for another architecture: check config.json."
+            f"{type(model).__name__}.{hint}"
         )
     if tuple(current.shape) != tuple(tensor.shape):
         raise ValueError(
@@ -147,3 +169,11 @@ def _install_meta(model: nn.Module, name: str, tensor: torch.Tensor, checkpoint:
             f"has {list(current.shape)}. The checkpoint was saved for another configuration: check config.json."
         )
     setattr(module, attr, nn.Parameter(tensor, requires_grad=False))
+
+
+def _is_parameter(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_parameter(name)
+    except AttributeError:
+        return False
+    return True

@@ -59,7 +59,9 @@ def build_skeleton(
         model.config.quantization_config = quantizer.quantization_config
         method = _method(quantizer.quantization_config)
         if method in ("bitsandbytes", "torchao"):
-            quantizer.metadata = checkpoint.metadata  # as transformers' loader sets it (torchao describes its tensors)
+            # transformers' torchao quantizer reads the files' metadata in its own preparation, from files it opens;
+            # here it is the metadata Checkpoint already read (torchao describes its tensors there).
+            quantizer.metadata = checkpoint.metadata
             prequantized.prepare(model, checkpoint, method)  # each quantized parameter as stored (meta tensors)
             quantizer.postprocess_model(model)  # transformers' marks of a loaded one (is_loaded_in_4bit, ...)
     if isinstance(model, PreTrainedModel):

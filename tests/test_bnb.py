@@ -627,3 +627,25 @@ def test_torch_save_of_a_dispatched_quantized_models_state_dict_saves_its_host_v
     torch.save(model.state_dict(), saved)
     saved.seek(0)
     assert _same(torch.load(saved, weights_only=False), resident.state_dict())
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("ran_before", [False, True], ids=["fresh", "after-a-forward"])
+def test_a_dispatch_keeps_no_name_of_an_8bit_layers_original_storage(checkpoint, ran_before):
+    # bitsandbytes names an 8-bit layer's values twice (weight.data and weight.CB, or state.CB after a forward) and
+    # its scales on the parameter or in the state: once the values are in host storage, none of those names may keep
+    # the original storage alive (on a GPU: the device memory a dispatch frees before its pool exists).
+    model = _load_8bit(checkpoint)
+    if ran_before:
+        with torch.no_grad():
+            model(prompt())
+    up = model.model.layers[1].mlp.up_proj  # streamed
+    names = [up.state.CB, up.state.SCB] if ran_before else [up.weight.CB, up.weight.SCB]
+    originals = [weakref.ref(tensor) for tensor in names]
+    del names
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    gc.collect()
+    assert all(original() is None for original in originals)
+    ids = prompt()
+    want = generate_with_logits(_load_8bit(checkpoint), ids)
+    assert_same_generation(generate_with_logits(model, ids), want)
