@@ -418,13 +418,15 @@ def _dense_stride(tensor: torch.Tensor) -> tuple[int, ...]:
     return tuple(tensor.stride())
 
 
-def _param_bytes(tensor: torch.Tensor) -> int:
-    parts = stored_parts(tensor)
+def _param_bytes(tensor: torch.Tensor, module: nn.Module | None = None) -> int:
+    parts = stored_parts(tensor, module)
     if parts is not None:  # stored as several tensors: their bytes (packed values, scales)
         return sum(_param_bytes(t) for _, t in parts)
     return math.prod(tensor.shape) * tensor.element_size()
 
 
 def model_bytes(model: nn.Module) -> int:
-    """All parameters and buffers, each counted once."""
-    return sum(_param_bytes(p) for p in model.parameters()) + sum(_param_bytes(b) for b in model.buffers())
+    """All parameters and buffers, each counted once (a parameter with its owner: an 8-bit one's scales are in its
+    module's matmul state after a forward)."""
+    owned = {id(p): (p, module) for module in model.modules() for p in module.parameters(recurse=False)}
+    return sum(_param_bytes(p, module) for p, module in owned.values()) + sum(_param_bytes(b) for b in model.buffers())

@@ -649,3 +649,15 @@ def test_a_dispatch_keeps_no_name_of_an_8bit_layers_original_storage(checkpoint,
     ids = prompt()
     want = generate_with_logits(_load_8bit(checkpoint), ids)
     assert_same_generation(generate_with_logits(model, ids), want)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_the_plan_counts_an_8bit_layers_scales_before_and_after_a_forward(checkpoint):
+    # After a forward bitsandbytes keeps the scales in the module's state: the plan's model and resident bytes count
+    # them there too.
+    model = _load_8bit(checkpoint)
+    before = hf_prefetch.plan(model, CONFIG, device="cpu")
+    with torch.no_grad():
+        model(prompt())
+    after = hf_prefetch.plan(model, CONFIG, device="cpu")
+    assert (after.offloaded_bytes, after.resident_bytes) == (before.offloaded_bytes, before.resident_bytes)
