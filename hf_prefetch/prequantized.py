@@ -67,7 +67,6 @@ def _prepare_torchao(model: nn.Module, checkpoint: Any) -> None:
     for name, (_, inner) in described.items():
         module_path, _, attr = name.rpartition(".")
         claimed[module_path] |= {f"_{attr}_{part}" for part in inner}
-    stored = {}
     for name, (kind, inner) in described.items():
         module_path, _, attr = name.rpartition(".")
         leaves = flattened.get(module_path, set())
@@ -85,15 +84,17 @@ def _prepare_torchao(model: nn.Module, checkpoint: Any) -> None:
                 )
                 + ". The checkpoint is damaged or incomplete: re-save it from the quantized model."
             )
-        stored |= {owner + leaf: _meta(checkpoint, owner + leaf) for leaf in wanted}
-    try:
-        built, _ = unflatten_tensor_state_dict(stored, checkpoint.metadata)
-    except (ValueError, TypeError, KeyError, AttributeError) as error:
-        raise ValueError(
-            f"{checkpoint.folder}: torchao cannot rebuild the tensors its __metadata__ describes "
-            f"({type(error).__name__}: {error}). Re-save the checkpoint with this torchao version."
-        ) from None
-    for name in described:
+        # One tensor at a time: torchao groups keys by prefix, which `weight` shares with a `weight_scale` beside it.
+        alone = {"tensor_names": json.dumps([name]), name: checkpoint.metadata[name]}
+        try:
+            built, _ = unflatten_tensor_state_dict(
+                {owner + leaf: _meta(checkpoint, owner + leaf) for leaf in wanted}, alone
+            )
+        except (ValueError, TypeError, KeyError, AttributeError) as error:
+            raise ValueError(
+                f"{checkpoint.folder}: torchao cannot rebuild {name} as its __metadata__ describes it "
+                f"({type(error).__name__}: {error}). Re-save the checkpoint with this torchao version."
+            ) from None
         if name not in built:
             raise ValueError(
                 f"{checkpoint.folder}: torchao did not rebuild {name} from its stored tensors. Re-save it."

@@ -369,3 +369,30 @@ def test_from_pretrained_keeps_quantized_tied_embeddings_one_parameter(tmp_path)
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert not any(o.param is model.lm_head.weight for o in hf_prefetch.get_state(model).offloaded)
     assert_same_generation(generate_with_logits(model, ids), want)
+
+
+def test_two_quantized_parameters_whose_names_share_a_prefix_are_rebuilt_each_from_its_own_tensors(tmp_path):
+    # `weight` and `weight_scale` on one module: stored as `_weight_qdata` and `_weight_scale_qdata`, which torchao's
+    # own grouping by prefix would mix.
+    from safetensors.torch import save_file
+    from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
+
+    from hf_prefetch import prequantized
+    from hf_prefetch.checkpoint import Checkpoint
+
+    linears = nn.Linear(64, 32, dtype=torch.bfloat16), nn.Linear(64, 16, dtype=torch.bfloat16)
+    for linear in linears:
+        quantization.quantize_(linear, quantization.Int8WeightOnlyConfig())
+    values = {"block.weight": linears[0].weight, "block.weight_scale": linears[1].weight}
+    tensors, metadata = flatten_tensor_state_dict(values)
+    save_file(tensors, tmp_path / "model.safetensors", metadata=metadata)
+    model = nn.Module()
+    model.block = nn.Module()
+    model.block.weight = nn.Parameter(torch.empty(32, 64, device="meta"), requires_grad=False)
+    model.block.weight_scale = nn.Parameter(torch.empty(16, 64, device="meta"), requires_grad=False)
+    with Checkpoint.open(tmp_path) as checkpoint:
+        prequantized.prepare(model, checkpoint, "torchao")
+    for name, value in values.items():
+        rebuilt = model.get_parameter(name)
+        assert type(rebuilt) is type(value) and rebuilt.shape == value.shape
+        assert {k: v.shape for k, v in _inner(rebuilt).items()} == {k: v.shape for k, v in _inner(value).items()}
