@@ -211,3 +211,29 @@ def test_compress_reaches_the_plan_and_the_tokens(tmp_path, capsys):
     code, out, err = _run(capsys, *argv)
     assert code == 0, err
     assert out.strip() == tokenizer.decode(want[0, ids.shape[1] :], skip_special_tokens=True).strip()
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_a_prequantized_bitsandbytes_checkpoint_plans_and_generates_what_transformers_loads(tmp_path, capsys):
+    # The command line reads a checkpoint saved from an 8-bit model as stored, like from_pretrained.
+    pytest.importorskip("bitsandbytes")
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tiny_llama(6, eos_token_id=None, dtype=torch.bfloat16).save_pretrained(tmp_path / "plain")
+    quantized = BitsAndBytesConfig(load_in_8bit=True)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "plain", quantization_config=quantized, device_map="cpu")
+    model.save_pretrained(tmp_path / "8bit")
+    tokenizer = _save_tokenizer(tmp_path / "8bit")
+    resident = AutoModelForCausalLM.from_pretrained(tmp_path / "8bit", device_map="cpu").eval()
+    ids = tokenizer("the cat sat on", return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = resident.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    options = ["--group-size", "2", "--device", "cpu"]
+    code, out, err = _run(capsys, "plan", tmp_path / "8bit", *options)
+    assert code == 0, err
+    config = hf_prefetch.PrefetchConfig(group_size=2)
+    assert out.strip() == str(hf_prefetch.plan(tmp_path / "8bit", config, device="cpu")).strip()
+    argv = ["generate", tmp_path / "8bit", "--prompt", "the cat sat on", "--max-new-tokens", "6", *options]
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    assert out.strip() == tokenizer.decode(want[0, ids.shape[1] :], skip_special_tokens=True).strip()
