@@ -117,8 +117,7 @@ def begin(
 def attach(model: nn.Module, state: OffloadState) -> None:
     """Second half of a dispatch: `state.offloaded` hold their values in host storage; place the rest, point the
     offloaded parameters at their slots (or mapped views), hook the layers. Also used by the loader."""
-    for path, module in int8_modules(model):  # bnb.py: their matmul state reads through the parameter
-        state.journal.set_attribute(module.weight, "CB", None, f"{path}.weight.CB (values read through the state)")
+    for path, module in int8_modules(model):  # named by the parameter only (keep_int8_scales, prepare_prequantized)
         state.journal.set_attribute(module, "state", following_state(module), f"matmul state of {path}")
     if state.plan.backend == "uva":
         _attach_uva(model, state)
@@ -415,7 +414,7 @@ def detach(model: nn.Module, state: OffloadState, target: torch.device | None) -
     if target is not None:
         move_tensors(model, target)
         unpack_for(model, target)  # 4-bit layers repacked for the CPU kernels, moved to a GPU: as .cuda() does
-    settle_int8(model)  # 8-bit layers as freshly quantized ones (bnb.py), their state emptied
+    settle_int8(model)  # 8-bit layers as freshly quantized ones (bnb.py)
     _end(model, state)
 
 
@@ -425,7 +424,6 @@ def rollback(model: nn.Module, state: OffloadState) -> None:
     _quiesce(state)
     state.journal.unwind(Phase.PLACE)
     state.engine = None
-    settle_int8(model)  # 8-bit layers' values named by their parameter's storage again (bnb.py)
     _end(model, state)
 
 

@@ -225,17 +225,12 @@ def _matmul_state(fields: dict[str, Any]) -> Any:
 
 
 def settle_int8(model: nn.Module) -> None:
-    """After a removal or a rollback, each 8-bit layer's tensors named consistently with its parameter, which may now
-    hold other storage than before: with its scales on the parameter, as bitsandbytes leaves a freshly quantized layer
-    (`weight.CB` is its data, nothing in its state: its next forward moves them there); with its scales in its state (a
-    rolled-back dispatch of a layer that had run), the state's values are the parameter's data again."""
+    """After a removal, each 8-bit layer (its values and scales named by its parameter only during the dispatch) as
+    bitsandbytes leaves a freshly quantized one: `weight.CB` is its data, which may now be other storage than before,
+    and its next forward moves both into its matmul state."""
     for _, module in int8_modules(model):
-        weight = module.weight
-        if weight.SCB is not None:
-            weight.CB = weight.data
-            module.state.CB = module.state.SCB = None
-        elif module.state.CB is not None:
-            module.state.CB = weight.data
+        if module.weight.SCB is not None:
+            module.weight.CB = module.weight.data
 
 
 def host_state_dict(param: torch.Tensor, host: dict[str, torch.Tensor], prefix: str, state_dict: dict) -> None:
@@ -292,10 +287,8 @@ def _stored_8bit(checkpoint: Any, path: str, module: nn.Module) -> torch.Tensor:
 
     weight, scales = _stored(checkpoint, f"{path}.weight", module), _stored(checkpoint, f"{path}.SCB", module)
     features = (module.out_features, module.in_features)
-    if (weight.dtype, tuple(weight.shape)) != (torch.int8, features) or (scales.dtype, tuple(scales.shape)) != (
-        torch.float32,
-        features[:1],
-    ):
+    stored = (weight.dtype, tuple(weight.shape), scales.dtype, tuple(scales.shape))
+    if stored != (torch.int8, features, torch.float32, features[:1]):
         raise ValueError(
             f"{checkpoint[f'{path}.weight'].path}: {path}.weight ({weight.dtype}, {list(weight.shape)}) and "
             f"{path}.SCB ({scales.dtype}, {list(scales.shape)}) are not the 8-bit weight of {path}, a linear of "
@@ -430,7 +423,7 @@ def checkpoint_parts(model: nn.Module) -> dict[str, tuple[str, torch.Tensor] | N
     found: dict[str, tuple[str, torch.Tensor] | None] = {}
     for path, module in model.named_modules():
         weight = getattr(module, "weight", None)
-        if is_int8(weight) and hasattr(module, "state"):
+        if is_int8(weight) and hasattr(module, "state") and weight.SCB is not None:  # as prepare_prequantized makes it
             found[f"{path}.weight"] = (f"{path}.weight:data", weight)
             found[f"{path}.SCB"] = (f"{path}.weight:SCB", weight.SCB)
             found[f"{path}.weight_format"] = None

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import host
+from . import host_memory
 from .attach import attach, begin, detach, finish_interrupted, host_layout, keep_int8_scales, rollback
 from .budget import choose_plan
 from .compressed import compress_arena
@@ -177,7 +177,7 @@ def _check_replacement_arena(model: nn.Module, state, layout) -> None:
     )
     nbytes = HostArena.bytes_for([spec.nbytes for _, spec in layout])
     if nbytes > 0:
-        host.check_host_memory(nbytes, host.host_limits(), freed_bytes=state.arena.nbytes + on_host)
+        host_memory.check_host_memory(nbytes, host_memory.host_limits(), freed_bytes=state.arena.nbytes + on_host)
 
 
 def remove_offload(model: nn.Module, device: str | int | torch.device | None = None) -> nn.Module:

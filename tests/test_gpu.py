@@ -396,7 +396,7 @@ def test_timing_after_load_state_dict_on_cuda(gpu_reference):
 
 
 def test_a_replacement_the_container_cannot_hold_keeps_the_current_dispatch(gpu_reference, tmp_path, monkeypatch):
-    from hf_prefetch import host
+    from hf_prefetch import host_memory
 
     model, _, long_ids, _, prefill = gpu_reference
     hf_prefetch.dispatch_model(
@@ -412,8 +412,8 @@ def test_a_replacement_the_container_cannot_hold_keeps_the_current_dispatch(gpu_
         (cgroup / "memory.max").write_text(f"{2**30}\n")
         (cgroup / "memory.current").write_text(f"{2**30}\n")
         (cgroup / "memory.stat").write_text("anon 1\nfile 0\nactive_file 0\ninactive_file 0\n")
-        real = host.host_limits
-        monkeypatch.setattr(host, "host_limits", lambda root=tmp_path: real(root))
+        real = host_memory.host_limits
+        monkeypatch.setattr(host_memory, "host_limits", lambda root=tmp_path: real(root))
         with pytest.raises(ValueError, match="cgroup memory limit"):
             hf_prefetch.dispatch_model(
                 model, hf_prefetch.PrefetchConfig(group_size=1, prefetch_step=1), device="cuda", replace=True

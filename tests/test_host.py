@@ -10,7 +10,7 @@ import torch
 from models import prompt, tiny_llama
 
 import hf_prefetch
-from hf_prefetch import host
+from hf_prefetch import host, host_memory
 from hf_prefetch.host import HostArena, pinned_bytes
 
 
@@ -114,8 +114,8 @@ def write_tree(root, files: dict[str, str]) -> None:
 @pytest.fixture
 def fake_host(monkeypatch, tmp_path):
     """The arena reads its limits from the fake tree at tmp_path."""
-    real = host.host_limits
-    monkeypatch.setattr(host, "host_limits", lambda root=tmp_path: real(root))
+    real = host_memory.host_limits
+    monkeypatch.setattr(host_memory, "host_limits", lambda root=tmp_path: real(root))
     return tmp_path
 
 
@@ -163,7 +163,7 @@ def test_an_arena_over_the_cgroup_v2_limit_is_refused_before_allocating(fake_hos
 
 def test_cgroup_v2_without_a_limit_allows_any_arena(fake_host):
     cgroup_v2(fake_host, "/job", "max", 10 * GiB)
-    limits = host.host_limits()
+    limits = host_memory.host_limits()
     assert limits.cgroup_limit is None and limits.cgroup_headroom is None and limits.cgroup_source is None
     HostArena([MiB])
 
@@ -174,7 +174,7 @@ def test_the_cgroup_level_with_the_least_room_counts(fake_host):
     write_tree(
         fake_host, {"sys/fs/cgroup/pod/memory.max": str(8 * GiB), "sys/fs/cgroup/pod/memory.current": str(7 * GiB)}
     )
-    limits = host.host_limits()
+    limits = host_memory.host_limits()
     assert (limits.cgroup_limit, limits.cgroup_usage) == (8 * GiB, 7 * GiB)
     assert limits.cgroup_source == "/sys/fs/cgroup/pod/memory.max" and limits.cgroup_headroom == GiB
     with pytest.raises(ValueError, match=r"\(/sys/fs/cgroup/pod/memory.max\) is 8.00 GiB, 7.00 GiB in use"):
@@ -194,7 +194,7 @@ def test_cgroup_v1_without_a_cgroup_namespace(fake_host):
             "sys/fs/cgroup/memory/memory.stat": f"cache 5\ninactive_file 7\ntotal_inactive_file {GiB}\n",
         },
     )
-    limits = host.host_limits()
+    limits = host_memory.host_limits()
     assert (limits.cgroup_limit, limits.cgroup_usage) == (4 * GiB, 2 * GiB)
     assert limits.cgroup_source == "/sys/fs/cgroup/memory/memory.limit_in_bytes"
     with pytest.raises(ValueError, match=r"memory.limit_in_bytes\) is 4.00 GiB, 2.00 GiB in use.*2.00 GiB left"):
@@ -213,19 +213,19 @@ def test_cgroup_v1_unlimited_reads_as_no_limit(fake_host):
             "sys/fs/cgroup/memory/memory.limit_in_bytes": str(unlimited),
         },
     )
-    assert host.host_limits().cgroup_limit is None
+    assert host_memory.host_limits().cgroup_limit is None
     HostArena([MiB])
 
 
 def test_no_cgroup_or_proc_files_mean_no_limits(fake_host, monkeypatch):
-    monkeypatch.setattr(host, "resource", None)  # not Unix
-    assert host.host_limits() == host.HostLimits(None, None, None, None, None)
+    monkeypatch.setattr(host_memory, "resource", None)  # not Unix
+    assert host_memory.host_limits() == host_memory.HostLimits(None, None, None, None, None)
     HostArena([MiB])
 
 
 def test_an_arena_over_mem_available_warns(fake_host):
     write_tree(fake_host, {"proc/meminfo": "MemTotal:       24682416 kB\nMemAvailable:     524288 kB\n"})
-    assert host.host_limits().mem_available == 512 * MiB
+    assert host_memory.host_limits().mem_available == 512 * MiB
     with pytest.warns(UserWarning, match=r"needs 1.00 GiB.*MemAvailable \(/proc/meminfo\) is 0.50 GiB"):
         HostArena([GiB])  # only an estimate: allocated all the same
 
@@ -249,17 +249,17 @@ def test_an_empty_arena_is_never_refused(fake_host):
 
 def test_a_small_memlock_limit_is_reported_but_not_warned_about(fake_host, monkeypatch):
     # RLIMIT_MEMLOCK does not govern cudaHostRegister (see check_host_memory).
-    monkeypatch.setattr(host.resource, "getrlimit", lambda which: (64 * 1024, 64 * 1024))
-    assert host.host_limits().memlock == 64 * 1024
+    monkeypatch.setattr(host_memory.resource, "getrlimit", lambda which: (64 * 1024, 64 * 1024))
+    assert host_memory.host_limits().memlock == 64 * 1024
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         HostArena([GiB])  # the fake tree has no limits
-    monkeypatch.setattr(host.resource, "getrlimit", lambda which: (host.resource.RLIM_INFINITY,) * 2)
-    assert host.host_limits().memlock is None
+    monkeypatch.setattr(host_memory.resource, "getrlimit", lambda which: (host_memory.resource.RLIM_INFINITY,) * 2)
+    assert host_memory.host_limits().memlock is None
 
 
 def test_this_machines_limits_parse():
-    limits = host.host_limits()
+    limits = host_memory.host_limits()
     for value in (limits.cgroup_limit, limits.cgroup_usage, limits.mem_available, limits.memlock):
         assert value is None or (isinstance(value, int) and value >= 0)
     assert (limits.cgroup_limit is None) == (limits.cgroup_source is None) == (limits.cgroup_headroom is None)
