@@ -68,12 +68,17 @@ def h2d_peak_gbps(nbytes: int = LINK_BYTES, repeats: int = LINK_REPEATS) -> floa
     return measure_link_gbps(device, nbytes, repeats, cached=False)
 
 
-def static_decode(model, ids, cache, new_tokens: int, compiled: bool) -> tuple[float, torch.Tensor]:
-    """Seconds and tokens of one greedy `generate` of `new_tokens` into a reset static `cache`, through transformers'
-    own compile of static-cache decoding (inductor, "reduce-overhead": CUDA graphs) when `compiled`."""
+def static_decode(
+    model, ids, cache, new_tokens: int, compiled: bool, sample: bool = False
+) -> tuple[float, torch.Tensor]:
+    """Seconds and tokens of one `generate` of `new_tokens` into a reset static `cache`, through transformers' own
+    compile of static-cache decoding (inductor, "reduce-overhead": CUDA graphs) when `compiled`. Greedy, or with
+    `sample` sampled from the whole distribution after seeding the generator (the same tokens each call)."""
     from transformers import CompileConfig
 
     cache.reset()
+    if sample:
+        torch.manual_seed(0)
     torch.cuda.synchronize()
     start = time.perf_counter()
     with torch.no_grad():
@@ -83,7 +88,10 @@ def static_decode(model, ids, cache, new_tokens: int, compiled: bool) -> tuple[f
             past_key_values=cache,
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
-            do_sample=False,
+            do_sample=sample,
+            top_k=None,
+            top_p=None,
+            temperature=1.0,
             compile_config=CompileConfig() if compiled else None,
             disable_compile=not compiled,
         )

@@ -4,10 +4,14 @@ The Qwen3-30B-A3B-shaped random bf16 model of `moe.py` decodes through transform
 decoding (inductor, mode "reduce-overhead"): first all on the GPU (the reference tokens and the compiled all-on-GPU
 time), then dispatched at a GPU budget with routed experts (a decode graph copies each layer without its experts and
 gathers the 8 picked experts' rows through the arena's mapped view, reading the index each replay's router wrote),
-then dispatched again with routing off (`routed_max_tokens=0`: whole expert tensors, the same ops, so the same
-fusions: the bitwise reference for the routed tokens). A CUDA graph replays without Python, so the bytes one token
-moves are counted on one eager decode step of the same dispatch. bound = max(compiled all-on-GPU s/token, bytes per
-token / pinned H2D peak), the peak measured before each run and the fastest reading used.
+then with routed experts but without fetching each layer's previous picks ahead of its router
+(`recent_experts=False`: only the router's picks cross the link, after the router), then with routing off
+(`routed_max_tokens=0`: whole expert tensors, the same ops, so the same fusions: the bitwise reference for the routed
+tokens). A CUDA graph replays without Python, so the bytes one token moves are counted on one eager decode step of the
+same dispatch. bound = max(compiled all-on-GPU s/token, routed bytes per token / pinned H2D peak), the peak measured
+before each run and the fastest reading used; the routed bytes of both routed rows are those of the row without
+recent experts (each pick not in the cache, once: fetching a recent expert that is not picked again moves bytes the
+bound does not count).
 
     python benchmarks/moe_compiled.py [--budget-gib 24] [--layers 48] [--runs 3]
     python benchmarks/moe_compiled.py --cache-shares 0 0.25 0.5 --budget-gib 40
@@ -38,9 +42,12 @@ PROMPT_TOKENS = 16
 CACHE_TOKENS = PROMPT_TOKENS + 64
 
 
+SAMPLE = False  # --sample: tokens sampled (seeded), so that each token's picks differ from the one before's
+
+
 def seconds_per_token(model, ids, cache, compiled: bool, short: int, long: int) -> tuple[float, torch.Tensor]:
-    t_short, _ = static_decode(model, ids, cache, short, compiled)
-    t_long, out = static_decode(model, ids, cache, long, compiled)
+    t_short, _ = static_decode(model, ids, cache, short, compiled, SAMPLE)
+    t_long, out = static_decode(model, ids, cache, long, compiled, SAMPLE)
     return (t_long - t_short) / (long - short), out
 
 
@@ -83,8 +90,21 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=48)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--cache-shares", type=float, nargs="*", default=None)
+    parser.add_argument(
+        "--sample",
+        action="store_true",
+        help="sample each token (seeded) instead of greedy decoding, and measure only the routed rows: a random "
+        "model's greedy tokens repeat, and so do its picks",
+    )
+    parser.add_argument(
+        "--default-cache",
+        action="store_true",
+        help="routed rows with expert_cache=None (what the budget leaves spare) instead of no cache",
+    )
     add_offload_params_argument(parser)
     args = parser.parse_args()
+    global SAMPLE
+    SAMPLE = args.sample
     offload_params = frozenset(args.offload_params)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     links = [h2d_peak_gbps()]
@@ -101,14 +121,27 @@ def main() -> None:
     budget = {0: f"{args.budget_gib}GiB", "cpu": "120GiB"}
     systems = {}
     if args.cache_shares is None:
-        variants = [("routed experts", None, 0), ("whole expert tensors", 0, 0)]
+        cache = None if args.default_cache else 0
+        variants = [
+            ("routed experts", None, cache, True),
+            ("routed, router only", None, cache, False),
+            ("whole expert tensors", 0, 0, False),
+        ][: 2 if args.sample or args.default_cache else 3]
     else:
         experts = model.config.num_experts
-        variants = [(f"routed, cache {int(s * experts)}/{experts}", None, int(s * experts)) for s in args.cache_shares]
-    for number, (name, limit, cached) in enumerate(variants):
+        variants = [
+            (f"routed, cache {int(s * experts)}/{experts}{suffix}", None, int(s * experts), recent)
+            for s in args.cache_shares
+            for suffix, recent in (("", True), (", router only", False))
+        ]
+    for number, (name, limit, cached, recent) in enumerate(variants):
         begin = time.perf_counter()
         config = hf_prefetch.PrefetchConfig(
-            prefetch_step=2, expert_cache=cached, routed_max_tokens=limit, offload_params=offload_params
+            prefetch_step=2,
+            expert_cache=cached,
+            routed_max_tokens=limit,
+            recent_experts=recent,
+            offload_params=offload_params,
         )
         try:
             hf_prefetch.dispatch_model(model, config, max_memory=budget, replace=number > 0)
@@ -116,18 +149,36 @@ def main() -> None:
             print(f"{name}: does not fit the budget: {str(error)[:200]}", flush=True)
             continue
         torch.cuda.synchronize()
-        streamed = sum(len(ring.layers) for ring in hf_prefetch.get_state(model).engine.rings)
-        print(f"{name}: dispatched in {time.perf_counter() - begin:.1f} s, {streamed} layers streamed", flush=True)
+        state = hf_prefetch.get_state(model)
+        streamed = sum(len(ring.layers) for ring in state.engine.rings)
+        print(
+            f"{name}: dispatched in {time.perf_counter() - begin:.1f} s, {streamed} layers streamed, "
+            f"{state.plan.cached_experts} experts cached per layer",
+            flush=True,
+        )
         moved = bytes_per_token(model, ids)
         short, long = (8, 40) if limit is None else (2, 8)
         hf_prefetch.reset_stats(model)
         samples, tokens = measure(name, model, ids, args.runs, short, long, links)
         stats = hf_prefetch.stats(model)
-        looked_up = stats.cache_hits + stats.cache_misses
-        hit_rate = stats.cache_hits / looked_up if looked_up else None
+        looked_up = stats.routed_picks
+        hit_rate = stats.cache_hits / looked_up if cached != 0 and looked_up else None
+        recent_rate = stats.recent_hits / looked_up if recent and looked_up else None
         if hit_rate is not None:
             print(f"{name}: cache hit rate {hit_rate:.3f} over {looked_up} picks", flush=True)
-        systems[name] = dict(samples=samples, tokens=tokens, moved=moved, misses=stats.misses, hit_rate=hit_rate)
+        if recent_rate is not None:
+            print(f"{name}: {recent_rate:.3f} of {looked_up} picks found fetched ahead", flush=True)
+        systems[name] = dict(
+            samples=samples,
+            tokens=tokens,
+            moved=moved,
+            misses=stats.misses,
+            hit_rate=hit_rate,
+            recent_rate=recent_rate,
+            cached=cached,
+            recent=recent,
+            routing=limit is None,
+        )
         torch._dynamo.reset()
 
     peak = max(links)
@@ -138,25 +189,44 @@ def main() -> None:
     print(f"{'system':<34} {'GB/token':>9} {'s/token':>8} {'bound':>8} {'x bound':>8}  tokens")
     print(f"{'all on GPU':<34} {0:>9.2f} {base:>8.4f} {base:>8.4f} {1:>8.3f}  reference")
     rows = {}
+    # The routed bytes of a token at each cache size: those of the row that copies only the router's picks.
+    picked = {row["cached"]: row["moved"] for row in systems.values() if row["routing"] and not row["recent"]}
     for name, row in systems.items():
         seconds = statistics.median(row["samples"])
-        bound = max(base, row["moved"] / (peak * 1e9))
+        moved = picked.get(row["cached"], row["moved"]) if row["routing"] else row["moved"]
+        bound = max(base, moved / (peak * 1e9))
         same = "identical" if _same_prefix(row["tokens"], reference) else "differ from all-on-GPU"
         rows[name] = dict(
-            seconds=seconds, bound=bound, moved=row["moved"], samples=row["samples"], hit_rate=row["hit_rate"]
+            seconds=seconds,
+            bound=bound,
+            moved=row["moved"],
+            samples=row["samples"],
+            hit_rate=row["hit_rate"],
+            recent_rate=row["recent_rate"],
         )
         print(
             f"{'hf_prefetch ' + name:<34} {row['moved'] / 1e9:>9.2f} {seconds:>8.4f} {bound:>8.4f} "
             f"{seconds / bound:>8.3f}  {same}; misses {row['misses']}"
         )
-    if args.cache_shares is None:
-        routed, whole = systems["routed experts"], systems["whole expert tensors"]
-        same = _same_prefix(routed["tokens"], whole["tokens"])
-        length = min(routed["tokens"].shape[1], whole["tokens"].shape[1]) - PROMPT_TOKENS
-        verdict = "identical" if same else "DIFFER"
-        print(f"routed tokens {verdict} to whole-tensor tokens (the same compiled ops; first {length} tokens)")
-        speedup = rows["whole expert tensors"]["seconds"] / rows["routed experts"]["seconds"]
-        print(f"routed over whole expert tensors, compiled: {speedup:.2f}x")
+    if args.cache_shares is None and not (args.sample or args.default_cache):
+        whole = systems["whole expert tensors"]
+        for name in ("routed experts", "routed, router only"):
+            routed = systems[name]
+            same = _same_prefix(routed["tokens"], whole["tokens"])
+            length = min(routed["tokens"].shape[1], whole["tokens"].shape[1]) - PROMPT_TOKENS
+            verdict = "identical" if same else "DIFFER"
+            print(f"{name}: tokens {verdict} to whole-tensor tokens (the same compiled ops; first {length} tokens)")
+            speedup = rows["whole expert tensors"]["seconds"] / rows[name]["seconds"]
+            print(f"{name} over whole expert tensors, compiled: {speedup:.2f}x")
+        verdict = (
+            "identical"
+            if torch.equal(systems["routed experts"]["tokens"], systems["routed, router only"]["tokens"])
+            else "DIFFER"
+        )
+        print(f"routed experts: tokens {verdict} to routed, router only (40 tokens)")
+    elif args.cache_shares is None:
+        same = torch.equal(systems["routed experts"]["tokens"], systems["routed, router only"]["tokens"])
+        print(f"routed experts: tokens {'identical' if same else 'DIFFER'} to routed, router only")
     else:
         first, *others = systems.values()
         for name, row in zip(list(systems)[1:], others, strict=True):

@@ -81,7 +81,7 @@ def main() -> None:
         seconds = device_seconds(lambda dtype=dtype: gather(dtype), args.repeats)
         print(f"{'UVA index_select, ' + label:<34} {seconds * 1e3:>7.3f} {moved / seconds / 1e9:>7.1f}  {check()}")
 
-    # The expert cache's gather (`hf_prefetch.experts.gather_with_cache`): one Triton kernel per tensor reads each
+    # The expert cache's gather (`hf_prefetch.experts.gather_looked_up`): one Triton kernel per tensor reads each
     # picked row from the cache when the lookup table has it, else from the mapped view. With no row cached it moves
     # the same bytes as index_select; with half the picks cached, half of them cross the bus.
     from hf_prefetch.experts import gather_kernel
@@ -89,7 +89,7 @@ def main() -> None:
     launch = gather_kernel()
     capacity = args.picks
     caches = {n: hosts[n][picks].to(device).view(capacity, -1).view(torch.int64) for n in SHAPES}
-    tallies = torch.zeros(2, dtype=torch.long, device=device)
+    tallies = torch.zeros(4, dtype=torch.long, device=device)
     counts = torch.zeros(EXPERTS, dtype=torch.long, device=device)
     for cached_picks in (0, args.picks // 2):
         slot_of = torch.full((EXPERTS,), -1, dtype=torch.long, device=device)
@@ -99,7 +99,7 @@ def main() -> None:
             for number, name in enumerate(SHAPES):
                 src = sources[name].view(EXPERTS, -1).view(torch.int64)
                 dst = slots[name].view(EXPERTS, -1).view(torch.int64)
-                launch(rows, slot_of, src, caches[name], dst, counts, tallies, count=number == 0)
+                launch(rows, None, slot_of, src, caches[name], dst, counts, tallies, count=number == 0)
 
         for slot in slots.values():
             slot.zero_()
@@ -107,6 +107,26 @@ def main() -> None:
         crossed = moved * (args.picks - cached_picks) / args.picks
         label = f"Triton gather, {cached_picks}/{args.picks} cached"
         print(f"{label:<34} {seconds * 1e3:>7.3f} {crossed / seconds / 1e9:>7.1f}  {check()}")
+
+    # Fetching a layer's recent picks ahead (`hf_prefetch.experts.fetch_recent`): a kernel of few programs on the
+    # copy stream, each taking turns over the rows' blocks, so that the compute stream's kernels find SMs meanwhile.
+    from hf_prefetch.experts import fetch_kernel
+
+    fetch = fetch_kernel()
+    ready = torch.zeros(EXPERTS, dtype=torch.int32, device=device)
+    for programs in (16, 32, 64, 132, 264):
+
+        def fetched(programs=programs):
+            for number, name in enumerate(SHAPES):
+                src = sources[name].view(EXPERTS, -1).view(torch.int64)
+                dst = slots[name].view(EXPERTS, -1).view(torch.int64)
+                fetch(rows, None, src, dst, ready, tallies, count=number == 0, programs=programs)
+
+        for slot in slots.values():
+            slot.zero_()
+        seconds = device_seconds(fetched, args.repeats)
+        label = f"fetch ahead, {programs} programs"
+        print(f"{label:<34} {seconds * 1e3:>7.3f} {moved / seconds / 1e9:>7.1f}  {check()}")
 
     def engine_rows():
         for name in SHAPES:

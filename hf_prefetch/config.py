@@ -50,6 +50,13 @@ class PrefetchConfig:
             in an expert cache (see docs/design.md, "The expert cache"). None (the default): with a `max_memory`
             budget, as many as the memory the chosen plan leaves spare holds, else none. 0: no cache. The cache is
             looked up on the device (no host synchronisation), inside CUDA graphs too.
+        recent_experts (`bool`, defaults to True): With routed experts, a layer's copy that brings everything but its
+            expert tensors also brings the rows of the experts its router picked in the layer's previous forward, on
+            the copy stream, before its router runs; the copy at the router then brings only the picks that are
+            neither there nor in the expert cache (see docs/design.md, "Recent experts"). Decoding repeats many of a
+            layer's picks from one token to the next, and these rows cross the link while the GPU computes the layers
+            before; a recent expert that is not picked again crossed it for nothing. False: only the router's own
+            picks are copied, once it has made them.
         compress (`bool`, defaults to False): Keep the streamed bf16 and fp32 weights of layers that take turns in a
             slot losslessly compressed in host memory (about 75% of bf16's bytes, 88% of fp32's), copy the compressed
             bytes and decode them on the device into the slot, bit for bit (see docs/design.md, "Compressed
@@ -84,6 +91,7 @@ class PrefetchConfig:
     routed_experts: bool | None = None
     routed_max_tokens: int | None = None
     expert_cache: int | None = None
+    recent_experts: bool = True
     compress: bool = False
     compute_seconds: Mapping[str, float] | None = None
 
@@ -112,6 +120,8 @@ class PrefetchConfig:
             raise ValueError(f"PrefetchConfig.compress={self.compress!r} must be True or False.")
         if self.routed_experts is not None and not isinstance(self.routed_experts, bool):
             raise ValueError(f"PrefetchConfig.routed_experts={self.routed_experts!r} must be None, True or False.")
+        if not isinstance(self.recent_experts, bool):
+            raise ValueError(f"PrefetchConfig.recent_experts={self.recent_experts!r} must be True or False.")
         cache = self.expert_cache
         if cache is not None and (isinstance(cache, bool) or not isinstance(cache, int) or cache < 0):
             raise ValueError(

@@ -85,6 +85,12 @@ capture, on the compute stream: after every kernel of the previous forward, befo
 included) read them. A row's lookup entry is cleared before its new values are copied and set after: no kernel finds a
 row that holds another expert. `invalidate`, `store` and `refresh` (host rewritten) clear every entry at once and the
 next routing forward's `prepare` loads the cache again.
+With recent picks (`ring.RecentPicks`), a copy for a routing forward also fetches, on the copy stream after its
+copies and before its `done`, the rows of the experts the layer picked in its latest forward (`fetch_recent`), and
+marks them `ready`; `gather` leaves a ready pick alone. `ready` describes the latest copy of the layer into its slot:
+each routing copy rewrites it before writing a row, a miss's routing copy (`_load_now`) clears it, and a whole copy
+makes every row the layer's own. The picks are recorded on the compute stream in `gather` (`remember_picks`), so the
+layer's next copy, which forks from the compute stream after the layer ran, reads them.
 
 [Note: compressed streaming]
 A compressed parameter (`ParamSpec.compressed`; see codec.py) keeps its encoded bytes in host memory. Its copy is an
@@ -118,7 +124,15 @@ import torch
 from .changes import deferred_interrupts
 from .codec import TooManyEscapes, decode, encode
 from .driver import captured_copy
-from .experts import ExpertCaches, copy_routed_rows, count_picks, forget_cache, gather_with_cache
+from .experts import (
+    ExpertCaches,
+    copy_routed_rows,
+    count_picks,
+    fetch_recent,
+    forget_cache,
+    gather_looked_up,
+    remember_picks,
+)
 from .links import SharedLinks
 from .ring import CopyEvent, Fill, LayerCounters, LayerTransfer, RingState, RingTransfers
 from .timing import Timings, timing_event
@@ -265,11 +279,13 @@ class PrefetchEngine:
                     layer.done, layer.event = torch.cuda.Event(), CopyEvent.ON_STREAM
                 if capturing or self._links is None:
                     _copy_all(layer, self._non_blocking, self.copy_stream if capturing else None, whole)
+                    _fetch_ahead(layer, whole)
                     layer.done.record()
                     return
                 # [Note: shared links]: the helpers' peer copies into the slot wait on the compute stream as well.
                 slot_free = torch.cuda.current_stream(self.device).record_event()
                 _copy_all(layer, self._non_blocking, None, whole, self._links, slot_free)
+                _fetch_ahead(layer, whole)
                 self._links.land(layer.done, self.copy_stream)
 
     def _load_now(self, transfers: RingTransfers, position: int) -> None:
@@ -284,7 +300,7 @@ class PrefetchEngine:
             layer.counters.copied_bytes += _nbytes(layer, whole)
             layer.fill = Fill.WHOLE if whole else Fill.ROUTED
             if not self._cuda:
-                self._copy_on_host(layer, whole)
+                self._copy_on_host(layer, whole, fetch=False)
                 self._decode(layer, capturing)
                 return
             compute = torch.cuda.current_stream(self.device)
@@ -292,6 +308,8 @@ class PrefetchEngine:
                 self._after_copies(compute)
             elif self._copy_stream_in_capture():
                 compute.wait_stream(self.copy_stream)
+            if not whole and layer.recent is not None:
+                layer.recent.ready.zero_()  # the gather that follows copies every pick: nothing is fetched ahead
             if capturing:
                 self._check_capturable()
                 _copy_all(layer, self._non_blocking, compute, whole)
@@ -337,6 +355,8 @@ class PrefetchEngine:
         if not transfers.holds(position, capturing):  # the experts module ran without its layer's wait
             self._load_now(transfers, position)
         layer.gathered = True
+        if layer.recent is not None:  # for the layer's next copy (read on the copy stream, which forks later)
+            remember_picks(layer, index, self.routing)
         # In a routing capture a layer whose slot takes turns gathers even when whole: a first layer (copied before
         # the capture) may be whole now and copied for routing before a replay.
         if layer.fill is Fill.WHOLE and not (capturing and self.routing and layer.next_in_slot != position):
@@ -351,10 +371,10 @@ class PrefetchEngine:
         # Recorded in a capture, each replay reads its own router's choice. A gather holds the compute stream for all
         # of its time: copy time and stall time alike.
         begin = self._timings.begin_blocking() if self.timing and not capturing else None
-        if layer.cache is None:
+        if layer.tallies is None:
             copy_routed_rows(layer, index)
         else:
-            gather_with_cache(layer, index)
+            gather_looked_up(layer, index)
         if begin is not None:
             self._timings.end_blocking(layer.counters, begin)
 
@@ -604,10 +624,15 @@ class PrefetchEngine:
             for layer in transfers.layers:
                 layer.counters = LayerCounters()
 
-    def _copy_on_host(self, layer: LayerTransfer, whole: bool) -> None:
-        # CPU execution: the copy is synchronous, so all of it is time the forward waits.
+    def _copy_on_host(self, layer: LayerTransfer, whole: bool, fetch: bool = True) -> None:
+        # CPU execution: the copy is synchronous, so all of it is time the forward waits. A miss (`fetch` False) has
+        # nothing fetched ahead: the gather that follows copies every pick.
         begin = self._timings.begin_blocking() if self.timing else None
         _copy_all(layer, False, None, whole, self._links)
+        if fetch:
+            _fetch_ahead(layer, whole)
+        elif not whole and layer.recent is not None:
+            layer.recent.ready.zero_()
         if begin is not None:
             self._timings.end_blocking(layer.counters, begin)
 
@@ -660,6 +685,13 @@ _BYPASSED = (
     "block's forward (a hub kernel with use_kernels=True, a patched module), so it may have read other experts' "
     "weights. Its output was discarded. Dispatch with PrefetchConfig(routed_experts=False)."
 )
+
+
+def _fetch_ahead(layer: LayerTransfer, whole: bool) -> None:
+    # With a copy for a routing forward, on its stream: the experts the layer picked in its latest forward
+    # ([Note: routed experts]). It rewrites `recent.ready`, which must describe this copy, never an older one.
+    if not whole and layer.recent is not None:
+        fetch_recent(layer)
 
 
 def _nbytes(layer: LayerTransfer, whole: bool) -> int:

@@ -1,9 +1,11 @@
-"""Copying routed experts' rows into a layer's slot, and the expert cache: its lookup, its counts and its policy
-([Note: routed experts] in engine.py, `ring.ExpertCache`).
+"""Copying routed experts' rows into a layer's slot: at the router, and ahead of it (the experts the layer picked in
+its previous forward); and the expert cache: its lookup, its counts and its policy ([Note: routed experts] in
+engine.py, `ring.ExpertCache`, `ring.RecentPicks`).
 
 Tensor operations on one layer's tensors, queued on the current stream; the engine decides when they run (after the
-layer's wait, before its experts' forward; a cache's re-rank before a forward) and orders the streams around them.
-Nothing here synchronises with the host except `refresh_caches` and `collect_tallies`, which read the device's counts.
+layer's wait, before its experts' forward; with a routing copy, on the copy stream; a cache's re-rank before a
+forward) and orders the streams around them. Nothing here synchronises with the host except `refresh_caches` and
+`collect_tallies`, which read the device's counts.
 """
 
 from __future__ import annotations
@@ -17,12 +19,15 @@ from .ring import ExpertCache, LayerTransfer
 __all__ = [
     "ExpertCaches",
     "copy_routed_rows",
-    "gather_with_cache",
+    "gather_looked_up",
+    "fetch_recent",
+    "remember_picks",
     "count_picks",
     "refresh_caches",
     "collect_tallies",
     "forget_cache",
     "gather_kernel",
+    "fetch_kernel",
 ]
 
 
@@ -42,50 +47,112 @@ def copy_routed_rows(layer: LayerTransfer, index: torch.Tensor) -> None:
         layer.counters.routed_bytes += nbytes
         layer.counters.copied_bytes += nbytes
     layer.counters.routed_rows += flat.numel()
+    layer.counters.routed_picks += flat.numel()
 
 
-def _picked(cache: ExpertCache, index: torch.Tensor) -> torch.Tensor:
-    # The router's choice as experts of this layer, on the cache's device (out-of-range entries: any expert will do).
-    return index.reshape(-1).to(device=cache.slot_of.device, dtype=torch.long).clamp(0, cache.slot_of.numel() - 1)
+def _picked(layer: LayerTransfer, index: torch.Tensor) -> torch.Tensor:
+    # The router's choice as experts of this layer, on the slot's device (out-of-range entries: any expert will do).
+    num_experts = layer.routed[0].num_experts
+    return index.reshape(-1).to(device=layer.tallies.device, dtype=torch.long).clamp(0, num_experts - 1)
 
 
-def gather_with_cache(layer: LayerTransfer, index: torch.Tensor) -> None:
-    """The rows of every expert `index` names, copied into the slot from the layer's cache where `slot_of` says it
-    holds them and from host memory otherwise, looked up on the device: no host synchronisation, shapes fixed by
-    `index`, so a CUDA graph records it and each replay looks up its own picks. Counts each pick (`picks`) and
-    whether it was found (`tallies`) on the device. On CUDA one Triton kernel per routed tensor reads each row from
-    one place; without Triton (and on the CPU) torch operations read every pick from host memory and keep the
+# How many programs `fetch_kernel` runs: enough loads in flight to keep the link busy, few enough SMs that the
+# compute stream's kernels, which run meanwhile, find theirs free (benchmarks/routed_gather.py --fetch).
+FETCH_PROGRAMS = 64
+
+# Kinds of pick in a layer's `tallies`, and its count of rows fetched ahead.
+_FOUND_RECENT, _FOUND_CACHED, _FROM_HOST, _FETCHED = range(4)
+
+
+def gather_looked_up(layer: LayerTransfer, index: torch.Tensor) -> None:
+    """The rows of every expert `index` names, for a layer with an expert cache or recent picks (its `tallies`):
+    nothing for a pick already in the slot (`recent.ready`), from the cache's row where `slot_of` says it holds it,
+    from host memory otherwise. Looked up on the device: no host synchronisation, shapes fixed by `index`, so a CUDA
+    graph records it and each replay looks up its own picks. Counts each pick (`cache.picks`) and where it was found
+    (`tallies`) on the device. On CUDA one Triton kernel per routed tensor reads each row from one place; without
+    Triton (and on the CPU) torch operations read every pick that is not in the slot from host memory and keep the
     cache's rows where it holds them (the same values, no bytes saved)."""
-    cache = layer.cache
-    experts = _picked(cache, index)
+    cache, recent = layer.cache, layer.recent
+    experts = _picked(layer, index)
     kernel = gather_kernel() if experts.is_cuda else None
     if kernel is None:
-        slots = cache.slot_of.index_select(0, experts)
-        found = slots >= 0
-        for tensor, rows in zip(layer.routed, cache.rows, strict=True):
-            values = tensor.source_rows.index_select(0, experts.to(tensor.source.device)).to(rows.device)
-            cached = rows.index_select(0, slots.clamp(min=0))
-            tensor.device_rows.index_copy_(0, experts, torch.where(found[:, None], cached, values))
-        _count(cache, experts)
-        hits = found.sum()
-        cache.tallies.add_(torch.stack([hits, found.numel() - hits]))
+        ready = recent.ready.index_select(0, experts) > 0 if recent is not None else torch.zeros_like(experts) > 0
+        slots = cache.slot_of.index_select(0, experts) if cache is not None else torch.full_like(experts, -1)
+        found = (slots >= 0) & ~ready
+        for number, tensor in enumerate(layer.routed):
+            values = tensor.source_rows.index_select(0, experts.to(tensor.source.device)).to(tensor.device.device)
+            if cache is not None:
+                values = torch.where(found[:, None], cache.rows[number].index_select(0, slots.clamp(min=0)), values)
+            kept = tensor.device_rows.index_select(0, experts)
+            tensor.device_rows.index_copy_(0, experts, torch.where(ready[:, None], kept, values))
+        if cache is not None:
+            _count(cache, experts)
+        kinds = torch.where(ready, _FOUND_RECENT, torch.where(found, _FOUND_CACHED, _FROM_HOST))
+        layer.tallies.index_add_(0, kinds, torch.ones_like(kinds))
         return
-    for number, (tensor, rows) in enumerate(zip(layer.routed, cache.rows, strict=True)):
+    for number, tensor in enumerate(layer.routed):
         kernel(
             experts,
-            cache.slot_of,
+            recent.ready if recent is not None else None,
+            cache.slot_of if cache is not None else None,
             tensor.source_rows,
-            rows,
+            cache.rows[number] if cache is not None else None,
             tensor.device_rows,
-            cache.picks,
-            cache.tallies,
+            cache.picks if cache is not None else None,
+            layer.tallies,
             count=number == 0,
         )
 
 
+def fetch_recent(layer: LayerTransfer) -> None:
+    """With a copy of the layer without its routed tensors (`Fill.ROUTED`), on the same stream: the rows of the
+    experts its router picked in its latest forward (`recent.experts`) that its cache does not hold, from host memory
+    into the slot, each marked `ready`; every other mark cleared first. No host synchronisation; the shapes are those
+    of the latest forward (`recent.count`). Counts the rows in `tallies`."""
+    recent = layer.recent
+    recent.ready.zero_()
+    if recent.count == 0:
+        return
+    num_experts = recent.ready.numel()
+    experts = recent.experts[: recent.count]
+    slot_of = layer.cache.slot_of if layer.cache is not None else None
+    kernel = fetch_kernel() if experts.is_cuda else None
+    if kernel is None:
+        take = (experts >= 0) & (experts < num_experts)
+        if slot_of is not None:
+            take &= slot_of.index_select(0, experts.clamp(0, num_experts - 1)) < 0
+        marks = torch.zeros(num_experts + 1, dtype=recent.ready.dtype, device=experts.device)
+        marks.index_fill_(0, torch.where(take, experts, num_experts), 1)  # a repeated pick marks once
+        wanted = marks[:num_experts] > 0
+        for tensor in layer.routed:
+            values = tensor.source_rows.to(tensor.device.device)
+            tensor.device_rows.copy_(torch.where(wanted[:, None], values, tensor.device_rows))
+        recent.ready.copy_(marks[:num_experts])
+        layer.tallies[_FETCHED] += take.sum()
+        return
+    for number, tensor in enumerate(layer.routed):
+        kernel(
+            experts, slot_of, tensor.source_rows, tensor.device_rows, recent.ready, layer.tallies, count=number == 0
+        )
+
+
+def remember_picks(layer: LayerTransfer, index: torch.Tensor, routing: bool) -> None:
+    """After the router of a layer with recent picks, on the compute stream: its picks (a whole forward's: its last
+    token's), for its next copy to fetch. Capped at one entry per expert (the latest tokens')."""
+    recent = layer.recent
+    if routing or index.dim() < 2:
+        flat = index.reshape(-1)
+    else:
+        flat = index.reshape(-1, index.shape[-1])[-1]
+    flat = flat[-recent.experts.numel() :]
+    recent.experts[: flat.numel()].copy_(flat)
+    recent.experts[flat.numel() :].fill_(-1)
+    recent.count = flat.numel()
+
+
 def count_picks(layer: LayerTransfer, index: torch.Tensor) -> None:
     """A forward that does not gather (a whole one): its picks still count for the cache's next re-rank."""
-    _count(layer.cache, _picked(layer.cache, index))
+    _count(layer.cache, _picked(layer, index))
 
 
 def _count(cache: ExpertCache, experts: torch.Tensor) -> None:
@@ -93,10 +160,12 @@ def _count(cache: ExpertCache, experts: torch.Tensor) -> None:
 
 
 class ExpertCaches:
-    """The expert caches of one engine's layers: when they are loaded and re-ranked, and their counts."""
+    """The expert caches of one engine's layers: when they are loaded and re-ranked; and the device's counts of every
+    layer with a cache or recent picks."""
 
     def __init__(self, layers: list[LayerTransfer]) -> None:
         self.layers = [layer for layer in layers if layer.cache is not None]
+        self.counted = [layer for layer in layers if layer.tallies is not None]
         self._routing_forwards = 0  # since the last re-rank
 
     def before_routing_forward(self, non_blocking: bool) -> None:
@@ -109,9 +178,9 @@ class ExpertCaches:
             refresh_caches(self.layers, non_blocking)
 
     def collect(self) -> None:
-        """Fold the device's hit and miss counts into the layers' counters."""
-        if self.layers:
-            collect_tallies(self.layers)
+        """Fold the device's counts of picks and fetched rows into the layers' counters."""
+        if self.counted:
+            collect_tallies(self.counted)
 
 
 def refresh_caches(layers: list[LayerTransfer], non_blocking: bool) -> None:
@@ -173,17 +242,21 @@ def load_cache(layer: LayerTransfer, experts: list[int], non_blocking: bool) -> 
 
 
 def collect_tallies(layers: list[LayerTransfer]) -> None:
-    """Fold the device's hit and miss counts of the caches of `layers` (each has one) into the layers' counters (one
-    host synchronisation); a miss is a routed row read from host memory."""
-    tallies = torch.stack([layer.cache.tallies for layer in layers]).tolist()  # the synchronisation
-    for layer, (hits, misses) in zip(layers, tallies, strict=True):
-        layer.cache.tallies.zero_()
+    """Fold the device's counts of `layers` (each has `tallies`) into their counters (one host synchronisation): each
+    pick found fetched ahead, found in the cache or copied from host memory at the router, and each row fetched ahead
+    (copied from host memory, picked again or not)."""
+    tallies = torch.stack([layer.tallies for layer in layers]).tolist()  # the synchronisation
+    for layer, (recent, cached, from_host, fetched) in zip(layers, tallies, strict=True):
+        layer.tallies.zero_()
         row_bytes = sum(tensor.nbytes // tensor.num_experts for tensor in layer.routed)
-        layer.counters.cache_hits += hits
-        layer.counters.cache_misses += misses
-        layer.counters.routed_rows += misses
-        layer.counters.routed_bytes += misses * row_bytes
-        layer.counters.copied_bytes += misses * row_bytes
+        layer.counters.recent_hits += recent
+        layer.counters.routed_picks += recent + cached + from_host
+        if layer.cache is not None:
+            layer.counters.cache_hits += cached
+            layer.counters.cache_misses += from_host
+        layer.counters.routed_rows += from_host + fetched
+        layer.counters.routed_bytes += (from_host + fetched) * row_bytes
+        layer.counters.copied_bytes += (from_host + fetched) * row_bytes
 
 
 def forget_cache(layer: LayerTransfer) -> None:
@@ -196,8 +269,8 @@ def forget_cache(layer: LayerTransfer) -> None:
 
 @functools.cache
 def gather_kernel():
-    """The cached gather as one Triton kernel per routed tensor, or None where Triton is missing. Built on first use,
-    so that importing hf_prefetch imports no Triton."""
+    """The gather at the router (`gather_looked_up`) as one Triton kernel per routed tensor, or None where Triton is
+    missing. Built on first use, so that importing hf_prefetch imports no Triton."""
     try:
         import triton
         import triton.language as tl
@@ -206,33 +279,138 @@ def gather_kernel():
 
     @triton.jit
     def gather_rows(
-        experts, slot_of, source, cache, out, picks, tallies, row_len, COUNT: tl.constexpr, BLOCK: tl.constexpr
+        experts,
+        ready,
+        slot_of,
+        source,
+        cache,
+        out,
+        picks,
+        tallies,
+        row_len,
+        RECENT: tl.constexpr,
+        CACHED: tl.constexpr,
+        COUNT: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
-        # Program (block, pick): one BLOCK of one picked expert's row, read from its cache row if it has one, else
-        # from the host (through the mapped view). The first block of each pick counts it.
+        # Program (block, pick): one BLOCK of one picked expert's row, left alone if the slot holds it (fetched
+        # ahead), else read from its cache row if it has one, else from the host (through the mapped view). The first
+        # block of each pick counts it.
         block = tl.program_id(0)
         pick = tl.program_id(1)
         expert = tl.load(experts + pick)
-        slot = tl.load(slot_of + expert)
+        in_slot = tl.full([], 0, tl.int32)
+        if RECENT:
+            in_slot = tl.load(ready + expert)
+        slot = tl.full([], -1, tl.int64)
+        if CACHED:
+            slot = tl.load(slot_of + expert)
         offsets = block * BLOCK + tl.arange(0, BLOCK)
         inside = offsets < row_len
-        if slot >= 0:
-            values = tl.load(cache + slot * row_len + offsets, mask=inside)
-        else:
-            values = tl.load(source + expert * row_len + offsets, mask=inside)
-        tl.store(out + expert * row_len + offsets, values, mask=inside)
+        if in_slot == 0:
+            if slot >= 0:
+                values = tl.load(cache + slot * row_len + offsets, mask=inside)
+            else:
+                values = tl.load(source + expert * row_len + offsets, mask=inside)
+            tl.store(out + expert * row_len + offsets, values, mask=inside)
         if COUNT:
             if block == 0:
-                tl.atomic_add(picks + expert, 1)
-                tl.atomic_add(tallies + (slot < 0).to(tl.int32), 1)
+                if CACHED:
+                    tl.atomic_add(picks + expert, 1)
+                kind = tl.where(in_slot != 0, 0, tl.where(slot >= 0, 1, 2))
+                tl.atomic_add(tallies + kind, 1)
 
     block = 2048
 
-    def launch(experts, slot_of, source, cache, out, picks, tallies, count):
+    def launch(experts, ready, slot_of, source, cache, out, picks, tallies, count):
         row_len = out.shape[1]
         grid = (triton.cdiv(row_len, block), experts.numel())
         gather_rows[grid](
-            experts, slot_of, source, cache, out, picks, tallies, row_len, COUNT=count, BLOCK=block, num_warps=8
+            experts,
+            out if ready is None else ready,  # unused pointers: any tensor
+            out if slot_of is None else slot_of,
+            source,
+            out if cache is None else cache,
+            out,
+            out if picks is None else picks,
+            tallies,
+            row_len,
+            RECENT=ready is not None,
+            CACHED=slot_of is not None,
+            COUNT=count,
+            BLOCK=block,
+            num_warps=8,
+        )
+
+    return launch
+
+
+@functools.cache
+def fetch_kernel():
+    """`fetch_recent`'s copy as one Triton kernel per routed tensor, or None where Triton is missing."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError:
+        return None
+
+    @triton.jit
+    def fetch_rows(
+        experts,
+        slot_of,
+        source,
+        out,
+        ready,
+        tallies,
+        entries,
+        num_experts,
+        row_len,
+        CACHED: tl.constexpr,
+        COUNT: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PROGRAMS: tl.constexpr,
+    ):
+        # PROGRAMS programs take turns over (entry, block): one BLOCK of the row of one recent pick that is an expert
+        # of the layer and not in its cache, from the host (through the mapped view). The first block of each marks
+        # it ready and counts it. Few programs: the kernel runs beside the compute stream's, which need SMs too.
+        blocks = tl.cdiv(row_len, BLOCK)
+        for item in range(tl.program_id(0), entries * blocks, PROGRAMS):
+            entry = item // blocks
+            block = item % blocks
+            expert = tl.load(experts + entry)
+            take = (expert >= 0) & (expert < num_experts)
+            if CACHED:
+                if take:
+                    take = tl.load(slot_of + expert) < 0
+            if take:
+                offsets = block * BLOCK + tl.arange(0, BLOCK)
+                inside = offsets < row_len
+                values = tl.load(source + expert * row_len + offsets, mask=inside)
+                tl.store(out + expert * row_len + offsets, values, mask=inside)
+                if COUNT:
+                    if block == 0:
+                        tl.store(ready + expert, 1)
+                        tl.atomic_add(tallies + 3, 1)
+
+    block = 2048
+
+    def launch(experts, slot_of, source, out, ready, tallies, count, programs=None):
+        programs = programs or FETCH_PROGRAMS
+        fetch_rows[(programs,)](
+            experts,
+            out if slot_of is None else slot_of,
+            source,
+            out,
+            ready,
+            tallies,
+            experts.numel(),
+            ready.numel(),
+            out.shape[1],
+            CACHED=slot_of is not None,
+            COUNT=count,
+            BLOCK=block,
+            PROGRAMS=programs,
+            num_warps=8,
         )
 
     return launch

@@ -43,6 +43,7 @@ __all__ = [
     "RoutedTensor",
     "Decode",
     "ExpertCache",
+    "RecentPicks",
     "LayerTransfer",
     "RingTransfers",
 ]
@@ -129,10 +130,14 @@ class LayerCounters:
     # cache, its misses, counted on the device and added by `experts.collect_tallies`).
     routed_rows: int = 0
     routed_bytes: int = 0  # their bytes, also counted in copied_bytes
+    routed_picks: int = 0  # the router's picks in routing forwards (a repeated pick counts again)
     completions: int = 0  # layers copied without their routed tensors that a forward of many tokens completed
     cache_hits: int = 0  # picks found in the layer's expert cache (a repeated pick counts again)
     cache_misses: int = 0  # picks read from host memory while the layer has a cache
     cache_loaded_bytes: int = 0  # bytes loaded into the cache from host memory (also counted in copied_bytes)
+    # Picks found in the slot, fetched by its copy because the layer picked them in its previous forward (their rows
+    # count in routed_rows when fetched, picked again or not).
+    recent_hits: int = 0
     decoded_bytes: int = 0  # values written into the slot by decoding compressed bytes
     compressed_bytes: int = 0  # the compressed bytes they were decoded from (also counted in copied_bytes)
     decodes: int = 0
@@ -212,9 +217,10 @@ def _rows_of(tensor: torch.Tensor, num_experts: int, dtype: torch.dtype) -> bool
 class ExpertCache:
     """Experts of one layer's routed tensors kept on the device: row i of each tensor holds expert `experts[i]`.
 
-    Looked up on the device, with no host synchronisation (`experts.gather_with_cache`): `slot_of[e]` is the row that
-    holds expert e, or -1. Picks are counted on the device too (`picks`, `tallies`); the host reads them only when it
-    re-ranks the cache (`experts.refresh_caches`, from the engine's `prepare`) and when statistics are collected.
+    Looked up on the device, with no host synchronisation (`experts.gather_looked_up`): `slot_of[e]` is the row that
+    holds expert e, or -1. Picks are counted on the device too (`picks`, and the layer's `tallies`); the host reads
+    them only when it re-ranks the cache (`experts.refresh_caches`, from the engine's `prepare`) and when statistics
+    are collected.
 
     Policy: the first routing forward loads the experts picked most so far (a prefill's picks count); every `REFRESH`
     routing forwards the scores are re-read (picks since the last re-rank, plus half the score before) and an expert
@@ -231,7 +237,6 @@ class ExpertCache:
     rows: list[torch.Tensor]  # the same, as (capacity, n) rows of the routed tensor's `device_rows` dtype
     slot_of: torch.Tensor  # (num_experts,) int64 on the device: the row holding each expert, or -1
     picks: torch.Tensor  # (num_experts,) int64 on the device: picks since the last re-rank
-    tallies: torch.Tensor  # (2,) int64 on the device: picks found in the cache, and read from host memory
     experts: list[int]  # the expert each row holds, while `valid`
     scores: list[float]  # per expert: decayed picks, as of the last re-rank
     valid: bool = False
@@ -239,6 +244,22 @@ class ExpertCache:
     @property
     def capacity(self) -> int:
         return len(self.experts)
+
+
+@dataclass
+class RecentPicks:
+    """The experts a layer's router picked in its latest forward, fetched into its slot by its next copy for a
+    routing forward, ahead of its router ([Note: routed experts] in engine.py, `experts.fetch_recent`).
+
+    `experts` is written on the compute stream after the router (`experts.remember_picks`) and read on the copy stream
+    by the next such copy of the layer, which forks from the compute stream later. `ready[e]` is 1 only where that
+    copy brought expert e's rows into the slot: every copy of the layer without its routed tensors rewrites `ready`
+    (a miss clears it), so it never names a row that another layer or an older copy left there.
+    """
+
+    experts: torch.Tensor  # (num_experts,) int64 on the device: the latest forward's picks (the first `count`), -1
+    ready: torch.Tensor  # (num_experts,) int32 on the device: 1 where the slot's rows hold the layer's expert
+    count: int = 0  # picks the latest forward recorded: a function of its shapes, so a CUDA graph records its own
 
 
 @dataclass(frozen=True)
@@ -272,6 +293,10 @@ class LayerTransfer:
     span: tuple[torch.Tensor, torch.Tensor] | None = None
     fill: Fill = Fill.WHOLE  # what the latest copy into the slot brought
     cache: ExpertCache | None = None  # routed experts kept on the device (see ExpertCache)
+    recent: RecentPicks | None = None  # the latest forward's picks, fetched with the next routing copy
+    # With a cache or recent picks: (4,) int64 on the device, picks found fetched ahead (`recent`), found in the cache,
+    # and copied from host memory at the router, then rows fetched ahead; read by `experts.collect_tallies`.
+    tallies: torch.Tensor | None = None
     gathered: bool = False  # since the layer's wait, its experts' hook ran (`gather`)
     # Recorded after this layer's latest copy; the compute stream waits on it before the layer runs. With timing on,
     # every copy gets a fresh event so that late reads see the right copy. `event` says what it is.

@@ -35,9 +35,14 @@ class LayerStats:
     routed_rows: int = 0
     routed_bytes: int = 0
     completions: int = 0
-    # With an expert cache: picks found in it, and read from host memory.
+    # The router's picks in forwards that routed (a repeated pick counts again), wherever each was found.
+    routed_picks: int = 0
+    # With an expert cache: picks found in it, and read from host memory at the router.
     cache_hits: int = 0
     cache_misses: int = 0
+    # Picks found in the slot, fetched with its copy because the layer picked them in its previous forward
+    # (PrefetchConfig.recent_experts; the fetched rows count in routed_rows, picked again or not).
+    recent_hits: int = 0
     # Compressed parameters (PrefetchConfig(compress=True)): values decoded into the slot, the compressed bytes they
     # were decoded from (counted in copied_bytes), how many decodes, and with timing their device time on the compute
     # stream.
@@ -84,6 +89,10 @@ class TransferStats:
         return sum(layer.routed_bytes for layer in self.layers)
 
     @property
+    def routed_picks(self) -> int:
+        return sum(layer.routed_picks for layer in self.layers)
+
+    @property
     def completions(self) -> int:
         return sum(layer.completions for layer in self.layers)
 
@@ -94,6 +103,10 @@ class TransferStats:
     @property
     def cache_misses(self) -> int:
         return sum(layer.cache_misses for layer in self.layers)
+
+    @property
+    def recent_hits(self) -> int:
+        return sum(layer.recent_hits for layer in self.layers)
 
     @property
     def decoded_bytes(self) -> int:
@@ -150,6 +163,7 @@ class TransferStats:
                 str(item.completions),
                 str(item.cache_hits),
                 str(item.cache_misses),
+                str(item.recent_hits),
             )
             decoded = (
                 f"{item.compressed_bytes / 2**20:.1f}",
@@ -172,7 +186,7 @@ class TransferStats:
         return rows
 
     _HEADER = ("layer", "copies", "copied MiB", "copy ms", "GB/s", "stall ms", "compute ms", "misses")
-    _ROUTED_HEADER = ("routed experts", "routed MiB", "completions", "cache hits", "cache misses")
+    _ROUTED_HEADER = ("routed experts", "routed MiB", "completions", "cache hits", "cache misses", "recent hits")
     _DECODED_HEADER = ("compressed MiB", "decoded MiB", "ratio", "decodes", "decode ms")
 
     @property
@@ -350,8 +364,10 @@ def stats(model: nn.Module) -> TransferStats:
                     c.routed_rows,
                     c.routed_bytes,
                     c.completions,
+                    c.routed_picks,
                     c.cache_hits,
                     c.cache_misses,
+                    c.recent_hits,
                     c.decoded_bytes,
                     c.compressed_bytes,
                     c.decodes,

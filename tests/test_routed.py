@@ -88,7 +88,7 @@ def test_switching_between_routed_and_whole_forwards_completes_layers():
 
 def test_routed_rows_are_counted_per_pick():
     model = moe_model("qwen3_moe")  # 16 experts, 4 per token
-    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED), device="cpu")
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, recent_experts=False), device="cpu")
     try:
         with torch.no_grad():
             model(_ids(length=3))
@@ -321,9 +321,9 @@ def _graph_generate(model, ids):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("cached", [0, 6])
+@pytest.mark.parametrize("cached, recent", [(0, False), (6, False), (0, True), (6, True)])
 @pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
-def test_cuda_graphs_record_routed_copies_that_follow_each_replays_router(implementation, cached):
+def test_cuda_graphs_record_routed_copies_that_follow_each_replays_router(implementation, cached, recent):
     # Decode graphs of batch 1 route (1 token <= routed_max_tokens=4); those of batch 8 copy whole expert tensors;
     # eager prefills (7 and 56 tokens) copy whole too. They alternate, so each kind of graph is replayed after the
     # other left the first layers copied its way. Reference: the same dispatch with routing off (the same ops, so the
@@ -333,7 +333,7 @@ def test_cuda_graphs_record_routed_copies_that_follow_each_replays_router(implem
     order = [0, 0, 1, 0, 1, 1, 0, 0]
     outputs = {}
     for name, limit in (("whole", 0), ("routed", 4)):
-        config = PrefetchConfig(**{**ROUTED, "routed_max_tokens": limit}, expert_cache=cached)
+        config = PrefetchConfig(**{**ROUTED, "routed_max_tokens": limit}, expert_cache=cached, recent_experts=recent)
         hf_prefetch.dispatch_model(model, config, device="cuda")
         try:
             outputs[name] = []
@@ -351,7 +351,9 @@ def test_cuda_graphs_record_routed_copies_that_follow_each_replays_router(implem
         _same(routed, whole)
         assert routed_stats.misses == 0 and whole_stats.misses == 0
         if order[step] == 0 and step > 1:  # batch 1, replayed: its first layers were copied without experts
-            assert routed_stats.copied_bytes < whole_stats.copied_bytes / 2
+            # Fetching a layer's previous picks also moves those it does not pick again (4 of 16 experts a token).
+            assert routed_stats.copied_bytes < whole_stats.copied_bytes / (1 if recent else 2)
+            assert (routed_stats.recent_hits > 0) == recent  # the replays' fetches and lookups, on the device
         if order[step] == 0 and cached:  # the replays' gathers looked their picks up in the cache, on the device
             assert routed_stats.cache_hits > 0 and routed_stats.cache_misses > 0
 
@@ -399,19 +401,21 @@ def test_the_stats_table_shows_routed_columns_once_experts_were_routed():
         header, *rows = table.splitlines()
         assert "routed experts" in header and "completions" in header
         total = next(row for row in rows if row.startswith("total")).split()
-        assert total[-5] == str(hf_prefetch.stats(model).routed_rows)
+        assert total[-6] == str(hf_prefetch.stats(model).routed_rows)
+        assert total[-1] == str(hf_prefetch.stats(model).recent_hits)
         assert "<th>routed MiB</th>" in hf_prefetch.stats(model)._repr_html_()
     finally:
         hf_prefetch.remove_offload(model)
 
 
+@pytest.mark.parametrize("recent", [False, True])
 @pytest.mark.parametrize("family, cached", [("qwen3_moe", 4), ("gpt_oss", 3), ("qwen3_moe", 16)])
-def test_an_expert_cache_gives_the_same_tokens_and_counts_hits(family, cached):
+def test_an_expert_cache_gives_the_same_tokens_and_counts_hits(family, cached, recent):
     model = moe_model(family)
     reference = copy.deepcopy(model)
     ids = _ids(batch=2, length=5)
     want = _generate(reference, ids, do_sample=False, max_new_tokens=24)  # 2 tokens per decode forward: routes
-    config = PrefetchConfig(**ROUTED, expert_cache=cached)
+    config = PrefetchConfig(**ROUTED, expert_cache=cached, recent_experts=recent)
     hf_prefetch.dispatch_model(model, config, device="cpu")
     try:
         plan = hf_prefetch.get_state(model).plan
@@ -422,10 +426,14 @@ def test_an_expert_cache_gives_the_same_tokens_and_counts_hits(family, cached):
         _same(_generate(model, ids, do_sample=False, max_new_tokens=24), want)
         stats = hf_prefetch.stats(model)
         assert stats.cache_hits > 0 and stats.misses == 0
-        if cached >= experts.num_experts:  # every expert cached: nothing routed crosses the link
-            assert stats.cache_misses == 0 and stats.routed_bytes == 0
-        else:
+        if cached >= experts.num_experts:  # every expert cached: nothing routed crosses the link, nor is fetched
+            assert stats.cache_misses == 0 and stats.routed_bytes == 0 and stats.recent_hits == 0
+        elif not recent:
             assert stats.cache_misses > 0 and stats.routed_bytes == stats.cache_misses * row_bytes
+            assert stats.recent_hits == 0
+        else:  # rows fetched ahead count as routed rows, picked again (recent hits) or not
+            assert stats.recent_hits > 0 and stats.routed_rows >= stats.cache_misses
+            assert stats.routed_bytes == stats.routed_rows * row_bytes
     finally:
         hf_prefetch.remove_offload(model)
 
@@ -513,7 +521,7 @@ def test_the_re_rank_swaps_an_expert_only_for_one_scored_more_than_twice_as_high
 def test_decode_re_ranks_every_refresh_and_stays_bitwise():
     model = moe_model("qwen3_moe")
     reference = copy.deepcopy(model)
-    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=4), device="cpu")
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=4, recent_experts=False), device="cpu")
     try:
         engine = hf_prefetch.get_state(model).engine
         cache = engine.rings[0].layers[1].cache
@@ -566,7 +574,7 @@ def test_a_budget_spends_spare_memory_on_the_expert_cache():
 )
 def test_a_cached_pick_is_read_from_its_cache_row_and_the_others_from_host_memory(device):
     # Cache rows marked with values no host row has: the slot's rows show where each pick was read from.
-    from hf_prefetch.experts import collect_tallies, gather_with_cache, load_cache
+    from hf_prefetch.experts import collect_tallies, gather_looked_up, load_cache
 
     model = moe_model("qwen3_moe").to(torch.bfloat16)
     hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=4), device=device)
@@ -579,7 +587,7 @@ def test_a_cached_pick_is_read_from_its_cache_row_and_the_others_from_host_memor
                 for row in range(4):
                     tensor[row].fill_(1000.0 + row)
             index = torch.tensor([[9, 3], [14, 9], [0, 15]], device=device)  # 9 twice, 3 of 6 picks cached
-            gather_with_cache(layer, index)
+            gather_looked_up(layer, index)
         collect_tallies([layer])
         assert (layer.counters.cache_hits, layer.counters.cache_misses) == (3, 3)
         assert layer.counters.routed_rows == 3
@@ -856,3 +864,148 @@ def test_the_prefetch_step_hint_of_a_budget_error_counts_an_explicit_cache():
         hf_prefetch.plan(
             model, PrefetchConfig(prefetch_step=2, expert_cache=2), max_memory={0: low}, reserve_bytes=0, device="cpu"
         )
+
+
+# --- Recent experts: the latest forward's picks, fetched with the next routing copy ---------------------------------
+
+
+def _router_picks(model, layer: int, ids: torch.Tensor) -> list[int]:
+    # The experts the router of `layer` picks, in order, in a forward of `model` over `ids`.
+    experts = model.model.layers[layer].mlp.experts
+    seen = []
+    handle = experts.register_forward_pre_hook(lambda module, args: seen.append(args[1].reshape(-1).tolist()))
+    try:
+        with torch.no_grad():
+            model(ids)
+    finally:
+        handle.remove()
+    return seen[0]
+
+
+def test_each_layer_remembers_its_latest_picks_and_its_next_copy_fetches_them():
+    model = moe_model("qwen3_moe")  # 16 experts, 4 per token; layers 1 and 3 take turns in one slot
+    reference = copy.deepcopy(model)
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED), device="cpu")
+    try:
+        engine = hf_prefetch.get_state(model).engine
+        first, second = engine.rings[0].layers
+        ids = _ids(length=2, seed=4)
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, reference(ids).logits)
+        for layer, index in ((first, 1), (second, 3)):
+            picks = _router_picks(reference, index, ids)
+            assert layer.recent.count == len(picks) == 8
+            assert layer.recent.experts[:8].tolist() == picks and set(layer.recent.experts[8:].tolist()) == {-1}
+        # The end of the forward copied layer 1 again for the next one: with its latest picks, marked ready.
+        wanted = set(_router_picks(reference, 1, ids))
+        assert {e for e in range(16) if first.recent.ready[e]} == wanted
+        for tensor in first.routed:
+            for expert in wanted:
+                assert torch.equal(tensor.device[expert], tensor.host[expert])
+        stats = hf_prefetch.stats(model)
+        assert stats.layers[0].routed_rows == 8  # the fetch counts its rows (a repeated pick again)
+        with torch.no_grad():  # a single token repeats some of them: those are found, the rest copied at the router
+            ids = _ids(length=1, seed=4)
+            assert torch.equal(model(ids).logits, reference(ids).logits)
+        again = set(_router_picks(reference, 1, ids))
+        layer_1 = hf_prefetch.stats(model).layers[0]
+        assert layer_1.recent_hits == len(again & wanted) and layer_1.routed_picks == 4  # whole in the first forward
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+        ),
+    ],
+)
+@pytest.mark.parametrize("cached", [0, 4])
+def test_a_fetched_pick_is_left_in_the_slot_and_a_cached_one_is_not_fetched(device, cached):
+    # Slot rows marked with values no host row has: after the fetch and the gather, each row shows where it came from.
+    from hf_prefetch.experts import collect_tallies, fetch_recent, gather_looked_up, load_cache
+
+    model = moe_model("qwen3_moe").to(torch.bfloat16)
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=cached), device=device)
+    try:
+        layer = hf_prefetch.get_state(model).engine.rings[0].layers[1]
+        recent = layer.recent
+        with torch.no_grad():
+            if cached:
+                load_cache(layer, [5, 9, 2, 14], non_blocking=False)
+            collect_tallies([layer])
+            layer.counters = type(layer.counters)()
+            for tensor in layer.routed:
+                tensor.device.fill_(-7.0)
+            recent.experts.fill_(-1)
+            recent.experts[:5] = torch.tensor([3, 9, 16, 3, 11])  # 16: not an expert of the layer (a sentinel)
+            recent.count, recent.ready[0] = 5, 1  # a stale mark the fetch must clear
+            fetch_recent(layer)
+            fetched = {3, 11} if cached else {3, 9, 11}  # a cached expert is not fetched
+            assert {e for e in range(16) if recent.ready[e]} == fetched
+            for tensor in layer.routed:
+                for expert in range(16):
+                    want = tensor.host[expert] if expert in fetched else torch.full_like(tensor.host[expert], -7.0)
+                    assert torch.equal(tensor.device[expert].cpu(), want)
+                tensor.device[3].fill_(1000.0)  # found ready at the router: must stay as it is
+            gather_looked_up(layer, torch.tensor([[3, 9], [0, 11]], device=device))
+        collect_tallies([layer])
+        c = layer.counters
+        assert c.recent_hits == (2 if cached else 3) and c.routed_picks == 4
+        assert (c.cache_hits, c.cache_misses) == ((1, 1) if cached else (0, 0))
+        # Fetched: 3 twice, 9 unless cached, 11; copied at the router: expert 0.
+        assert c.routed_rows == (3 if cached else 4) + 1
+        for tensor in layer.routed:
+            assert torch.all(tensor.device[3] == 1000.0)
+            for expert in (0, 9, 11):
+                assert torch.equal(tensor.device[expert].cpu(), tensor.host[expert])
+    finally:
+        hf_prefetch.remove_offload(model, device="cpu")
+
+
+def test_a_miss_clears_what_an_older_copy_fetched():
+    # Layer 1's slot is taken from it after its copy fetched its picks, and its rows overwritten: it runs as a miss,
+    # whose copy brings no routed rows, so nothing may be found ready from before.
+    model = moe_model("qwen3_moe")
+    reference = copy.deepcopy(model)
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED), device="cpu")
+    try:
+        engine = hf_prefetch.get_state(model).engine
+        first = engine.rings[0].layers[0]
+        with torch.no_grad():
+            ids = _ids(length=1, seed=2)
+            model(ids)  # the end of the forward fetched layer 1's picks into the slot
+            assert int(first.recent.ready.sum()) > 0
+            engine.invalidate(0, 0)
+            for tensor in first.routed:
+                tensor.device.fill_(1000.0)
+            assert torch.equal(model(ids).logits, reference(ids).logits)  # the same picks again
+        assert hf_prefetch.stats(model).misses == 1
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_recent_experts_on_and_off_give_the_same_tokens(family):
+    model = moe_model(family)
+    reference = copy.deepcopy(model)
+    ids = _ids(batch=2, length=5)
+    want = _generate(reference, ids, do_sample=False, max_new_tokens=12)
+    for recent in (True, False):
+        hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, recent_experts=recent), device="cpu")
+        try:
+            _same(_generate(model, ids, do_sample=False, max_new_tokens=12), want)
+            engine = hf_prefetch.get_state(model).engine
+            layers = [layer for ring in engine.rings for layer in ring.layers if layer.routed]
+            assert all((layer.recent is not None) == recent for layer in layers)
+            assert (hf_prefetch.stats(model).recent_hits > 0) == recent
+        finally:
+            hf_prefetch.remove_offload(model)
+
+
+def test_recent_experts_must_be_a_bool():
+    with pytest.raises(ValueError, match=r"PrefetchConfig.recent_experts='yes' must be True or False"):
+        PrefetchConfig(recent_experts="yes")
