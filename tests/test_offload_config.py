@@ -149,6 +149,9 @@ with warnings.catch_warnings():
         "PrefetchConfig.routed_max_tokens": dataclasses.replace(
             BASE, prefetch=dataclasses.replace(BASE.prefetch, routed_max_tokens=3)
         ),
+        "PrefetchConfig.recent_experts": dataclasses.replace(
+            BASE, prefetch=dataclasses.replace(BASE.prefetch, recent_experts=False)
+        ),
         "PrefetchConfig.compress": dataclasses.replace(
             BASE, prefetch=dataclasses.replace(BASE.prefetch, compress=True)
         ),
