@@ -120,7 +120,7 @@ def main() -> None:
             for number, name in enumerate(SHAPES):
                 src = sources[name].view(EXPERTS, -1).view(torch.int64)
                 dst = slots[name].view(EXPERTS, -1).view(torch.int64)
-                fetch(rows, None, src, dst, ready, tallies, count=number == 0, programs=programs)
+                fetch(rows, src, dst, ready, tallies, count=number == 0, programs=programs)
 
         for slot in slots.values():
             slot.zero_()

@@ -57,7 +57,7 @@ def _picked(layer: LayerTransfer, index: torch.Tensor) -> torch.Tensor:
 
 
 # How many programs `fetch_kernel` runs: enough loads in flight to keep the link busy, few enough SMs that the
-# compute stream's kernels, which run meanwhile, find theirs free (benchmarks/routed_gather.py --fetch).
+# compute stream's kernels, which run meanwhile, find theirs free (benchmarks/routed_gather.py: 64 read the most).
 FETCH_PROGRAMS = 64
 
 # Kinds of pick in a layer's `tallies`, and its count of rows fetched ahead.
@@ -90,6 +90,12 @@ def gather_looked_up(layer: LayerTransfer, index: torch.Tensor) -> None:
         kinds = torch.where(ready, _FOUND_RECENT, torch.where(found, _FOUND_CACHED, _FROM_HOST))
         layer.tallies.index_add_(0, kinds, torch.ones_like(kinds))
         return
+    with torch.cuda.device(experts.device):  # Triton launches on the current device's current stream
+        _launch_gathers(kernel, layer, experts)
+
+
+def _launch_gathers(kernel, layer: LayerTransfer, experts: torch.Tensor) -> None:
+    cache, recent = layer.cache, layer.recent
     for number, tensor in enumerate(layer.routed):
         kernel(
             experts,
@@ -108,19 +114,23 @@ def fetch_recent(layer: LayerTransfer) -> None:
     """With a copy of the layer without its routed tensors (`Fill.ROUTED`), on the same stream: the rows of the
     experts its router picked in its latest forward (`recent.experts`) that its cache does not hold, from host memory
     into the slot, each marked `ready`; every other mark cleared first. No host synchronisation; the shapes are those
-    of the latest forward (`recent.count`). Counts the rows in `tallies`."""
+    of the latest forward (`recent.count`). Counts the rows in `tallies`.
+
+    Whether the cache holds an expert is read once, before any row is copied: `prepare` may change the cache's rows
+    on the compute stream while this runs on the copy stream, and one decision per expert keeps every row of every
+    tensor and its mark together (all fetched and marked, or none: the gather then reads the final `slot_of`)."""
     recent = layer.recent
     recent.ready.zero_()
     if recent.count == 0:
         return
     num_experts = recent.ready.numel()
     experts = recent.experts[: recent.count]
-    slot_of = layer.cache.slot_of if layer.cache is not None else None
+    take = (experts >= 0) & (experts < num_experts)
+    if layer.cache is not None:
+        take &= layer.cache.slot_of.index_select(0, experts.clamp(0, num_experts - 1)) < 0
+    experts = torch.where(take, experts, -1)  # a snapshot: the kernels read neither `slot_of` nor `recent.experts`
     kernel = fetch_kernel() if experts.is_cuda else None
     if kernel is None:
-        take = (experts >= 0) & (experts < num_experts)
-        if slot_of is not None:
-            take &= slot_of.index_select(0, experts.clamp(0, num_experts - 1)) < 0
         marks = torch.zeros(num_experts + 1, dtype=recent.ready.dtype, device=experts.device)
         marks.index_fill_(0, torch.where(take, experts, num_experts), 1)  # a repeated pick marks once
         wanted = marks[:num_experts] > 0
@@ -130,10 +140,9 @@ def fetch_recent(layer: LayerTransfer) -> None:
         recent.ready.copy_(marks[:num_experts])
         layer.tallies[_FETCHED] += take.sum()
         return
-    for number, tensor in enumerate(layer.routed):
-        kernel(
-            experts, slot_of, tensor.source_rows, tensor.device_rows, recent.ready, layer.tallies, count=number == 0
-        )
+    with torch.cuda.device(experts.device):  # Triton launches on the current device's current stream
+        for number, tensor in enumerate(layer.routed):
+            kernel(experts, tensor.source_rows, tensor.device_rows, recent.ready, layer.tallies, count=number == 0)
 
 
 def remember_picks(layer: LayerTransfer, index: torch.Tensor, routing: bool) -> None:
@@ -357,32 +366,25 @@ def fetch_kernel():
     @triton.jit
     def fetch_rows(
         experts,
-        slot_of,
         source,
         out,
         ready,
         tallies,
         entries,
-        num_experts,
         row_len,
-        CACHED: tl.constexpr,
         COUNT: tl.constexpr,
         BLOCK: tl.constexpr,
         PROGRAMS: tl.constexpr,
     ):
-        # PROGRAMS programs take turns over (entry, block): one BLOCK of the row of one recent pick that is an expert
-        # of the layer and not in its cache, from the host (through the mapped view). The first block of each marks
-        # it ready and counts it. Few programs: the kernel runs beside the compute stream's, which need SMs too.
+        # PROGRAMS programs take turns over (entry, block): one BLOCK of the row of one expert to fetch (-1: none),
+        # from the host (through the mapped view). The first block of each marks it ready and counts it. Few
+        # programs: the kernel runs beside the compute stream's, which need SMs too.
         blocks = tl.cdiv(row_len, BLOCK)
         for item in range(tl.program_id(0), entries * blocks, PROGRAMS):
             entry = item // blocks
             block = item % blocks
             expert = tl.load(experts + entry)
-            take = (expert >= 0) & (expert < num_experts)
-            if CACHED:
-                if take:
-                    take = tl.load(slot_of + expert) < 0
-            if take:
+            if expert >= 0:
                 offsets = block * BLOCK + tl.arange(0, BLOCK)
                 inside = offsets < row_len
                 values = tl.load(source + expert * row_len + offsets, mask=inside)
@@ -394,19 +396,16 @@ def fetch_kernel():
 
     block = 2048
 
-    def launch(experts, slot_of, source, out, ready, tallies, count, programs=None):
+    def launch(experts, source, out, ready, tallies, count, programs=None):
         programs = programs or FETCH_PROGRAMS
         fetch_rows[(programs,)](
             experts,
-            out if slot_of is None else slot_of,
             source,
             out,
             ready,
             tallies,
             experts.numel(),
-            ready.numel(),
             out.shape[1],
-            CACHED=slot_of is not None,
             COUNT=count,
             BLOCK=block,
             PROGRAMS=programs,

@@ -259,7 +259,7 @@ class RecentPicks:
 
     experts: torch.Tensor  # (num_experts,) int64 on the device: the latest forward's picks (the first `count`), -1
     ready: torch.Tensor  # (num_experts,) int32 on the device: 1 where the slot's rows hold the layer's expert
-    count: int = 0  # picks the latest forward recorded: a function of its shapes, so a CUDA graph records its own
+    count: int = 0  # picks the latest forward run in Python recorded (a function of its shapes; replays set none)
 
 
 @dataclass(frozen=True)

@@ -1009,3 +1009,63 @@ def test_recent_experts_on_and_off_give_the_same_tokens(family):
 def test_recent_experts_must_be_a_bool():
     with pytest.raises(ValueError, match=r"PrefetchConfig.recent_experts='yes' must be True or False"):
         PrefetchConfig(recent_experts="yes")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_an_expert_that_enters_the_cache_during_a_fetch_is_fetched_whole_or_not_marked():
+    # `prepare` may load the cache on the compute stream while a fetch issued before it runs on the copy stream. Expert
+    # 5 enters the cache at delays swept across the fetch: every expert marked ready must have all its rows fetched.
+    import types
+
+    from hf_prefetch.experts import fetch_recent
+    from hf_prefetch.host import HostArena
+    from hf_prefetch.ring import LayerTransfer, RecentPicks, RoutedTensor
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    experts, row = 16, 1 << 20  # two routed tensors of 8 MiB rows
+    arena = HostArena([experts * row * 8, experts * row * 8])
+    assert arena.pin()
+    mapped = arena.map(device)
+    hosts = [arena.view(i, (experts, row), (row, 1), torch.int64) for i in range(2)]
+    for number, host in enumerate(hosts):
+        host.copy_((torch.arange(experts) * 10 + number + 1)[:, None].expand(experts, row))
+    slots = [torch.empty(experts, row, dtype=torch.int64, device=device) for _ in hosts]
+    routed = [RoutedTensor(h, arena.mapped_like(h, mapped), s, experts) for h, s in zip(hosts, slots, strict=True)]
+    layer = LayerTransfer([], [], 0, 1, 0, routed)
+    layer.cache = types.SimpleNamespace(slot_of=torch.full((experts,), -1, dtype=torch.long, device=device))
+    layer.recent = RecentPicks(
+        torch.full((experts,), -1, dtype=torch.long, device=device),
+        torch.zeros(experts, dtype=torch.int32, device=device),
+    )
+    layer.tallies = torch.zeros(4, dtype=torch.long, device=device)
+    layer.recent.experts[:4] = torch.tensor([3, 5, 7, 9])
+    layer.recent.count = 4
+    copy_stream = torch.cuda.Stream(device)
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(copy_stream):
+        fetch_recent(layer)  # compiles the kernel
+        begin.record()
+        fetch_recent(layer)
+        end.record()
+    torch.cuda.synchronize()
+    fetch_ms = begin.elapsed_time(end)
+    begin.record()
+    torch.cuda._sleep(10**6)
+    end.record()
+    torch.cuda.synchronize()
+    cycles_per_ms = 10**6 / begin.elapsed_time(end)
+    for trial in range(40):
+        for slot in slots:
+            slot.fill_(-7)
+        layer.cache.slot_of.fill_(-1)
+        torch.cuda.synchronize()
+        torch.cuda._sleep(int(cycles_per_ms * fetch_ms * 1.3 * trial / 40))  # the compute stream: a late `prepare`
+        layer.cache.slot_of[5:6].fill_(0)
+        with torch.cuda.stream(copy_stream):
+            fetch_recent(layer)
+        torch.cuda.synchronize()
+        for expert in layer.recent.ready.nonzero().flatten().tolist():
+            for number, slot in enumerate(slots):
+                assert torch.all(slot[expert] == 10 * expert + number + 1), (trial, expert, number)
+    arena.release()
