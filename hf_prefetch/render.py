@@ -9,7 +9,7 @@ import html
 from collections.abc import Sequence
 
 from .offload_config import UVAConfig
-from .placements import LayerPlan, OffloadPlan, RingPlan, Source
+from .placements import LayerPlan, OffloadPlan, RingPlan, Source, caches_experts
 
 __all__ = ["render_text", "render_html", "format_bytes"]
 
@@ -156,6 +156,15 @@ def _totals(plan: OffloadPlan) -> list[tuple[str, str]]:
             cached = min(plan.cached_experts, max(r.num_experts for r in routings))
             totals.append(
                 ("expert cache", f"{size(plan.cache_bytes)} on the device: {cached} experts per routed layer")
+            )
+        fetching = [layer for ring in plan.rings for layer in ring.streamed if caches_experts(layer)]
+        if fetching and getattr(plan.config, "recent_experts", True):
+            totals.append(
+                (
+                    "recent experts",
+                    f"{len(fetching)} layer{'s' if len(fetching) != 1 else ''} fetch the experts they picked in "
+                    "their previous forward with their copy",
+                )
             )
         totals.append(("streamed per token", per_token))
     return totals

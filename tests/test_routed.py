@@ -1069,3 +1069,15 @@ def test_an_expert_that_enters_the_cache_during_a_fetch_is_fetched_whole_or_not_
             for number, slot in enumerate(slots):
                 assert torch.all(slot[expert] == 10 * expert + number + 1), (trial, expert, number)
     arena.release()
+
+
+def test_the_plan_says_which_layers_fetch_their_recent_experts():
+    model = moe_model("qwen3_moe")  # layers 1 and 3 stream, taking turns in one slot
+    shown = str(hf_prefetch.plan(model, PrefetchConfig(**ROUTED), device="cpu"))
+    assert "recent experts" in shown and "2 layers fetch the experts they picked in their previous forward" in shown
+    assert "recent experts" not in str(
+        hf_prefetch.plan(model, PrefetchConfig(**ROUTED, recent_experts=False), device="cpu")
+    )
+    # A layer alone in its slot is copied whole once: it fetches nothing.
+    alone = hf_prefetch.plan(model, PrefetchConfig(**{**ROUTED, "prefetch_step": 2}), device="cpu")
+    assert "recent experts" not in str(alone)
