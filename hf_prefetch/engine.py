@@ -167,6 +167,7 @@ class PrefetchEngine:
         # On CUDA routed rows are read through the arena's mapped view, which needs it pinned.
         self.routed_max_tokens = routed_max_tokens if has_routed and (pinned or not self._cuda) else 0
         self.routing = False
+        self._tokens: int | None = None  # of the latest forward `prepare`d outside a capture
         self._caches = ExpertCaches([layer for ring in self.rings for layer in ring.layers])
         # copy_stream: runs every host-to-device weight copy. Ordered after the compute stream by a wait before each
         # copy (the slot may still be read by queued kernels); the compute stream is ordered after it by each layer's
@@ -279,13 +280,13 @@ class PrefetchEngine:
                     layer.done, layer.event = torch.cuda.Event(), CopyEvent.ON_STREAM
                 if capturing or self._links is None:
                     _copy_all(layer, self._non_blocking, self.copy_stream if capturing else None, whole)
-                    _fetch_ahead(layer, whole)
+                    _fetch_ahead(layer, whole, self._tokens)
                     layer.done.record()
                     return
                 # [Note: shared links]: the helpers' peer copies into the slot wait on the compute stream as well.
                 slot_free = torch.cuda.current_stream(self.device).record_event()
                 _copy_all(layer, self._non_blocking, None, whole, self._links, slot_free)
-                _fetch_ahead(layer, whole)
+                _fetch_ahead(layer, whole, self._tokens)
                 self._links.land(layer.done, self.copy_stream)
 
     def _load_now(self, transfers: RingTransfers, position: int) -> None:
@@ -420,6 +421,7 @@ class PrefetchEngine:
         if self._capturing():
             return
         self.routing = tokens is not None and 0 < tokens <= self.routed_max_tokens
+        self._tokens = tokens
         if self.routing:
             self._caches.before_routing_forward(self._non_blocking)
         if not self._cuda:
@@ -630,7 +632,7 @@ class PrefetchEngine:
         begin = self._timings.begin_blocking() if self.timing else None
         _copy_all(layer, False, None, whole, self._links)
         if fetch:
-            _fetch_ahead(layer, whole)
+            _fetch_ahead(layer, whole, self._tokens)
         elif not whole and layer.recent is not None:
             layer.recent.ready.zero_()
         if begin is not None:
@@ -687,11 +689,11 @@ _BYPASSED = (
 )
 
 
-def _fetch_ahead(layer: LayerTransfer, whole: bool) -> None:
+def _fetch_ahead(layer: LayerTransfer, whole: bool, tokens: int | None) -> None:
     # With a copy for a routing forward, on its stream: the experts the layer picked in its latest forward
     # ([Note: routed experts]). It rewrites `recent.ready`, which must describe this copy, never an older one.
     if not whole and layer.recent is not None:
-        fetch_recent(layer)
+        fetch_recent(layer, tokens)
 
 
 def _nbytes(layer: LayerTransfer, whole: bool) -> int:

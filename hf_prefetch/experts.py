@@ -110,21 +110,25 @@ def _launch_gathers(kernel, layer: LayerTransfer, experts: torch.Tensor) -> None
         )
 
 
-def fetch_recent(layer: LayerTransfer) -> None:
+def fetch_recent(layer: LayerTransfer, tokens: int | None = None) -> None:
     """With a copy of the layer without its routed tensors (`Fill.ROUTED`), on the same stream: the rows of the
     experts its router picked in its latest forward (`recent.experts`) that its cache does not hold, from host memory
-    into the slot, each marked `ready`; every other mark cleared first. No host synchronisation; the shapes are those
-    of the latest forward (`recent.count`). Counts the rows in `tallies`.
+    into the slot, each marked `ready`; every other mark cleared first. No host synchronisation. Reads as many
+    entries as the latest forward run in Python recorded (`recent.count`), or as a forward of `tokens` tokens (the
+    one under way) records, whichever is more: a CUDA graph replay records its picks without Python, and the graph
+    of the forward under way, in a capture, is one of that many tokens. Entries past the picks are -1. Counts the rows
+    in `tallies`.
 
     Whether the cache holds an expert is read once, before any row is copied: `prepare` may change the cache's rows
     on the compute stream while this runs on the copy stream, and one decision per expert keeps every row of every
     tensor and its mark together (all fetched and marked, or none: the gather then reads the final `slot_of`)."""
     recent = layer.recent
     recent.ready.zero_()
-    if recent.count == 0:
-        return
     num_experts = recent.ready.numel()
-    experts = recent.experts[: recent.count]
+    entries = max(recent.count, (tokens or 0) * recent.top_k)
+    if entries == 0:
+        return
+    experts = recent.experts[: min(entries, num_experts)]
     take = (experts >= 0) & (experts < num_experts)
     if layer.cache is not None:
         take &= layer.cache.slot_of.index_select(0, experts.clamp(0, num_experts - 1)) < 0
@@ -157,6 +161,7 @@ def remember_picks(layer: LayerTransfer, index: torch.Tensor, routing: bool) -> 
     recent.experts[: flat.numel()].copy_(flat)
     recent.experts[flat.numel() :].fill_(-1)
     recent.count = flat.numel()
+    recent.top_k = index.shape[-1] if index.dim() >= 2 else 1
 
 
 def count_picks(layer: LayerTransfer, index: torch.Tensor) -> None:

@@ -1081,3 +1081,31 @@ def test_the_plan_says_which_layers_fetch_their_recent_experts():
     # A layer alone in its slot is copied whole once: it fetches nothing.
     alone = hf_prefetch.plan(model, PrefetchConfig(**{**ROUTED, "prefetch_step": 2}), device="cpu")
     assert "recent experts" not in str(alone)
+
+
+def test_a_fetch_reads_as_many_recent_picks_as_the_forward_under_way_records():
+    # A CUDA-graph replay records its picks without Python, so `recent.count` may be that of an older forward: a copy
+    # during a forward of 2 tokens reads the entries of 2 tokens' picks all the same. Simulated on the CPU by writing 8
+    # picks behind a count of 4; the entries past the picks are -1 and fetch nothing.
+    from hf_prefetch.experts import fetch_recent
+
+    model = moe_model("qwen3_moe")  # 16 experts, 4 per token
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED), device="cpu")
+    try:
+        layer = hf_prefetch.get_state(model).engine.rings[0].layers[1]
+        with torch.no_grad():
+            model(_ids(length=1, seed=3))  # records 4 picks per layer, top_k 4
+        recent = layer.recent
+        assert (recent.count, recent.top_k) == (4, 4)
+        recent.experts[:8] = torch.tensor([0, 1, 2, 3, 8, 9, 10, 11])
+        fetch_recent(layer)
+        assert {e for e in range(16) if recent.ready[e]} == {0, 1, 2, 3}
+        fetch_recent(layer, tokens=2)
+        assert {e for e in range(16) if recent.ready[e]} == {0, 1, 2, 3, 8, 9, 10, 11}
+        for tensor in layer.routed:
+            for expert in (8, 9, 10, 11):
+                assert torch.equal(tensor.device[expert], tensor.host[expert])
+        fetch_recent(layer, tokens=3)  # entries 8-11 are -1
+        assert int(recent.ready.sum()) == 8
+    finally:
+        hf_prefetch.remove_offload(model)
