@@ -309,8 +309,7 @@ class PrefetchEngine:
                 self._after_copies(compute)
             elif self._copy_stream_in_capture():
                 compute.wait_stream(self.copy_stream)
-            if not whole and layer.recent is not None:
-                layer.recent.ready.zero_()  # the gather that follows copies every pick: nothing is fetched ahead
+            _fetched_nothing(layer, whole)  # after every copy still in flight, which may fetch for it
             if capturing:
                 self._check_capturable()
                 _copy_all(layer, self._non_blocking, compute, whole)
@@ -633,8 +632,8 @@ class PrefetchEngine:
         _copy_all(layer, False, None, whole, self._links)
         if fetch:
             _fetch_ahead(layer, whole, self._tokens)
-        elif not whole and layer.recent is not None:
-            layer.recent.ready.zero_()
+        else:
+            _fetched_nothing(layer, whole)
         if begin is not None:
             self._timings.end_blocking(layer.counters, begin)
 
@@ -694,6 +693,13 @@ def _fetch_ahead(layer: LayerTransfer, whole: bool, tokens: int | None) -> None:
     # ([Note: routed experts]). It rewrites `recent.ready`, which must describe this copy, never an older one.
     if not whole and layer.recent is not None:
         fetch_recent(layer, tokens)
+
+
+def _fetched_nothing(layer: LayerTransfer, whole: bool) -> None:
+    # With a miss's copy for a routing forward, on its stream: the gather that follows copies every pick, and no row
+    # an older copy fetched may be found ready.
+    if not whole and layer.recent is not None:
+        layer.recent.ready.zero_()
 
 
 def _nbytes(layer: LayerTransfer, whole: bool) -> int:

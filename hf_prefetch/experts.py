@@ -91,23 +91,18 @@ def gather_looked_up(layer: LayerTransfer, index: torch.Tensor) -> None:
         layer.tallies.index_add_(0, kinds, torch.ones_like(kinds))
         return
     with torch.cuda.device(experts.device):  # Triton launches on the current device's current stream
-        _launch_gathers(kernel, layer, experts)
-
-
-def _launch_gathers(kernel, layer: LayerTransfer, experts: torch.Tensor) -> None:
-    cache, recent = layer.cache, layer.recent
-    for number, tensor in enumerate(layer.routed):
-        kernel(
-            experts,
-            recent.ready if recent is not None else None,
-            cache.slot_of if cache is not None else None,
-            tensor.source_rows,
-            cache.rows[number] if cache is not None else None,
-            tensor.device_rows,
-            cache.picks if cache is not None else None,
-            layer.tallies,
-            count=number == 0,
-        )
+        for number, tensor in enumerate(layer.routed):
+            kernel(
+                experts,
+                recent.ready if recent is not None else None,
+                cache.slot_of if cache is not None else None,
+                tensor.source_rows,
+                cache.rows[number] if cache is not None else None,
+                tensor.device_rows,
+                cache.picks if cache is not None else None,
+                layer.tallies,
+                count=number == 0,
+            )
 
 
 def fetch_recent(layer: LayerTransfer, tokens: int | None = None) -> None:

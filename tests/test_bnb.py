@@ -36,6 +36,18 @@ def checkpoint(tmp_path_factory):
     return folder
 
 
+@pytest.fixture(scope="module")
+def gpu_checkpoint(tmp_path_factory):
+    # The GPU tests' bf16 checkpoint (hidden sizes bitsandbytes' CUDA kernels take), saved once.
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from models import gpu_llama
+
+    folder = tmp_path_factory.mktemp("bnb-gpu")
+    gpu_llama(8).save_pretrained(folder)
+    return folder
+
+
 def _load(folder, setting: str = "nf4", device: str = "cpu", portable: bool = False, **settings):
     config = BitsAndBytesConfig(load_in_4bit=True, **{**SETTINGS[setting], **settings})
     model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=config, device_map=device).eval()
@@ -391,14 +403,10 @@ def test_the_checks_for_a_gpu_pass_8bit_layers_by(checkpoint):
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("setting", ["nf4", "nf4-double"])
-def test_on_cuda_4bit_layers_stream_and_compute_what_the_resident_model_computes(tmp_path, setting):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from models import gpu_llama
-
-    gpu_llama(8).save_pretrained(tmp_path)
+def test_on_cuda_4bit_layers_stream_and_compute_what_the_resident_model_computes(gpu_checkpoint, setting):
     # Quantized on the GPU both (bitsandbytes' CPU and CUDA quantizers differ in the last bits of double quantization).
-    model, resident = _load(tmp_path, setting, device="cuda").to("cpu"), _load(tmp_path, setting, device="cuda")
+    model = _load(gpu_checkpoint, setting, device="cuda").to("cpu")
+    resident = _load(gpu_checkpoint, setting, device="cuda")
     ids, want = _streams_on_cuda_as(resident, model)
     hf_prefetch.remove_offload(model)
     assert_same_generation(generate_with_logits(model, ids, max_new_tokens=24), want)
@@ -422,14 +430,9 @@ def _streams_on_cuda_as(resident, model):
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("origin", ["moved-to-the-cpu", "on-the-gpu"])
-def test_on_cuda_8bit_layers_stream_and_compute_what_the_resident_model_computes(tmp_path, origin):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from models import gpu_llama
-
-    gpu_llama(8).save_pretrained(tmp_path)
+def test_on_cuda_8bit_layers_stream_and_compute_what_the_resident_model_computes(gpu_checkpoint, origin):
     # Quantized on the GPU both; dispatched from host memory (as if loaded there) or from the GPU.
-    model, resident = _load_8bit(tmp_path, device="cuda"), _load_8bit(tmp_path, device="cuda")
+    model, resident = _load_8bit(gpu_checkpoint, device="cuda"), _load_8bit(gpu_checkpoint, device="cuda")
     if origin == "moved-to-the-cpu":
         model.to("cpu")
     stored = {name: tensor.cpu() for name, tensor in _int8_state(resident).items()}
@@ -566,13 +569,10 @@ def test_an_8bit_model_dispatched_again_with_another_config_keeps_computing_the_
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("bits", ["nf4-double", "8bit"])
-def test_on_cuda_from_pretrained_of_a_prequantized_checkpoint_computes_what_transformers_loads(tmp_path, bits):
-    if not torch.cuda.is_available():
-        pytest.skip("needs CUDA")
-    from models import gpu_llama
-
-    source, folder = tmp_path / "bf16", tmp_path / bits
-    gpu_llama(8).save_pretrained(source)
+def test_on_cuda_from_pretrained_of_a_prequantized_checkpoint_computes_what_transformers_loads(
+    gpu_checkpoint, tmp_path, bits
+):
+    source, folder = gpu_checkpoint, tmp_path / bits
     quantized = _load_8bit(source, device="cuda") if bits == "8bit" else _load(source, bits, device="cuda")
     quantized.save_pretrained(folder)
     del quantized
