@@ -150,13 +150,10 @@ def test_load_state_dict_writes_host_storage_and_the_next_forward_reads_it(check
         assert torch.equal(model(ids).logits, resident(ids).logits)
 
 
-@pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("fail_at", ["_report_host_values", "_guard_moves"])
-def test_an_interrupted_dispatch_gives_every_tensor_back(checkpoint, monkeypatch, fail_at):
+def _dispatch_interrupted_after(model, monkeypatch, fail_at: str) -> None:
+    # A dispatch onto the CPU that a KeyboardInterrupt stops right after attach's step `fail_at` returned.
     from hf_prefetch import attach
 
-    model, untouched = _load(checkpoint, "nf4-double"), _load(checkpoint, "nf4-double")
-    before, kernels = {k: v.clone() for k, v in _quantized_state(model).items()}, _kernels(model)
     original = getattr(attach, fail_at)
 
     def interrupted(*args):
@@ -166,6 +163,15 @@ def test_an_interrupted_dispatch_gives_every_tensor_back(checkpoint, monkeypatch
     monkeypatch.setattr(attach, fail_at, interrupted)
     with pytest.raises(KeyboardInterrupt):
         hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("fail_at", ["_report_host_values", "_guard_moves"])
+def test_an_interrupted_dispatch_gives_every_tensor_back(checkpoint, monkeypatch, fail_at):
+
+    model, untouched = _load(checkpoint, "nf4-double"), _load(checkpoint, "nf4-double")
+    before, kernels = {k: v.clone() for k, v in _quantized_state(model).items()}, _kernels(model)
+    _dispatch_interrupted_after(model, monkeypatch, fail_at)
     assert hf_prefetch.get_state(model) is None
     assert _same(_quantized_state(model), before) and _kernels(model) == kernels
     assert "_save_to_state_dict" not in model.model.layers[1].mlp.up_proj.__dict__
@@ -346,7 +352,6 @@ def test_8bit_load_state_dict_writes_values_and_scales_to_host_storage(checkpoin
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("fail_at", ["_report_host_values", "_guard_moves"])
 def test_an_interrupted_8bit_dispatch_gives_every_tensor_back(checkpoint, monkeypatch, fail_at):
-    from hf_prefetch import attach
 
     model, untouched = _load_8bit(checkpoint), _load_8bit(checkpoint)
     ids = prompt()
@@ -354,15 +359,7 @@ def test_an_interrupted_8bit_dispatch_gives_every_tensor_back(checkpoint, monkey
         model(ids), untouched(ids)  # scales in the modules' states: the dispatch moves them onto the parameters
     before = {k: v.clone() for k, v in _int8_state(model).items()}
     states = {name: m.state for name, m in model.named_modules() if hasattr(m, "state")}
-    original = getattr(attach, fail_at)
-
-    def interrupted(*args):
-        original(*args)
-        raise KeyboardInterrupt
-
-    monkeypatch.setattr(attach, fail_at, interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    _dispatch_interrupted_after(model, monkeypatch, fail_at)
     assert hf_prefetch.get_state(model) is None
     assert _same(_int8_state(model), before)
     assert all(m.state is states[name] for name, m in model.named_modules() if hasattr(m, "state"))
