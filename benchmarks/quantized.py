@@ -11,7 +11,10 @@ Tokens and logits of every streamed system are compared with the same model resi
 or the library refuses is reported with its error and skipped. `--accelerate` adds accelerate's offload of the same
 quantized model (`accelerate.dispatch_model` with the same layers on "cpu") as a peer row. `--shape 32b --budget-gib
 12` instead dispatches one quantized 32B-shaped model with `max_memory={0: "12GiB"}` and reports it against its bound.
-`--prefetch-steps 2 3` dispatches each quantized selection once per number of slots (bf16 keeps 2).
+`--prefetch-steps 2 3` dispatches each quantized selection once per number of slots (bf16 keeps 2). `fp8` is
+transformers' fine-grained FP8 (`FP8Linear`, 128x128 blocks), whose matmul is the hub kernel
+`kernels-community/finegrained-fp8`: `--fp8-kernel PATH` loads a local copy of it where nothing can be downloaded.
+`ct_fp8` is compressed-tensors FP8 with a scale per row (`CompressedTensorsFP8Linear`, torch's scaled_mm).
 Needs torchao and bitsandbytes (wheels installed with --no-deps). Run on a GPU machine:
 
     PYTHONUNBUFFERED=1 python benchmarks/quantized.py [--rounds 3] [--layers 32] [--methods float8,int8,int4,nf4]
@@ -32,7 +35,13 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import build_model, decode_seconds_per_token, h2d_peak_gbps, save_results  # noqa: E402
+from common import (  # noqa: E402
+    build_model,
+    decode_seconds_per_token,
+    h2d_peak_gbps,
+    save_results,
+    use_local_fp8_kernel,
+)
 
 import hf_prefetch  # noqa: E402
 
@@ -47,6 +56,12 @@ def _quantize(model, method: str) -> None:
     if method == "llm_int8":
         _to_llm_int8(model)
         return
+    if method == "fp8":
+        _to_fp8(model)
+        return
+    if method == "ct_fp8":
+        _to_compressed_tensors_fp8(model)
+        return
     from torchao import quantization
 
     if method == "float8":
@@ -56,7 +71,8 @@ def _quantize(model, method: str) -> None:
     elif method == "int4":
         config = quantization.Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
     else:
-        raise ValueError(f"--methods: unknown method {method!r}; known: float8, int8, int4, nf4, llm_int8")
+        known = "float8, int8, int4, nf4, llm_int8, fp8, ct_fp8"
+        raise ValueError(f"--methods: unknown method {method!r}; known: {known}")
     quantization.quantize_(model, config)
 
 
@@ -119,6 +135,56 @@ def _to_llm_int8(model) -> None:
         if linear.bias is not None:
             int8.bias = linear.bias
         return int8
+
+    _replace_linears(model, quantized)
+
+
+def _to_fp8(model) -> None:
+    # transformers' fine-grained FP8 (`FP8Linear`: float8_e4m3fn weights, float32 scales per 128x128 block), the
+    # weights quantized by the op `from_pretrained(quantization_config=FineGrainedFP8Config())` runs.
+    from types import SimpleNamespace
+
+    from torch import nn
+    from transformers import FineGrainedFP8Config
+    from transformers.integrations import finegrained_fp8
+
+    settings = FineGrainedFP8Config(weight_block_size=(128, 128))
+    quantize = finegrained_fp8.Fp8Quantize(SimpleNamespace(quantization_config=settings))
+
+    def quantized(linear):
+        with torch.device("meta"):
+            fp8 = finegrained_fp8.FP8Linear(
+                linear.in_features, linear.out_features, block_size=(128, 128), has_bias=linear.bias is not None
+            )
+        parts = quantize._quantize_one("weight", linear.weight.data)
+        fp8.weight = nn.Parameter(parts["weight"], requires_grad=False)
+        fp8.weight_scale_inv = nn.Parameter(parts["weight_scale_inv"], requires_grad=False)
+        if linear.bias is not None:
+            fp8.bias = linear.bias
+        return fp8
+
+    _replace_linears(model, quantized)
+
+
+def _to_compressed_tensors_fp8(model) -> None:
+    # compressed-tensors FP8 (LLM Compressor's FP8-dynamic: float8_e4m3fn weights, a scale per output row) as
+    # transformers builds it with CompressedTensorsConfig(use_optimized_inference=True): `CompressedTensorsFP8Linear`,
+    # a row-wise scaled FP8 matmul, its bf16 checkpoint scales as float32 (1, out_features).
+    from torch import nn
+    from transformers.integrations.compressed_tensors import CompressedTensorsFP8Linear
+
+    top = torch.finfo(torch.float8_e4m3fn).max
+
+    def quantized(linear):
+        with torch.device("meta"):
+            fp8 = CompressedTensorsFP8Linear(linear.in_features, linear.out_features, has_bias=linear.bias is not None)
+        weight = linear.weight.data.float()
+        scale = (weight.abs().amax(dim=1, keepdim=True) / top).to(torch.bfloat16).float()
+        fp8.weight = nn.Parameter((weight / scale).clamp(-top, top).to(torch.float8_e4m3fn), requires_grad=False)
+        fp8.weight_scale = nn.Parameter(scale.reshape(1, -1).contiguous(), requires_grad=False)
+        if linear.bias is not None:
+            fp8.bias = linear.bias
+        return fp8
 
     _replace_linears(model, quantized)
 
@@ -235,7 +301,14 @@ def main() -> None:
     parser.add_argument(
         "--prefetch-steps", type=int, nargs="+", default=[2], help="slots of the quantized dispatches (bf16: 2)"
     )
+    parser.add_argument(
+        "--fp8-kernel",
+        default=None,
+        help="a local copy of the hub kernel kernels-community/finegrained-fp8 (method fp8, without network)",
+    )
     args = parser.parse_args()
+    if args.fp8_kernel:
+        use_local_fp8_kernel(args.fp8_kernel)
     import bitsandbytes
     import torchao
 

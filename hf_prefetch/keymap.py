@@ -72,7 +72,12 @@ def map_keys(model: nn.Module, checkpoint: Checkpoint) -> KeyMap:
     model_name = type(model).__name__
 
     is_hf = isinstance(model, PreTrainedModel)
-    mapping = get_model_conversion_mapping(model) if is_hf else []
+    # The compressed-tensors quantizer's conversions (FP8 scales reshaped for the row-wise matmul) belong to the
+    # mapping; the other quantizers' parts are mapped by prequantized.py.
+    quantizer = getattr(model, "hf_quantizer", None)
+    if getattr(getattr(quantizer, "quantization_config", None), "quant_method", None) != "compressed-tensors":
+        quantizer = None
+    mapping = get_model_conversion_mapping(model, hf_quantizer=quantizer) if is_hf else []
     prefix = model.base_model_prefix if is_hf else None
     renamings = [m for m in mapping if isinstance(m, WeightRenaming)]
     converters = [m for m in mapping if isinstance(m, WeightConverter)]
@@ -136,6 +141,12 @@ def map_keys(model: nn.Module, checkpoint: Checkpoint) -> KeyMap:
     ignored = list(getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ())
     ignored += [r"rotary_emb\.inv_freq", r"(^|\.)position_ids$"]
     unexpected = [(e, r) for e, r in unexpected if not any(re.search(p, r) for p in ignored)]
+    # compressed-tensors' FP8 linears quantize their input per row at every forward: the static input scales of an
+    # FP8 checkpoint with static activations are not read, as in transformers.
+    unused = {
+        f"{path}.input_scale" for path, m in model.named_modules() if type(m).__name__ == "CompressedTensorsFP8Linear"
+    }
+    unexpected = [(e, r) for e, r in unexpected if r not in unused]
     if unexpected:
         entry, renamed = unexpected[0]
         raise ValueError(

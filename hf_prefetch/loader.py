@@ -254,6 +254,7 @@ def _load(
         # accelerate's init_empty_weights re-creates a parameter each time one is registered, which unties the
         # weights that __init__ tied; tie them again so that a tied tensor is one parameter (kept resident).
         model.tie_weights()
+    _check_fp8_matmuls(model, device)
     journal = Journal()
     arena = state = warmup = None
     try:
@@ -321,6 +322,22 @@ def _check_direct_io(direct_io: object) -> None:
         raise ValueError(
             f"direct_io={direct_io!r} must be True (read every shard around the page cache), False (through it) or "
             "None (directly only the shards the page cache does not hold)."
+        )
+
+
+def _check_fp8_matmuls(model: nn.Module, device: torch.device) -> None:
+    # A compressed-tensors FP8 checkpoint loads as transformers' FP8 matmul modules (skeleton.py), which need a GPU of
+    # compute capability 8.9 or newer (the CPU runs them too).
+    quantization = getattr(getattr(model, "config", None), "quantization_config", None)
+    method = getattr(quantization, "quant_method", None)
+    if getattr(method, "value", method) != "compressed-tensors" or device.type != "cuda":
+        return
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ValueError(
+            f"{device} has compute capability {capability[0]}.{capability[1]}; the FP8 matmuls that a "
+            "compressed-tensors FP8 checkpoint computes with need 8.9 or newer (Ada, Hopper). Load it with "
+            "transformers on this GPU (it computes with decompressed weights) and dispatch that model."
         )
 
 

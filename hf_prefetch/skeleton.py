@@ -2,10 +2,10 @@
 
 Finds the folder's `config.json` (nothing is downloaded), resolves `dtype="auto"` as transformers does, builds the
 model class (an Auto class or a model class) under `init_empty_weights` with buffers real, prepares a pre-quantized
-FP8, bitsandbytes or torchao checkpoint's model with transformers' own quantizer and makes its quantized parameters
-what the checkpoint stores (prequantized.py; other quantization methods are refused), and applies transformers'
-per-module dtype plan (`_keep_in_fp32_modules`). It reads no weights (but bitsandbytes' packed quantization settings):
-filling the model is the loader's job; `hf_prefetch.plan` of a folder uses the skeleton alone.
+FP8, bitsandbytes, torchao or compressed-tensors FP8 checkpoint's model with transformers' own quantizer and makes its
+quantized parameters what the checkpoint stores (prequantized.py; other quantization methods are refused), and applies
+transformers' per-module dtype plan (`_keep_in_fp32_modules`). It reads no weights (but bitsandbytes' packed
+quantization settings): filling the model is the loader's job; `hf_prefetch.plan` of a folder uses the skeleton alone.
 """
 
 from __future__ import annotations
@@ -53,8 +53,12 @@ def build_skeleton(
     model.config.name_or_path = str(folder)
     if quantizer is not None:
         # transformers' own preparation, on the meta device: its quantized modules, whose parameters are the packed
-        # tensors the checkpoint holds (read as they are, never dequantized).
-        quantizer.preprocess_model(model, dtype=torch_dtype, device_map=None)
+        # tensors the checkpoint holds (read as they are, never dequantized). Under the model's dtype as the default,
+        # as in transformers' from_pretrained: a new module's unquantized parameters (a bias) are created in it.
+        from transformers.modeling_utils import local_torch_dtype
+
+        with local_torch_dtype(torch_dtype, type(model).__name__):
+            quantizer.preprocess_model(model, dtype=torch_dtype, device_map=None)
         model.hf_quantizer = quantizer
         model.config.quantization_config = quantizer.quantization_config
         method = _method(quantizer.quantization_config)
@@ -73,7 +77,11 @@ def build_skeleton(
 # Pre-quantized checkpoints whose packed storage is plain tensors that transformers' quantizer declares on the meta
 # device (the loader fills them like any parameter).
 # bitsandbytes' layers and torchao's tensor subclasses are made to hold what the checkpoint stores (prequantized.py).
-PREQUANTIZED = ("fp8", "bitsandbytes", "torchao")
+# compressed-tensors: FP8 schemes only, built as transformers builds them with `use_optimized_inference=True` (its one
+# form that computes with the stored bytes, `CompressedTensorsFP8Linear`); transformers decompresses the other schemes
+# to dense weights before computing, so their packed bytes would not be what the model reads.
+PREQUANTIZED = ("fp8", "bitsandbytes", "torchao", "compressed-tensors")
+_PACKAGES = {"bitsandbytes": "bitsandbytes", "torchao": "torchao", "compressed-tensors": "compressed_tensors"}
 
 
 def _method(quantization: Any) -> Any:
@@ -91,22 +99,29 @@ def _prequantized(folder: Path, quantization: Any) -> Any:
     if method not in PREQUANTIZED:
         raise ValueError(
             f"{where}.quant_method = {method!r}: from_pretrained loads unquantized checkpoints and pre-quantized ones "
-            f"of {list(PREQUANTIZED)} (transformers' fine-grained FP8, bitsandbytes 4-bit and 8-bit, torchao). A model "
+            f"of {list(PREQUANTIZED)} (transformers' fine-grained FP8, bitsandbytes 4-bit and 8-bit, torchao, "
+            "compressed-tensors FP8). A model "
             "quantized in memory streams its packed bytes through hf_prefetch.dispatch_model: load it with "
             "transformers' from_pretrained (e.g. device_map='cuda', then .to('cpu'), or device_map='cpu') and "
             "dispatch it. That covers transformers' fine-grained FP8 (FP8Linear), torchao's tensor subclasses "
             "(quantize_ or TorchAoConfig) and bitsandbytes' 4-bit and 8-bit layers."
         )
-    if method in ("bitsandbytes", "torchao"):
+    if method in _PACKAGES:
         _check_installed(where, method)
     if method == "bitsandbytes":
         _check_bitsandbytes(where, quantization)
     from transformers.quantizers import AutoHfQuantizer
 
     try:
+        if method == "compressed-tensors":
+            quantization = _compressed_tensors_fp8(where, quantization)
         quantizer = AutoHfQuantizer.from_config(quantization, pre_quantized=True)
     except (ValueError, TypeError) as error:  # transformers' validation of the settings, which names the field
         raise ValueError(f"{where}: {str(error).rstrip('.')}. Fix that setting in config.json.") from None
+    if method == "compressed-tensors":
+        # What transformers' validate_environment sets where FP8 matmuls run. The CPU's scaled_mm runs them; a GPU
+        # without FP8 matmuls is refused by the loader, which knows the device.
+        quantizer.use_fp8_kernel = True
     settings = quantizer.quantization_config
     if getattr(settings, "dequantize", False):
         raise ValueError(
@@ -124,11 +139,39 @@ def _prequantized(folder: Path, quantization: Any) -> Any:
 def _check_installed(where: str, method: str) -> None:
     import importlib.util
 
-    if importlib.util.find_spec(method) is None:
+    if importlib.util.find_spec(_PACKAGES[method]) is None:
         raise ImportError(
             f"{where}.quant_method = {method!r}: loading this checkpoint needs the {method} package, which is not "
             f"installed. pip install {method}"
         )
+
+
+def _compressed_tensors_fp8(where: str, quantization: Any) -> Any:
+    """The settings of a compressed-tensors checkpoint whose every scheme stores FP8 weights, with
+    `use_optimized_inference=True`; `ValueError` naming a scheme that transformers would decompress instead."""
+    from transformers import CompressedTensorsConfig
+
+    raw = quantization if isinstance(quantization, dict) else quantization.to_dict()
+    settings = CompressedTensorsConfig.from_dict(dict(raw))
+    details = settings.quantization_config
+    groups = details.config_groups if details is not None else {}
+    if not groups:
+        raise ValueError(f"{where}.config_groups is empty: the checkpoint names no quantized weights. Re-save it.")
+    for name, group in groups.items():
+        weights = group.weights
+        if weights is None or weights.type != "float" or weights.num_bits != 8:
+            scheme = "no quantized" if weights is None else f"{weights.num_bits}-bit {weights.type}"
+            raise ValueError(
+                f"{where}.config_groups[{name!r}] stores {scheme} weights (format {details.format!r}). transformers "
+                "decompresses compressed-tensors weights to dense ones before computing with them, except FP8 "
+                "weights (use_optimized_inference), so there are no packed bytes to stream: from_pretrained loads "
+                "compressed-tensors checkpoints whose weights are FP8. Load this one with transformers "
+                "(AutoModelForCausalLM.from_pretrained(..., device_map='cpu'), then one forward, which decompresses "
+                "it) and pass it to hf_prefetch.dispatch_model, which streams the dense weights."
+            )
+    settings.use_optimized_inference = True
+    settings.post_init()
+    return settings
 
 
 def _check_bitsandbytes(where: str, quantization: Any) -> None:

@@ -228,6 +228,17 @@ def refuse_other_offload(model: nn.Module) -> None:
                 f"{where}: group offloading or layerwise casting). hf_prefetch places the weights itself. Dispatch a "
                 "model without it (diffusers offers no call that removes it: build or load the model again)."
             )
+        # compressed-tensors leaves a model it loaded compressed (`dequantize=False`) with a hook that replaces every
+        # compressed module's packed tensors with dense ones at the first forward.
+        status = getattr(module, "quantization_status", None)
+        if getattr(status, "value", status) == "compressed":
+            raise ValueError(
+                f"{name!r} ({type(module).__name__}) of {type(model).__name__} still holds compressed-tensors' "
+                "compressed weights, which its first forward replaces with decompressed ones, behind hf_prefetch's "
+                "back. Dispatch it after that first forward (or load it with "
+                "CompressedTensorsConfig(dequantize=True)) to stream the dense weights; hf_prefetch.from_pretrained "
+                "streams compressed-tensors FP8 checkpoints as FP8."
+            )
 
 
 def _accelerate_hooks(module: nn.Module) -> list[Any]:

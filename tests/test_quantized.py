@@ -9,6 +9,7 @@ to the same FP8 model resident, with the same reference matmul.
 """
 
 import copy
+import os
 
 import pytest
 import torch
@@ -22,6 +23,10 @@ from hf_prefetch import PrefetchConfig
 
 BLOCK = (128, 128)
 STRIDE = PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1)
+TRANSFORMERS_FP8_LINEAR = finegrained_fp8.fp8_linear
+# The GPU tests run transformers' own FP8 matmul, the hub kernel kernels-community/finegrained-fp8. Where it cannot be
+# downloaded, this names a local copy of it (benchmarks/common.py, `use_local_fp8_kernel`).
+FP8_KERNEL = os.environ.get("HF_PREFETCH_FP8_KERNEL")
 
 
 def _reference_fp8_linear(input, weight, weight_scale_inv, block_size=None, bias=None, **_):
@@ -174,7 +179,8 @@ def test_from_pretrained_refuses_quantized_checkpoints_it_cannot_stream_packed(t
     message = str(error.value)
     assert named in message and "config.json quantization_config" in message
     if "quant_method" in settings:
-        assert "['fp8', 'bitsandbytes', 'torchao']" in message and "dispatch_model" in message and "torchao" in message
+        assert "['fp8', 'bitsandbytes', 'torchao', 'compressed-tensors']" in message
+        assert "dispatch_model" in message and "torchao" in message
 
 
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16, torch.float32])
@@ -211,3 +217,33 @@ def test_a_block_size_that_does_not_match_the_scales_names_the_setting(tmp_path)
         ValueError, match=r"weight_scale_inv.*check config.json \(quantization_config.weight_block_size"
     ):
         hf_prefetch.from_pretrained(tmp_path, STRIDE, device="cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("entry", ["from_pretrained", "dispatch_model"])
+def test_on_cuda_fp8_layers_stream_through_transformers_kernel_as_the_resident_model_computes(
+    tmp_path, monkeypatch, entry
+):
+    if not torch.cuda.is_available() or not FP8_KERNEL:
+        pytest.skip("needs CUDA and HF_PREFETCH_FP8_KERNEL (a local copy of kernels-community/finegrained-fp8)")
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.syspath_prepend(os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    from common import use_local_fp8_kernel
+
+    monkeypatch.setattr(finegrained_fp8, "fp8_linear", TRANSFORMERS_FP8_LINEAR)  # the real matmul, not the reference
+    use_local_fp8_kernel(FP8_KERNEL)
+    _fp8_checkpoint(tmp_path)
+    resident = AutoModelForCausalLM.from_pretrained(tmp_path, device_map="cuda").eval()
+    ids = _ids().cuda()
+    want = generate_with_logits(resident, ids)
+    if entry == "from_pretrained":
+        model = hf_prefetch.from_pretrained(tmp_path, STRIDE, device="cuda")
+    else:
+        model = hf_prefetch.dispatch_model(copy.deepcopy(resident).cpu(), STRIDE, device="cuda")
+    assert hf_prefetch.get_state(model).plan.streamed_bytes_per_forward > 0
+    for _ in range(2):
+        assert_same_generation(generate_with_logits(model, ids), want)
+    stats = hf_prefetch.stats(model)
+    assert stats.misses == 0 and stats.copied_bytes > 0
+    hf_prefetch.remove_offload(model)

@@ -1,0 +1,252 @@
+"""compressed-tensors checkpoints (LLM Compressor's format). transformers computes with packed bytes only for FP8
+weights with `use_optimized_inference=True` (`CompressedTensorsFP8Linear`: float8 weights, float32 row scales, a
+row-wise scaled matmul that the CPU runs too); it decompresses every other scheme to dense weights first. So
+`from_pretrained` streams FP8 checkpoints as FP8, bitwise what transformers' optimized load computes, and refuses the
+other schemes by name; `dispatch_model` refuses a model still compressed (its first forward would swap its weights).
+"""
+
+import copy
+import json
+
+import pytest
+import torch
+from models import assert_same_generation, generate_with_logits, tiny_llama
+from safetensors.torch import load_file, save_file
+
+import hf_prefetch
+from hf_prefetch import PrefetchConfig
+
+pytest.importorskip("compressed_tensors")
+from transformers import AutoModelForCausalLM, CompressedTensorsConfig  # noqa: E402
+from transformers.integrations.compressed_tensors import CompressedTensorsFP8Linear  # noqa: E402
+from transformers.quantizers.quantizer_compressed_tensors import CompressedTensorsHfQuantizer  # noqa: E402
+
+STRIDE = PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1)
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+
+
+def fp8_checkpoint(folder, strategy: str = "channel", model=None, skip: str = "lm_head", static: bool = False):
+    """A compressed-tensors FP8-dynamic checkpoint of a tiny Llama (or `model`), as LLM Compressor saves one: every
+    decoder linear's weight but those whose key contains `skip` in float8 with a bf16 scale per output row (`channel`)
+    or one per tensor (`tensor`). `static`: the FP8 scheme with static activation scales (`input_scale` per linear),
+    which transformers' FP8 linears do not read (they scale each input row at every forward)."""
+    (model if model is not None else tiny_llama(4, dtype=torch.bfloat16)).save_pretrained(folder)
+    tensors = {}
+    for key, value in load_file(folder / "model.safetensors").items():
+        if key.startswith("model.layers.") and key.endswith("_proj.weight") and skip not in key:
+            weight = value.float()
+            peak = weight.abs().amax(dim=1, keepdim=True) if strategy == "channel" else weight.abs().amax().reshape(1)
+            scale = peak / FP8_MAX
+            tensors[key] = (weight / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+            tensors[key.removesuffix("weight") + "weight_scale"] = scale.to(torch.bfloat16)
+            if static:
+                tensors[key.removesuffix("weight") + "input_scale"] = torch.tensor([0.02], dtype=torch.bfloat16)
+        else:
+            tensors[key] = value
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False}
+    activations = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "token", "dynamic": True}
+    if static:
+        activations.update(strategy="tensor", dynamic=False)
+    config["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations}},
+        "ignore": sorted({"lm_head", f"re:.*{skip}"}),
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture
+def fp8_everywhere(monkeypatch):
+    """transformers' optimized FP8 route on the CPU too (it checks for a GPU of compute capability 8.9; the CPU's
+    scaled_mm runs the same matmul), so the reference is what transformers builds on such a GPU."""
+    check = CompressedTensorsHfQuantizer.validate_environment
+
+    def validate(self, *args, **kwargs):
+        check(self, *args, **kwargs)
+        self.use_fp8_kernel = self.quantization_config.use_optimized_inference
+
+    monkeypatch.setattr(CompressedTensorsHfQuantizer, "validate_environment", validate)
+
+
+def transformers_fp8(folder, **kwargs):
+    settings = CompressedTensorsConfig(use_optimized_inference=True)
+    return AutoModelForCausalLM.from_pretrained(folder, quantization_config=settings, **kwargs).eval()
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(3))
+
+
+def _bytes(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().reshape(-1).view(torch.uint8)
+
+
+@pytest.mark.parametrize("strategy, static", [("channel", False), ("tensor", False), ("channel", True)])
+def test_from_pretrained_streams_fp8_bytes_and_computes_what_transformers_optimized_load_computes(
+    tmp_path, fp8_everywhere, strategy, static
+):
+    folder = fp8_checkpoint(tmp_path, strategy, static=static)
+    reference = transformers_fp8(folder)
+    want = generate_with_logits(reference, _ids())
+    layer = reference.model.layers[1]
+    assert isinstance(layer.mlp.down_proj, CompressedTensorsFP8Linear)
+    packed = sum(p.numel() * p.element_size() for p in layer.parameters())
+    plan = hf_prefetch.plan(folder, STRIDE, device="cpu")
+    assert [s.index for s in plan.rings[0].streamed] == [1, 3]
+    assert plan.streamed_bytes_per_forward == 2 * packed  # one byte per weight, float32 row scales, norms
+    model = hf_prefetch.from_pretrained(folder, STRIDE, device="cpu")
+    try:
+        projection = model.model.layers[1].mlp.down_proj
+        assert isinstance(projection, CompressedTensorsFP8Linear)
+        assert (projection.weight.dtype, projection.weight_scale.dtype) == (torch.float8_e4m3fn, torch.float32)
+        for _ in range(2):
+            assert_same_generation(generate_with_logits(model, _ids()), want)
+        assert hf_prefetch.stats(model).misses == 0 and hf_prefetch.stats(model).copied_bytes > 0
+        expected = reference.state_dict()
+        got = model.state_dict()
+        assert set(got) == set(expected)
+        for name, value in got.items():
+            assert value.dtype == expected[name].dtype and torch.equal(_bytes(value), _bytes(expected[name])), name
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_from_pretrained_of_a_model_with_biases_and_ignored_linears_equals_transformers(tmp_path, fp8_everywhere):
+    # Qwen2's q/k/v projections have biases (kept in the model's dtype beside the float8 weight); the checkpoint leaves
+    # every down_proj dense (`ignore`), which stays a plain Linear.
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
+    folder = fp8_checkpoint(tmp_path, model=Qwen2ForCausalLM(config).to(torch.bfloat16), skip="down_proj")
+    reference = transformers_fp8(folder)
+    attention = reference.model.layers[1].self_attn
+    assert isinstance(attention.q_proj, CompressedTensorsFP8Linear) and attention.q_proj.bias is not None
+    assert type(reference.model.layers[1].mlp.down_proj) is torch.nn.Linear
+    want = generate_with_logits(reference, _ids())
+    model = hf_prefetch.from_pretrained(folder, STRIDE, device="cpu")
+    try:
+        assert_same_generation(generate_with_logits(model, _ids()), want)
+        expected = reference.state_dict()
+        for name, value in model.state_dict().items():
+            assert value.dtype == expected[name].dtype and torch.equal(_bytes(value), _bytes(expected[name])), name
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_dispatch_model_streams_transformers_fp8_modules(tmp_path, fp8_everywhere):
+    reference = transformers_fp8(fp8_checkpoint(tmp_path))
+    model = copy.deepcopy(reference)
+    want = generate_with_logits(reference, _ids())
+    hf_prefetch.dispatch_model(model, STRIDE, device="cpu")
+    try:
+        assert_same_generation(generate_with_logits(model, _ids()), want)
+        assert hf_prefetch.stats(model).copied_bytes > 0
+    finally:
+        hf_prefetch.remove_offload(model)
+    assert_same_generation(generate_with_logits(model, _ids()), want)
+
+
+@pytest.mark.parametrize(
+    "weights, format",
+    [
+        ({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}, "pack-quantized"),
+        ({"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}, "int-quantized"),
+    ],
+)
+def test_from_pretrained_refuses_schemes_transformers_decompresses_naming_the_group(tmp_path, weights, format):
+    folder = fp8_checkpoint(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"] = weights
+    config["quantization_config"]["format"] = format
+    (folder / "config.json").write_text(json.dumps(config))
+    for call in (hf_prefetch.from_pretrained, hf_prefetch.plan):
+        with pytest.raises(ValueError) as error:
+            call(folder, STRIDE, device="cpu")
+        message = str(error.value)
+        assert "config.json quantization_config.config_groups['group_0']" in message
+        assert f"{weights['num_bits']}-bit int" in message and repr(format) in message
+        assert "dispatch_model" in message
+
+
+def test_dispatch_model_refuses_a_model_still_compressed_and_takes_it_once_decompressed(tmp_path):
+    # transformers' default load keeps the weights compressed until the first forward, which swaps them for dense
+    # ones: a dispatch before it would stream tensors about to be replaced.
+    folder = fp8_checkpoint(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    before = {name: _bytes(value).clone() for name, value in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj' \(Linear\).*still holds compressed"):
+        hf_prefetch.dispatch_model(model, STRIDE, device="cpu")
+    assert hf_prefetch.get_state(model) is None
+    assert not any(hasattr(module, "_hf_hook") for module in model.modules())
+    assert all(torch.equal(_bytes(value), before[name]) for name, value in model.state_dict().items())
+    with torch.no_grad():
+        model(_ids())  # decompresses
+    assert model.model.layers[1].mlp.down_proj.weight.dtype == torch.bfloat16
+    want = generate_with_logits(model, _ids())
+    hf_prefetch.dispatch_model(model, STRIDE, device="cpu")
+    try:
+        assert_same_generation(generate_with_logits(model, _ids()), want)
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+@pytest.mark.gpu
+def test_on_cuda_from_pretrained_of_a_compressed_tensors_fp8_checkpoint_computes_what_transformers_loads(tmp_path):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 matmuls need compute capability 8.9")
+    folder = fp8_checkpoint(tmp_path)
+    reference = transformers_fp8(folder, device_map="cuda")
+    assert isinstance(reference.model.layers[1].mlp.down_proj, CompressedTensorsFP8Linear)
+    ids = _ids().cuda()
+    want = generate_with_logits(reference, ids)
+    model = hf_prefetch.from_pretrained(folder, STRIDE, device="cuda")
+    try:
+        for _ in range(2):
+            assert_same_generation(generate_with_logits(model, ids), want)
+        assert hf_prefetch.stats(model).misses == 0
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_a_gpu_without_fp8_matmuls_is_refused_before_anything_is_read(tmp_path, monkeypatch):
+    from hf_prefetch import loader
+    from hf_prefetch.checkpoint import Checkpoint
+    from hf_prefetch.skeleton import build_skeleton
+
+    folder = fp8_checkpoint(tmp_path)
+    with Checkpoint.open(folder) as checkpoint:
+        model, _ = build_skeleton(folder, checkpoint, None, None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match=r"cuda:0 has compute capability 8\.0; the FP8 matmuls .* need 8\.9"):
+        loader._check_fp8_matmuls(model, torch.device("cuda", 0))
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    loader._check_fp8_matmuls(model, torch.device("cuda", 0))
+    loader._check_fp8_matmuls(model, torch.device("cpu"))
+
+
+def test_reload_weights_from_another_fp8_checkpoint_writes_its_bytes_and_scales(tmp_path, fp8_everywhere):
+    first = fp8_checkpoint(tmp_path / "first")
+    second = fp8_checkpoint(tmp_path / "second", model=tiny_llama(4, seed=1, dtype=torch.bfloat16))
+    want = generate_with_logits(transformers_fp8(second), _ids())
+    model = hf_prefetch.from_pretrained(first, STRIDE, device="cpu")
+    try:
+        generate_with_logits(model, _ids())  # the slots hold the first checkpoint's layers
+        hf_prefetch.reload_weights(model, second)
+        assert_same_generation(generate_with_logits(model, _ids()), want)
+    finally:
+        hf_prefetch.remove_offload(model)
