@@ -59,9 +59,14 @@ def build_skeleton(
 
         with local_torch_dtype(torch_dtype, type(model).__name__):
             quantizer.preprocess_model(model, dtype=torch_dtype, device_map=None)
+        method = _method(quantizer.quantization_config)
+        if method == "compressed-tensors":
+            # Nothing is left compressed (every group became FP8 matmul modules), but compressed-tensors' preparation
+            # hooks a decompression onto the first forward, which would also strip accelerate's hooks (hf_prefetch's)
+            # and put its own offloading in their place.
+            quantizer.compressor.remove_decompression_hook(model)
         model.hf_quantizer = quantizer
         model.config.quantization_config = quantizer.quantization_config
-        method = _method(quantizer.quantization_config)
         if method in ("bitsandbytes", "torchao"):
             # transformers' torchao quantizer reads the files' metadata in its own preparation, from files it opens;
             # here it is the metadata Checkpoint already read (torchao describes its tensors there).
@@ -112,9 +117,9 @@ def _prequantized(folder: Path, quantization: Any) -> Any:
         _check_bitsandbytes(where, quantization)
     from transformers.quantizers import AutoHfQuantizer
 
+    if method == "compressed-tensors":
+        quantization = _compressed_tensors_fp8(where, quantization)
     try:
-        if method == "compressed-tensors":
-            quantization = _compressed_tensors_fp8(where, quantization)
         quantizer = AutoHfQuantizer.from_config(quantization, pre_quantized=True)
     except (ValueError, TypeError) as error:  # transformers' validation of the settings, which names the field
         raise ValueError(f"{where}: {str(error).rstrip('.')}. Fix that setting in config.json.") from None
@@ -147,13 +152,23 @@ def _check_installed(where: str, method: str) -> None:
 
 
 def _compressed_tensors_fp8(where: str, quantization: Any) -> Any:
-    """The settings of a compressed-tensors checkpoint whose every scheme stores FP8 weights, with
-    `use_optimized_inference=True`; `ValueError` naming a scheme that transformers would decompress instead."""
+    """The settings of a compressed-tensors checkpoint whose every config group stores symmetric FP8 weights with a
+    scale per row or per tensor, with `use_optimized_inference=True`; `ValueError` naming what is not."""
     from transformers import CompressedTensorsConfig
 
     raw = quantization if isinstance(quantization, dict) else quantization.to_dict()
-    settings = CompressedTensorsConfig.from_dict(dict(raw))
+    try:
+        settings = CompressedTensorsConfig.from_dict(dict(raw))
+    except (ValueError, TypeError) as error:  # compressed-tensors' validation, which names the field
+        raise ValueError(f"{where}: {str(error).rstrip('.')}. Fix that setting in config.json.") from None
     details = settings.quantization_config
+    if not settings.is_quantization_compressed:  # post_init then sets dequantize, which config.json may not say
+        status = getattr(details, "quantization_status", None)
+        raise ValueError(
+            f"{where}.quantization_status = {getattr(status, 'value', status)!r}: the checkpoint's "
+            "weights are not stored compressed, so transformers loads them dense; from_pretrained streams "
+            "compressed FP8 checkpoints. Load it with transformers and pass it to hf_prefetch.dispatch_model."
+        )
     groups = details.config_groups if details is not None else {}
     if not groups:
         raise ValueError(f"{where}.config_groups is empty: the checkpoint names no quantized weights. Re-save it.")
@@ -165,9 +180,18 @@ def _compressed_tensors_fp8(where: str, quantization: Any) -> Any:
                 f"{where}.config_groups[{name!r}] stores {scheme} weights (format {details.format!r}). transformers "
                 "decompresses compressed-tensors weights to dense ones before computing with them, except FP8 "
                 "weights (use_optimized_inference), so there are no packed bytes to stream: from_pretrained loads "
-                "compressed-tensors checkpoints whose weights are FP8. Load this one with transformers "
-                "(AutoModelForCausalLM.from_pretrained(..., device_map='cpu'), then one forward, which decompresses "
-                "it) and pass it to hf_prefetch.dispatch_model, which streams the dense weights."
+                "compressed-tensors checkpoints whose weights are FP8. Load this one with transformers, run one "
+                "forward (which decompresses it), remove compressed-tensors' offloading "
+                "(compressed_tensors.offload.remove_dispatch(model, onload_tensors=True)) and pass it to "
+                "hf_prefetch.dispatch_model, which streams the dense weights."
+            )
+        strategy = getattr(weights.strategy, "value", weights.strategy)
+        if strategy not in ("channel", "tensor") or not weights.symmetric:
+            raise ValueError(
+                f"{where}.config_groups[{name!r}].weights: strategy {strategy!r}, symmetric {weights.symmetric}. "
+                "transformers' FP8 matmul for compressed-tensors (CompressedTensorsFP8Linear) takes symmetric FP8 "
+                "weights with a scale per row ('channel') or per tensor ('tensor'); transformers cannot load other "
+                "FP8 layouts that way either."
             )
     settings.use_optimized_inference = True
     settings.post_init()

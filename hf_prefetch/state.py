@@ -206,7 +206,9 @@ def refuse_other_offload(model: nn.Module) -> None:
     """Refuse a model that another offloading mechanism manages: accelerate's `cpu_offload` / `disk_offload` hooks
     (diffusers' `enable_sequential_cpu_offload`), `cpu_offload_with_hook` (`enable_model_cpu_offload`), or diffusers'
     group offloading. Each moves the weights hf_prefetch places, so the two would fight (a `.to()` refused in the
-    middle of a pipeline call, or weights on the meta device)."""
+    middle of a pipeline call, or weights on the meta device); or compressed-tensors' decompression hook or
+    offloading."""
+    _refuse_compressed_tensors(model)
     for name, module in model.named_modules():
         for hook in _accelerate_hooks(module):
             kind = type(hook).__name__
@@ -228,16 +230,38 @@ def refuse_other_offload(model: nn.Module) -> None:
                 f"{where}: group offloading or layerwise casting). hf_prefetch places the weights itself. Dispatch a "
                 "model without it (diffusers offers no call that removes it: build or load the model again)."
             )
-        # compressed-tensors leaves a model it loaded compressed (`dequantize=False`) with a hook that replaces every
-        # compressed module's packed tensors with dense ones at the first forward.
+
+
+def _refuse_compressed_tensors(model: nn.Module) -> None:
+    # compressed-tensors keeps a model it loaded compressed (`dequantize=False`, transformers' default) until a hook
+    # decompresses it at the first forward; that decompression also strips accelerate's hooks (hf_prefetch's) and
+    # wraps every module in compressed-tensors' own offloading, which moves the tensors hf_prefetch places.
+    modules = list(model.named_modules())
+    for name, module in modules:
         status = getattr(module, "quantization_status", None)
         if getattr(status, "value", status) == "compressed":
             raise ValueError(
                 f"{name!r} ({type(module).__name__}) of {type(model).__name__} still holds compressed-tensors' "
-                "compressed weights, which its first forward replaces with decompressed ones, behind hf_prefetch's "
-                "back. Dispatch it after that first forward (or load it with "
-                "CompressedTensorsConfig(dequantize=True)) to stream the dense weights; hf_prefetch.from_pretrained "
-                "streams compressed-tensors FP8 checkpoints as FP8."
+                "compressed weights, which its first forward replaces with decompressed ones. Dispatch it after that "
+                "forward and after removing compressed-tensors' offloading "
+                "(compressed_tensors.offload.remove_dispatch(model, onload_tensors=True)) to stream the dense "
+                "weights; hf_prefetch.from_pretrained streams compressed-tensors FP8 checkpoints as FP8."
+            )
+    if getattr(model, "ct_decompress_hook", None) is not None:
+        raise ValueError(
+            f"{type(model).__name__} carries compressed-tensors' decompression hook (`ct_decompress_hook`), which "
+            "runs at its first forward, removes accelerate's hooks (hf_prefetch's among them) and puts "
+            "compressed-tensors' offloading in their place. None of its modules is compressed (FP8 loaded with "
+            "use_optimized_inference), so it has nothing else to do: remove it first with "
+            "model.ct_decompress_hook.remove(); del model.ct_decompress_hook."
+        )
+    for name, module in modules:
+        if type(module._parameters).__module__.startswith("compressed_tensors"):
+            where = f"{name!r} ({type(module).__name__})" if name else "the model itself"
+            raise ValueError(
+                f"{where} of {type(model).__name__} is managed by compressed-tensors' offloading (its decompression "
+                "puts it on every module), which moves the tensors hf_prefetch places. Remove it first: "
+                "compressed_tensors.offload.remove_dispatch(model, onload_tensors=True)."
             )
 
 

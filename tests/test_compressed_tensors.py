@@ -5,7 +5,6 @@ row-wise scaled matmul that the CPU runs too); it decompresses every other schem
 other schemes by name; `dispatch_model` refuses a model still compressed (its first forward would swap its weights).
 """
 
-import copy
 import json
 
 import pytest
@@ -107,6 +106,9 @@ def test_from_pretrained_streams_fp8_bytes_and_computes_what_transformers_optimi
         for _ in range(2):
             assert_same_generation(generate_with_logits(model, _ids()), want)
         assert hf_prefetch.stats(model).misses == 0 and hf_prefetch.stats(model).copied_bytes > 0
+        # compressed-tensors' first-forward decompression (which would strip hf_prefetch's hooks) was never attached.
+        assert not hasattr(model, "ct_decompress_hook") and hasattr(model.model.layers[1], "_hf_hook")
+        assert not any(type(m._parameters).__module__.startswith("compressed_tensors") for m in model.modules())
         expected = reference.state_dict()
         got = model.state_dict()
         assert set(got) == set(expected)
@@ -146,10 +148,19 @@ def test_from_pretrained_of_a_model_with_biases_and_ignored_linears_equals_trans
         hf_prefetch.remove_offload(model)
 
 
-def test_dispatch_model_streams_transformers_fp8_modules(tmp_path, fp8_everywhere):
-    reference = transformers_fp8(fp8_checkpoint(tmp_path))
-    model = copy.deepcopy(reference)
-    want = generate_with_logits(reference, _ids())
+def test_dispatch_model_streams_transformers_fp8_modules_once_the_decompression_hook_is_removed(
+    tmp_path, fp8_everywhere
+):
+    # transformers' optimized load leaves compressed-tensors' decompression hook on the model: at the first forward
+    # it would strip accelerate's hooks (hf_prefetch's) and wrap every module in compressed-tensors' offloading.
+    folder = fp8_checkpoint(tmp_path)
+    want = generate_with_logits(transformers_fp8(folder), _ids())
+    model = transformers_fp8(folder)
+    with pytest.raises(ValueError, match=r"ct_decompress_hook.*model\.ct_decompress_hook\.remove\(\)"):
+        hf_prefetch.dispatch_model(model, STRIDE, device="cpu")
+    assert hf_prefetch.get_state(model) is None and not any(hasattr(m, "_hf_hook") for m in model.modules())
+    model.ct_decompress_hook.remove()
+    del model.ct_decompress_hook
     hf_prefetch.dispatch_model(model, STRIDE, device="cpu")
     try:
         assert_same_generation(generate_with_logits(model, _ids()), want)
@@ -181,7 +192,51 @@ def test_from_pretrained_refuses_schemes_transformers_decompresses_naming_the_gr
         assert "dispatch_model" in message
 
 
-def test_dispatch_model_refuses_a_model_still_compressed_and_takes_it_once_decompressed(tmp_path):
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"strategy": "block", "block_structure": [32, 32]}, "strategy 'block', symmetric True"),
+        ({"symmetric": False}, "strategy 'channel', symmetric False"),
+    ],
+)
+def test_from_pretrained_refuses_fp8_layouts_transformers_fp8_matmul_does_not_take(tmp_path, change, named):
+    folder = fp8_checkpoint(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["config_groups"]["group_0"]["weights"].update(change)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as error:
+        hf_prefetch.plan(folder, STRIDE, device="cpu")
+    message = str(error.value)
+    assert message.count("config.json") == 1 and "config_groups['group_0'].weights: " + named in message
+
+
+def test_from_pretrained_refuses_a_checkpoint_not_stored_compressed_naming_its_status(tmp_path):
+    folder = fp8_checkpoint(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["quantization_config"]["quantization_status"] = "frozen"
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"quantization_status = 'frozen': the checkpoint's weights are not stored"):
+        hf_prefetch.from_pretrained(folder, STRIDE, device="cpu")
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_from_pretrained_of_an_fp8_mixture_of_experts_checkpoint_equals_transformers(tmp_path, fp8_everywhere, family):
+    # The routers stay dense (`ignore`). Routed experts stream expert by expert; nothing of compressed-tensors'
+    # first-forward decompression may wrap the experts module whose forward hf_prefetch replaced.
+    from moe_models import moe_model
+
+    folder = fp8_checkpoint(tmp_path, model=moe_model(family).to(torch.bfloat16), skip="mlp.gate")
+    want = generate_with_logits(transformers_fp8(folder), _ids())
+    model = hf_prefetch.from_pretrained(folder, PrefetchConfig(prefetch_step=1), device="cpu")
+    try:
+        for _ in range(2):
+            assert_same_generation(generate_with_logits(model, _ids()), want)
+        assert hf_prefetch.stats(model).copied_bytes > 0
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_dispatch_model_refuses_a_model_still_compressed_and_takes_it_once_decompressed_and_unwrapped(tmp_path):
     # transformers' default load keeps the weights compressed until the first forward, which swaps them for dense
     # ones: a dispatch before it would stream tensors about to be replaced.
     folder = fp8_checkpoint(tmp_path)
@@ -196,6 +251,13 @@ def test_dispatch_model_refuses_a_model_still_compressed_and_takes_it_once_decom
         model(_ids())  # decompresses
     assert model.model.layers[1].mlp.down_proj.weight.dtype == torch.bfloat16
     want = generate_with_logits(model, _ids())
+    # The decompression put compressed-tensors' offloading on every module, which moves tensors itself.
+    with pytest.raises(ValueError, match=r"managed by compressed-tensors' offloading.*remove_dispatch"):
+        hf_prefetch.dispatch_model(model, STRIDE, device="cpu")
+    assert hf_prefetch.get_state(model) is None
+    from compressed_tensors.offload import remove_dispatch
+
+    remove_dispatch(model, onload_tensors=True)
     hf_prefetch.dispatch_model(model, STRIDE, device="cpu")
     try:
         assert_same_generation(generate_with_logits(model, _ids()), want)
