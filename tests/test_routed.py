@@ -283,6 +283,29 @@ def test_routed_experts_on_cuda_read_the_mapped_arena_and_match_the_resident_mod
         hf_prefetch.remove_offload(model, device="cpu")
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("cached", [0, 6])
+def test_routed_experts_on_a_second_gpu_gather_and_fetch_on_its_streams(cached):
+    # The model on cuda:1 while cuda:0 stays the current device: the gather and the recent experts' fetch (Triton
+    # kernels, which launch on the current device's stream unless told otherwise) must run on cuda:1's streams.
+    model = moe_model("qwen3_moe", experts_implementation="grouped_mm").to(torch.bfloat16)
+    reference = copy.deepcopy(model).to("cuda:1")
+    ids = _ids(batch=1, length=7).to("cuda:1")
+    want = _generate(reference, ids, do_sample=False, max_new_tokens=24)
+    config = PrefetchConfig(group_size=1, prefetch_step=2, routed_max_tokens=4, expert_cache=cached)
+    assert torch.cuda.current_device() == 0
+    hf_prefetch.dispatch_model(model, config, device="cuda:1")
+    try:
+        for _ in range(3):
+            _same(_generate(model, ids, do_sample=False, max_new_tokens=24), want)
+        stats = hf_prefetch.stats(model)
+        assert stats.routed_rows > 0 and stats.recent_hits > 0 and stats.misses == 0
+        assert torch.cuda.current_device() == 0
+    finally:
+        hf_prefetch.remove_offload(model, device="cpu")
+
+
 @pytest.mark.parametrize("implementation", ["batched_mm", "grouped_mm"])
 def test_compiled_routed_forwards_match_the_compiled_resident_model(implementation):
     # Under torch.compile the experts' hook calls the custom op hf_prefetch::gather, run with the real router choice
