@@ -14,7 +14,8 @@ quantized model (`accelerate.dispatch_model` with the same layers on "cpu") as a
 `--prefetch-steps 2 3` dispatches each quantized selection once per number of slots (bf16 keeps 2). `fp8` is
 transformers' fine-grained FP8 (`FP8Linear`, 128x128 blocks), whose matmul is the hub kernel
 `kernels-community/finegrained-fp8`: `--fp8-kernel PATH` loads a local copy of it where nothing can be downloaded.
-`ct_fp8` is compressed-tensors FP8 with a scale per row (`CompressedTensorsFP8Linear`, torch's scaled_mm).
+`ct_fp8` is compressed-tensors FP8 with a scale per row (`CompressedTensorsFP8Linear`, torch's scaled_mm);
+`ct_w4a16` compressed-tensors' packed 4-bit weights, decompressed at every forward (hf_prefetch/packed_forward.py).
 Needs torchao and bitsandbytes (wheels installed with --no-deps). Run on a GPU machine:
 
     PYTHONUNBUFFERED=1 python benchmarks/quantized.py [--rounds 3] [--layers 32] [--methods float8,int8,int4,nf4]
@@ -62,6 +63,9 @@ def _quantize(model, method: str) -> None:
     if method == "ct_fp8":
         _to_compressed_tensors_fp8(model)
         return
+    if method == "ct_w4a16":
+        _to_compressed_tensors_w4a16(model)
+        return
     from torchao import quantization
 
     if method == "float8":
@@ -71,7 +75,7 @@ def _quantize(model, method: str) -> None:
     elif method == "int4":
         config = quantization.Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
     else:
-        known = "float8, int8, int4, nf4, llm_int8, fp8, ct_fp8"
+        known = "float8, int8, int4, nf4, llm_int8, fp8, ct_fp8, ct_w4a16"
         raise ValueError(f"--methods: unknown method {method!r}; known: {known}")
     quantization.quantize_(model, config)
 
@@ -187,6 +191,38 @@ def _to_compressed_tensors_fp8(model) -> None:
         return fp8
 
     _replace_linears(model, quantized)
+
+
+def _to_compressed_tensors_w4a16(model) -> None:
+    # compressed-tensors W4A16 (`pack-quantized`: 4-bit symmetric weights, a bf16 scale per 128, eight to an int32),
+    # quantized and packed by compressed-tensors itself, then made to decompress at every forward as
+    # `hf_prefetch.from_pretrained` builds such a checkpoint (packed_forward.py): bitwise what transformers'
+    # once-decompressed model computes (tests/test_compressed_tensors.py).
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.offload import remove_dispatch
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+
+    from hf_prefetch import packed_forward
+
+    weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128)
+    scheme = QuantizationScheme(targets=["re:model.layers.*_proj"], weights=weights)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}))
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            groups = module.weight.detach().float().reshape(module.weight.shape[0], -1, 128)
+            scale = groups.abs().amax(-1) / 7.5
+            module.weight_scale.data = scale.clamp(min=1e-6).to(module.weight_scale.dtype)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    compressor.compress_model(model)
+    compressor.remove_decompression_hook(model)
+    remove_dispatch(model, onload_tensors=True)  # the offloading compress_model put on every module
+    packed_forward.install(model)
+    torch.cuda.empty_cache()
 
 
 def _reference(model, ids, prompt):

@@ -229,6 +229,13 @@ def convert(model, converter, target_key, sources, load: Callable[[TensorEntry],
     return {name: value[0] if isinstance(value, list) else value for name, value in outputs.items()}
 
 
+def cast_source(reader: Any, entry: TensorEntry, dtype: torch.dtype) -> torch.Tensor:
+    """A conversion's source tensor as transformers hands it to the conversion: floating-point values cast to the
+    model's dtype, others (packed integers a conversion decompresses) as stored."""
+    tensor = reader.read_tensor(entry)
+    return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+
 def filled_names(keymap: KeyMap) -> list[str]:
     """The canonical names of the model tensors the checkpoint fills."""
     return [*keymap.streamed, *(name for *_, outputs in keymap.converted for name in outputs.values())]

@@ -27,7 +27,7 @@ from .checkpoint import Checkpoint
 from .compressed import compress_arena
 from .config import PrefetchConfig
 from .host import HostArena
-from .keymap import KeyMap, convert, filled_names, map_keys, region_view
+from .keymap import KeyMap, cast_source, convert, filled_names, map_keys, region_view
 from .layers import get_part
 from .links import resolve_links
 from .memory_budget import MaxMemory, device_argument, parse_max_memory
@@ -327,10 +327,11 @@ def _check_direct_io(direct_io: object) -> None:
 
 def _check_fp8_matmuls(model: nn.Module, device: torch.device) -> None:
     # A compressed-tensors FP8 checkpoint loads as transformers' FP8 matmul modules (skeleton.py), which need a GPU of
-    # compute capability 8.9 or newer (the CPU runs them too).
+    # compute capability 8.9 or newer (the CPU runs them too). Packed integer ones need no FP8 matmul.
     quantization = getattr(getattr(model, "config", None), "quantization_config", None)
     method = getattr(quantization, "quant_method", None)
-    if getattr(method, "value", method) != "compressed-tensors" or device.type != "cuda":
+    fp8 = getattr(quantization, "use_optimized_inference", False)
+    if getattr(method, "value", method) != "compressed-tensors" or not fp8 or device.type != "cuda":
         return
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 9):
@@ -388,7 +389,7 @@ def _read_all(checkpoint, keymap, dests, model, progress, direct_io, pin, timeli
             logger.info("Not streamed (converted through transformers): %s", [t for _, t, _, _ in keymap.converted])
         for converter, target_key, sources, names in keymap.converted:
             dtype = dests[next(iter(names.values()))].dtype  # transformers casts the sources before converting
-            outputs = convert(model, converter, target_key, sources, lambda e, d=dtype: reader.read_tensor(e).to(d))
+            outputs = convert(model, converter, target_key, sources, lambda e, d=dtype: cast_source(reader, e, d))
             for out_key, value in outputs.items():
                 dests[names[out_key]].copy_(value)
         for entry, name in keymap.duplicates:

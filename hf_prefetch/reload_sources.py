@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .checkpoint import Checkpoint
-from .keymap import convert, map_keys, region_view
+from .keymap import cast_source, convert, map_keys, region_view
 from .reader import TensorReader
 
 __all__ = ["StateDictValues", "CheckpointValues", "check_writable", "same_memory", "REDISPATCH"]
@@ -260,7 +260,7 @@ class CheckpointValues:
                 continue
             dtype = self.destinations[next(iter(outputs.values()))].dtype  # cast before converting, as transformers
             converted = convert(
-                self.model, converter, target_key, sources, lambda e, d=dtype: self.reader.read_tensor(e).to(d)
+                self.model, converter, target_key, sources, lambda e, d=dtype: cast_source(self.reader, e, d)
             )
             with torch.no_grad():
                 for out_key, value in converted.items():

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import prequantized
+from . import packed_forward, prequantized
 from .changes import Journal, Phase
 from .checkpoint import Checkpoint
 
@@ -61,10 +61,12 @@ def build_skeleton(
             quantizer.preprocess_model(model, dtype=torch_dtype, device_map=None)
         method = _method(quantizer.quantization_config)
         if method == "compressed-tensors":
-            # Nothing is left compressed (every group became FP8 matmul modules), but compressed-tensors' preparation
-            # hooks a decompression onto the first forward, which would also strip accelerate's hooks (hf_prefetch's)
-            # and put its own offloading in their place.
+            # compressed-tensors' preparation hooks a decompression of the whole model onto its first forward, which
+            # would also strip accelerate's hooks (hf_prefetch's) and put its own offloading in their place. FP8
+            # groups became FP8 matmul modules; packed ones decompress at every forward instead (packed_forward.py).
             quantizer.compressor.remove_decompression_hook(model)
+            packed_forward.install(model)
+            packed_forward.use_stored_zero_points(model, checkpoint)
         model.hf_quantizer = quantizer
         model.config.quantization_config = quantizer.quantization_config
         if method in ("bitsandbytes", "torchao"):
@@ -82,9 +84,9 @@ def build_skeleton(
 # Pre-quantized checkpoints whose packed storage is plain tensors that transformers' quantizer declares on the meta
 # device (the loader fills them like any parameter).
 # bitsandbytes' layers and torchao's tensor subclasses are made to hold what the checkpoint stores (prequantized.py).
-# compressed-tensors: FP8 schemes only, built as transformers builds them with `use_optimized_inference=True` (its one
-# form that computes with the stored bytes, `CompressedTensorsFP8Linear`); transformers decompresses the other schemes
-# to dense weights before computing, so their packed bytes would not be what the model reads.
+# compressed-tensors: FP8 schemes built as transformers builds them with `use_optimized_inference=True`
+# (`CompressedTensorsFP8Linear`, which computes with the stored bytes), and packed integer schemes kept packed and
+# decompressed at every forward (packed_forward.py) where transformers decompresses them once.
 PREQUANTIZED = ("fp8", "bitsandbytes", "torchao", "compressed-tensors")
 _PACKAGES = {"bitsandbytes": "bitsandbytes", "torchao": "torchao", "compressed-tensors": "compressed_tensors"}
 
@@ -118,7 +120,7 @@ def _prequantized(folder: Path, quantization: Any) -> Any:
     from transformers.quantizers import AutoHfQuantizer
 
     if method == "compressed-tensors":
-        quantization = _compressed_tensors_fp8(where, quantization)
+        quantization = _compressed_tensors(where, quantization)
     try:
         quantizer = AutoHfQuantizer.from_config(quantization, pre_quantized=True)
     except (ValueError, TypeError) as error:  # transformers' validation of the settings, which names the field
@@ -126,7 +128,7 @@ def _prequantized(folder: Path, quantization: Any) -> Any:
     if method == "compressed-tensors":
         # What transformers' validate_environment sets where FP8 matmuls run. The CPU's scaled_mm runs them; a GPU
         # without FP8 matmuls is refused by the loader, which knows the device.
-        quantizer.use_fp8_kernel = True
+        quantizer.use_fp8_kernel = quantizer.quantization_config.use_optimized_inference
     settings = quantizer.quantization_config
     if getattr(settings, "dequantize", False):
         raise ValueError(
@@ -151,9 +153,11 @@ def _check_installed(where: str, method: str) -> None:
         )
 
 
-def _compressed_tensors_fp8(where: str, quantization: Any) -> Any:
-    """The settings of a compressed-tensors checkpoint whose every config group stores symmetric FP8 weights with a
-    scale per row or per tensor, with `use_optimized_inference=True`; `ValueError` naming what is not."""
+def _compressed_tensors(where: str, quantization: Any) -> Any:
+    """The settings of a compressed-tensors checkpoint that streams its stored bytes: every config group FP8 weights
+    (symmetric, a scale per row or per tensor: `use_optimized_inference=True`, transformers' FP8 matmul), or every one
+    packed integer weights without quantized activations (`pack-quantized`: decompressed at every forward,
+    packed_forward.py); `ValueError` naming what is neither."""
     from transformers import CompressedTensorsConfig
 
     raw = quantization if isinstance(quantization, dict) else quantization.to_dict()
@@ -167,35 +171,61 @@ def _compressed_tensors_fp8(where: str, quantization: Any) -> Any:
         raise ValueError(
             f"{where}.quantization_status = {getattr(status, 'value', status)!r}: the checkpoint's "
             "weights are not stored compressed, so transformers loads them dense; from_pretrained streams "
-            "compressed FP8 checkpoints. Load it with transformers and pass it to hf_prefetch.dispatch_model."
+            "compressed checkpoints. Load it with transformers and pass it to hf_prefetch.dispatch_model."
         )
     groups = details.config_groups if details is not None else {}
     if not groups:
         raise ValueError(f"{where}.config_groups is empty: the checkpoint names no quantized weights. Re-save it.")
-    for name, group in groups.items():
-        weights = group.weights
-        if weights is None or weights.type != "float" or weights.num_bits != 8:
-            scheme = "no quantized" if weights is None else f"{weights.num_bits}-bit {weights.type}"
-            raise ValueError(
-                f"{where}.config_groups[{name!r}] stores {scheme} weights (format {details.format!r}). transformers "
-                "decompresses compressed-tensors weights to dense ones before computing with them, except FP8 "
-                "weights (use_optimized_inference), so there are no packed bytes to stream: from_pretrained loads "
-                "compressed-tensors checkpoints whose weights are FP8. Load this one with transformers, run one "
-                "forward (which decompresses it), remove compressed-tensors' offloading "
-                "(compressed_tensors.offload.remove_dispatch(model, onload_tensors=True)) and pass it to "
-                "hf_prefetch.dispatch_model, which streams the dense weights."
-            )
-        strategy = getattr(weights.strategy, "value", weights.strategy)
-        if strategy not in ("channel", "tensor") or not weights.symmetric:
-            raise ValueError(
-                f"{where}.config_groups[{name!r}].weights: strategy {strategy!r}, symmetric {weights.symmetric}. "
-                "transformers' FP8 matmul for compressed-tensors (CompressedTensorsFP8Linear) takes symmetric FP8 "
-                "weights with a scale per row ('channel') or per tensor ('tensor'); transformers cannot load other "
-                "FP8 layouts that way either."
-            )
-    settings.use_optimized_inference = True
+    kinds = {name: _compressed_tensors_kind(where, name, group, details.format) for name, group in groups.items()}
+    if len(set(kinds.values())) > 1:
+        raise ValueError(
+            f"{where}.config_groups mixes FP8 and packed integer weights ({kinds}): from_pretrained streams "
+            "checkpoints whose groups are all one or all the other."
+        )
+    settings.use_optimized_inference = "fp8" in kinds.values()
     settings.post_init()
     return settings
+
+
+def _compressed_tensors_kind(where: str, name: str, group: Any, format: Any) -> str:
+    # "fp8" or "packed" for a config group from_pretrained streams; ValueError for another.
+    weights = group.weights
+    strategy = getattr(getattr(weights, "strategy", None), "value", getattr(weights, "strategy", None))
+    format = getattr(group, "format", None) or format
+    if weights is not None and weights.type == "float" and weights.num_bits == 8:
+        if strategy in ("channel", "tensor") and weights.symmetric:
+            return "fp8"
+        raise ValueError(
+            f"{where}.config_groups[{name!r}].weights: strategy {strategy!r}, symmetric {weights.symmetric}. "
+            "transformers' FP8 matmul for compressed-tensors (CompressedTensorsFP8Linear) takes symmetric FP8 "
+            "weights with a scale per row ('channel') or per tensor ('tensor'); transformers cannot load other "
+            "FP8 layouts that way either."
+        )
+    packed = (
+        weights is not None
+        and weights.type == "int"
+        and weights.num_bits in (4, 8)
+        and strategy in ("group", "channel")
+        and group.input_activations is None
+        and group.output_activations is None
+        and format == "pack-quantized"
+    )
+    if packed:
+        return "packed"
+    scheme = "no quantized"
+    if weights is not None:
+        symmetric = "symmetric" if weights.symmetric else "asymmetric"
+        scheme = f"{weights.num_bits}-bit {symmetric} {weights.type} ({strategy})"
+    raise ValueError(
+        f"{where}.config_groups[{name!r}] stores {scheme} weights (format {format!r}, input_activations "
+        f"{'set' if group.input_activations is not None else 'none'}, output_activations "
+        f"{'set' if group.output_activations is not None else 'none'}). from_pretrained streams "
+        "compressed-tensors checkpoints of FP8 weights (channel or tensor scales) or of packed 4- or 8-bit integer "
+        "weights without quantized activations (pack-quantized, group or channel scales). Load this one with "
+        "transformers, run one forward (which decompresses it), remove compressed-tensors' offloading "
+        "(compressed_tensors.offload.remove_dispatch(model, onload_tensors=True)) and pass it to "
+        "hf_prefetch.dispatch_model, which streams the dense weights."
+    )
 
 
 def _check_bitsandbytes(where: str, quantization: Any) -> None:

@@ -6,6 +6,8 @@ other schemes by name; `dispatch_model` refuses a model still compressed (its fi
 """
 
 import json
+import pickle
+import re
 
 import pytest
 import torch
@@ -57,6 +59,93 @@ def fp8_checkpoint(folder, strategy: str = "channel", model=None, skip: str = "l
     }
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+def packed_checkpoint(folder, bits: int = 4, strategy: str = "group", symmetric: bool = True):
+    """A compressed-tensors `pack-quantized` checkpoint of a tiny Llama (W4A16 with a scale per 32 weights, W8A16 with
+    one per row; `symmetric`, or with zero points), quantized and packed by compressed-tensors itself as LLM Compressor
+    saves one."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+
+    model = tiny_llama(4, dtype=torch.bfloat16)
+    group = {"group_size": 32} if strategy == "group" else {}
+    weights = QuantizationArgs(num_bits=bits, type="int", symmetric=symmetric, strategy=strategy, **group)
+    scheme = QuantizationScheme(targets=["Linear"], weights=weights)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    _calibrate(model, bits, strategy, symmetric)
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format="pack-quantized")
+    compressor.compress_model(model)
+    model.save_pretrained(folder)
+    compressor.update_config(folder)
+    return folder
+
+
+def packed_moe_checkpoint(folder, family: str):
+    """A W4A16 checkpoint (a scale per 16 weights) of a tiny mixture-of-experts model as LLM Compressor stores one:
+    each expert's linears packed under the checkpoint's per-expert keys, the routers and lm_head dense."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.offload import remove_dispatch
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationConfig,
+        QuantizationScheme,
+        apply_quantization_config,
+    )
+    from moe_models import moe_model
+
+    settings = json.loads((packed_checkpoint(folder / "llama") / "config.json").read_text())["quantization_config"]
+    moe_model(family).to(torch.bfloat16).save_pretrained(folder)
+    linears, rest = torch.nn.Module(), {}
+    for key, value in load_file(folder / "model.safetensors").items():
+        if key.startswith("model.layers.") and re.search(r"(_proj|\.w[123])\.weight$", key):
+            *path, leaf, _ = key.split(".")
+            parent = linears
+            for part in path:
+                if not hasattr(parent, part):
+                    parent.add_module(part, torch.nn.Module())
+                parent = getattr(parent, part)
+            linear = torch.nn.Linear(value.shape[1], value.shape[0], bias=False, dtype=value.dtype)
+            linear.weight.data = value
+            parent.add_module(leaf, linear)
+        else:
+            rest[key] = value
+    weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=16)
+    apply_quantization_config(
+        linears, QuantizationConfig(config_groups={"group_0": QuantizationScheme(targets=["Linear"], weights=weights)})
+    )
+    _calibrate(linears, 4, "group", True, group=16)
+    ModelCompressor.from_pretrained_model(linears, quantization_format="pack-quantized").compress_model(linears)
+    remove_dispatch(linears, onload_tensors=True)
+    tensors = {key: value.detach().contiguous() for key, value in linears.state_dict().items()}
+    save_file({**tensors, **rest}, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    settings["config_groups"]["group_0"]["weights"]["group_size"] = 16  # Mixtral's experts are 48 wide
+    config["quantization_config"] = {**settings, "ignore": ["lm_head", "re:.*mlp.gate$"]}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def _calibrate(model, bits: int, strategy: str, symmetric: bool, group: int = 32) -> None:
+    # A scale (and zero point) per group of weights or per row, from the weights' range.
+    top = 2 ** (bits - 1)
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            weight = module.weight.float()
+            groups = weight.reshape(weight.shape[0], -1, group) if strategy == "group" else weight[:, None]
+            if symmetric:
+                scale = groups.abs().amax(-1) / (top - 0.5)
+            else:
+                low, high = groups.amin(-1), groups.amax(-1)
+                scale = (high - low).clamp(min=1e-6) / (2 * top - 1)
+                zero = (-top - low / scale).round().clamp(-top, top - 1)
+                module.weight_zero_point.data = zero.to(module.weight_zero_point.dtype)
+            module.weight_scale.data = scale.clamp(min=1e-6).to(module.weight_scale.dtype)
 
 
 @pytest.fixture
@@ -171,13 +260,82 @@ def test_dispatch_model_streams_transformers_fp8_modules_once_the_decompression_
 
 
 @pytest.mark.parametrize(
+    "bits, strategy, symmetric", [(4, "group", True), (8, "channel", True), (4, "group", False), (4, "channel", False)]
+)
+def test_from_pretrained_streams_packed_integer_bytes_and_decompresses_them_as_transformers_does(
+    tmp_path, bits, strategy, symmetric
+):
+    # transformers decompresses a pack-quantized model once, at its first forward; hf_prefetch keeps it packed (a
+    # quarter or half of bf16's bytes) and runs compressed-tensors' decompression at every forward: bitwise the same.
+    from hf_prefetch.packed_forward import decompresses
+
+    folder = packed_checkpoint(tmp_path, bits, strategy, symmetric)
+    reference = AutoModelForCausalLM.from_pretrained(folder).eval()
+    want = generate_with_logits(reference, _ids())
+    plan = hf_prefetch.plan(folder, PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1), device="cpu")
+    model = hf_prefetch.from_pretrained(folder, PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1))
+    try:
+        projection = model.model.layers[1].mlp.down_proj
+        assert decompresses(projection) and projection.weight_packed.dtype == torch.int32
+        assert "weight" not in dict(projection.named_parameters())
+        packed = sum(p.numel() * p.element_size() for p in model.model.layers[1].parameters())
+        dense = sum(m.weight.numel() * 2 for m in reference.model.layers[1].modules() if hasattr(m, "weight"))
+        assert plan.streamed_bytes_per_forward == 2 * packed and packed < (0.4 if bits == 4 else 0.7) * dense
+        for _ in range(2):
+            assert_same_generation(generate_with_logits(model, _ids()), want)
+        assert hf_prefetch.stats(model).misses == 0 and hf_prefetch.stats(model).copied_bytes > 0
+        assert not hasattr(model, "ct_decompress_hook")
+    finally:
+        hf_prefetch.remove_offload(model)
+    assert_same_generation(generate_with_logits(model, _ids()), want)  # still packed, still decompressing
+    assert_same_generation(generate_with_logits(pickle.loads(pickle.dumps(model)), _ids()), want)
+    hf_prefetch.dispatch_model(model, STRIDE, device="cpu")  # and a dispatch takes it again
+    try:
+        assert_same_generation(generate_with_logits(model, _ids()), want)
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+def test_from_pretrained_of_a_packed_mixture_of_experts_checkpoint_equals_transformers(tmp_path, family):
+    # transformers' quantizer decompresses the experts while merging them (its DecompressExperts conversion, fed the
+    # packed int32 words as stored); the attention linears stay packed and decompress at every forward.
+    from hf_prefetch.packed_forward import decompresses
+
+    folder = packed_moe_checkpoint(tmp_path, family)
+    want = generate_with_logits(AutoModelForCausalLM.from_pretrained(folder).eval(), _ids())
+    model = hf_prefetch.from_pretrained(folder, PrefetchConfig(prefetch_step=1), device="cpu")
+    try:
+        assert decompresses(model.model.layers[0].self_attn.q_proj)
+        for _ in range(2):
+            assert_same_generation(generate_with_logits(model, _ids()), want)
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_from_pretrained_refuses_packed_weights_with_quantized_activations_naming_the_group(tmp_path):
+    # W4A8: transformers quantizes each input at every forward, which packed_forward.py does not.
+    folder = packed_checkpoint(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    activations = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+    config["quantization_config"]["config_groups"]["group_0"]["input_activations"] = activations
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as error:
+        hf_prefetch.plan(folder, STRIDE, device="cpu")
+    message = str(error.value)
+    assert "config_groups['group_0'] stores 4-bit symmetric int (group) weights" in message
+    assert "input_activations set, output_activations none" in message and message.count("config.json") == 1
+
+
+@pytest.mark.parametrize(
     "weights, format",
     [
         ({"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}, "pack-quantized"),
         ({"num_bits": 8, "type": "int", "symmetric": True, "strategy": "channel"}, "int-quantized"),
     ],
 )
-def test_from_pretrained_refuses_schemes_transformers_decompresses_naming_the_group(tmp_path, weights, format):
+def test_from_pretrained_refuses_schemes_it_cannot_stream_packed_naming_the_group(tmp_path, weights, format):
+    # The first keeps the FP8 checkpoint's quantized input activations (W4A8), the second is another format.
     folder = fp8_checkpoint(tmp_path)
     config = json.loads((folder / "config.json").read_text())
     config["quantization_config"]["config_groups"]["group_0"]["weights"] = weights
@@ -188,7 +346,7 @@ def test_from_pretrained_refuses_schemes_transformers_decompresses_naming_the_gr
             call(folder, STRIDE, device="cpu")
         message = str(error.value)
         assert "config.json quantization_config.config_groups['group_0']" in message
-        assert f"{weights['num_bits']}-bit int" in message and repr(format) in message
+        assert f"{weights['num_bits']}-bit symmetric int" in message and repr(format) in message
         assert "dispatch_model" in message
 
 
@@ -285,6 +443,26 @@ def test_on_cuda_from_pretrained_of_a_compressed_tensors_fp8_checkpoint_computes
         hf_prefetch.remove_offload(model)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("bits, strategy, symmetric", [(4, "group", True), (8, "channel", True), (4, "group", False)])
+def test_on_cuda_from_pretrained_of_a_packed_checkpoint_computes_what_transformers_decompresses(
+    tmp_path, bits, strategy, symmetric
+):
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    folder = packed_checkpoint(tmp_path, bits, strategy, symmetric)
+    reference = AutoModelForCausalLM.from_pretrained(folder, device_map="cuda").eval()
+    ids = _ids().cuda()
+    want = generate_with_logits(reference, ids)  # its first forward decompresses it, on the GPU
+    model = hf_prefetch.from_pretrained(folder, STRIDE, device="cuda")
+    try:
+        for _ in range(2):
+            assert_same_generation(generate_with_logits(model, ids), want)
+        assert hf_prefetch.stats(model).misses == 0
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
 def test_a_gpu_without_fp8_matmuls_is_refused_before_anything_is_read(tmp_path, monkeypatch):
     from hf_prefetch import loader
     from hf_prefetch.checkpoint import Checkpoint
@@ -299,6 +477,12 @@ def test_a_gpu_without_fp8_matmuls_is_refused_before_anything_is_read(tmp_path, 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     loader._check_fp8_matmuls(model, torch.device("cuda", 0))
     loader._check_fp8_matmuls(model, torch.device("cpu"))
+    # Packed integer weights need no FP8 matmul.
+    folder = packed_checkpoint(tmp_path / "packed")
+    with Checkpoint.open(folder) as checkpoint:
+        model, _ = build_skeleton(folder, checkpoint, None, None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    loader._check_fp8_matmuls(model, torch.device("cuda", 0))
 
 
 def test_reload_weights_from_another_fp8_checkpoint_writes_its_bytes_and_scales(tmp_path, fp8_everywhere):
