@@ -432,15 +432,7 @@ def test_on_cuda_from_pretrained_of_a_compressed_tensors_fp8_checkpoint_computes
     folder = fp8_checkpoint(tmp_path)
     reference = transformers_fp8(folder, device_map="cuda")
     assert isinstance(reference.model.layers[1].mlp.down_proj, CompressedTensorsFP8Linear)
-    ids = _ids().cuda()
-    want = generate_with_logits(reference, ids)
-    model = hf_prefetch.from_pretrained(folder, STRIDE, device="cuda")
-    try:
-        for _ in range(2):
-            assert_same_generation(generate_with_logits(model, ids), want)
-        assert hf_prefetch.stats(model).misses == 0
-    finally:
-        hf_prefetch.remove_offload(model)
+    _streams_on_cuda_as(folder, reference)
 
 
 @pytest.mark.gpu
@@ -451,9 +443,13 @@ def test_on_cuda_from_pretrained_of_a_packed_checkpoint_computes_what_transforme
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     folder = packed_checkpoint(tmp_path, bits, strategy, symmetric)
-    reference = AutoModelForCausalLM.from_pretrained(folder, device_map="cuda").eval()
+    # transformers' first forward decompresses its model, on the GPU.
+    _streams_on_cuda_as(folder, AutoModelForCausalLM.from_pretrained(folder, device_map="cuda").eval())
+
+
+def _streams_on_cuda_as(folder, reference) -> None:
     ids = _ids().cuda()
-    want = generate_with_logits(reference, ids)  # its first forward decompresses it, on the GPU
+    want = generate_with_logits(reference, ids)
     model = hf_prefetch.from_pretrained(folder, STRIDE, device="cuda")
     try:
         for _ in range(2):
