@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["install", "decompresses"]
+__all__ = ["install", "use_stored_zero_points", "decompresses"]
 
 _SHAPE = "_hf_prefetch_weight_shape"  # the dense weight's shape, on the host (compressed-tensors' is a tensor)
 
@@ -37,7 +37,7 @@ def install(model: nn.Module) -> int:
 
 
 def use_stored_zero_points(model: nn.Module, checkpoint: Any) -> None:
-    """Asymmetric packed weights: each zero-point parameter made what the checkpoint stores (packed eight to an int32
+    """Asymmetric packed weights: each zero-point parameter made what the checkpoint stores (packed into int32 words
     along the rows, as compressed-tensors saves it; its preparation of a meta model declares them unpacked)."""
     keys = set(checkpoint.keys())
     for path, module in model.named_modules():
