@@ -247,7 +247,8 @@ def _refuse_compressed_tensors(model: nn.Module) -> None:
                 "compressed weights, which its first forward replaces with decompressed ones. Dispatch it after that "
                 "forward and after removing compressed-tensors' offloading "
                 "(compressed_tensors.offload.remove_dispatch(model, onload_tensors=True)) to stream the dense "
-                "weights; hf_prefetch.from_pretrained streams compressed-tensors FP8 checkpoints as FP8."
+                "weights; hf_prefetch.from_pretrained streams compressed-tensors FP8 and pack-quantized checkpoints "
+                "as stored."
             )
     if getattr(model, "ct_decompress_hook", None) is not None:
         raise ValueError(
