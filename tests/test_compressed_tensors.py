@@ -447,6 +447,40 @@ def test_on_cuda_from_pretrained_of_a_packed_checkpoint_computes_what_transforme
     _streams_on_cuda_as(folder, AutoModelForCausalLM.from_pretrained(folder, device_map="cuda").eval())
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("group, dtype", [(32, torch.bfloat16), (128, torch.bfloat16), (64, torch.float16)])
+def test_on_cuda_the_fused_4bit_decompression_equals_compressed_tensors_bit_for_bit(group, dtype):
+    # Every nibble value at every position of random int32 words, random scales (subnormal to large).
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from compressed_tensors.compressors import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+
+    from hf_prefetch import packed_forward
+
+    rows, columns = 96, 4 * group
+    generator = torch.Generator().manual_seed(group)
+    weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=group)
+    module = torch.nn.Linear(columns, rows, bias=False, device="meta")
+    del module.weight
+    module.weight_packed = torch.nn.Parameter(
+        torch.randint(-(2**31), 2**31 - 1, (rows, columns // 8), generator=generator, dtype=torch.int32).cuda(),
+        requires_grad=False,
+    )
+    scale = torch.randn(rows, columns // group, generator=generator) * torch.logspace(-30, 3, columns // group)
+    module.weight_scale = torch.nn.Parameter(scale.to(dtype).cuda(), requires_grad=False)
+    module.quantization_scheme = QuantizationScheme(targets=["Linear"], weights=weights)
+    module.quantization_status = "compressed"
+    assert packed_forward.install(module) == 1
+    parts = {"weight_packed": module.weight_packed, "weight_scale": module.weight_scale}
+    want = PackedQuantizationCompressor.decompress(
+        {**parts, "weight_shape": torch.Size((rows, columns))}, module.quantization_scheme
+    )["weight"]
+    assert packed_forward._unpack_kernel() is not None
+    got = packed_forward.dense_weight(module)
+    assert got.dtype == want.dtype == dtype and torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
 def _streams_on_cuda_as(folder, reference) -> None:
     ids = _ids().cuda()
     want = generate_with_logits(reference, ids)
