@@ -77,6 +77,7 @@ def dense_weight(module: nn.Linear) -> torch.Tensor:
         and zero_point is None
         and scale.dtype in (torch.bfloat16, torch.float16)
         and in_features % weights.group_size == 0
+        and out_features * in_features < 2**31  # the kernel's offsets are 32-bit
         and tuple(packed.shape) == (out_features, in_features // 8)
         and tuple(scale.shape) == (out_features, in_features // weights.group_size)
     )
