@@ -75,7 +75,7 @@ def map_keys(model: nn.Module, checkpoint: Checkpoint) -> KeyMap:
     # The compressed-tensors quantizer's conversions (FP8 scales reshaped for the row-wise matmul) belong to the
     # mapping; the other quantizers' parts are mapped by prequantized.py.
     quantizer = getattr(model, "hf_quantizer", None)
-    if getattr(getattr(quantizer, "quantization_config", None), "quant_method", None) != "compressed-tensors":
+    if prequantized.quant_method(getattr(quantizer, "quantization_config", None)) != "compressed-tensors":
         quantizer = None
     mapping = get_model_conversion_mapping(model, hf_quantizer=quantizer) if is_hf else []
     prefix = model.base_model_prefix if is_hf else None

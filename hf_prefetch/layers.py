@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import bnb
 from .placements import INNER_SEP, LayerPlan, ParamSpec, Placement, Routing
+from .prequantized import quant_method
 
 __all__ = [
     "find_layer_lists",
@@ -320,9 +321,8 @@ def _quantized(param: torch.Tensor, model: nn.Module) -> str | None:
     data = param.data if isinstance(param, nn.Parameter) else param
     if type(param) in (nn.Parameter, torch.Tensor) and type(data) is torch.Tensor:
         return None
-    method = getattr(getattr(getattr(model, "config", None), "quantization_config", None), "quant_method", None)
+    method = quant_method(getattr(getattr(model, "config", None), "quantization_config", None))
     name = type(data).__name__ if type(data) is not torch.Tensor else type(param).__name__
-    method = getattr(method, "value", method)
     return f"{name}, quantization method {method!r}" if method is not None else name
 
 

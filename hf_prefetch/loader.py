@@ -33,6 +33,7 @@ from .links import resolve_links
 from .memory_budget import MaxMemory, device_argument, parse_max_memory
 from .pipeline import home_of
 from .placements import INNER_SEP
+from .prequantized import quant_method
 from .reader import TensorReader
 from .skeleton import FLOAT8, build_skeleton, checkpoint_folder, set_dtypes
 from .state import (
@@ -329,9 +330,8 @@ def _check_fp8_matmuls(model: nn.Module, device: torch.device) -> None:
     # A compressed-tensors FP8 checkpoint loads as transformers' FP8 matmul modules (skeleton.py), which need a GPU of
     # compute capability 8.9 or newer (the CPU runs them too). Packed integer ones need no FP8 matmul.
     quantization = getattr(getattr(model, "config", None), "quantization_config", None)
-    method = getattr(quantization, "quant_method", None)
     fp8 = getattr(quantization, "use_optimized_inference", False)
-    if getattr(method, "value", method) != "compressed-tensors" or not fp8 or device.type != "cuda":
+    if quant_method(quantization) != "compressed-tensors" or not fp8 or device.type != "cuda":
         return
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 9):

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["install", "use_stored_zero_points", "decompresses"]
+__all__ = ["install", "use_stored_zero_points", "decompresses", "is_compressed"]
 
 _SHAPE = "_hf_prefetch_weight_shape"  # the dense weight's shape, on the host (compressed-tensors' is a tensor)
 
@@ -31,8 +31,7 @@ def install(model: nn.Module) -> int:
     """Make every compressed packed linear of `model` decompress at each forward; how many there are."""
     count = 0
     for module in model.modules():
-        status = getattr(module, "quantization_status", None)
-        if getattr(status, "value", status) == "compressed" and "weight_packed" in module._parameters:
+        if is_compressed(module) and "weight_packed" in module._parameters:
             setattr(module, _SHAPE, torch.Size((module.out_features, module.in_features)))
             # A partial of a module-level function, not a bound method: pickle and deepcopy rebuild it (a
             # MethodType pickles as a lookup of `_forward` on the module, which has no such attribute).
@@ -51,6 +50,12 @@ def use_stored_zero_points(model: nn.Module, checkpoint: Any) -> None:
             entry = checkpoint[key]
             stored = torch.empty(entry.shape, dtype=entry.dtype, device="meta")
             module.weight_zero_point = nn.Parameter(stored, requires_grad=False)
+
+
+def is_compressed(module: nn.Module) -> bool:
+    """Whether compressed-tensors left `module` compressed (its packed tensors in place of a dense weight)."""
+    status = getattr(module, "quantization_status", None)
+    return getattr(status, "value", status) == "compressed"
 
 
 def decompresses(module: nn.Module) -> bool:

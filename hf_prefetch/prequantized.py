@@ -25,7 +25,14 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import bnb
 
-__all__ = ["prepare", "checkpoint_parts"]
+__all__ = ["prepare", "checkpoint_parts", "quant_method"]
+
+
+def quant_method(quantization: Any) -> str | None:
+    """The method name of a quantization config (transformers' object or config.json's dict), None for none."""
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
+    method = getattr(quantization, "quant_method", method)
+    return getattr(method, "value", method)  # transformers' QuantizationMethod enum
 
 
 def prepare(model: nn.Module, checkpoint: Any, method: str) -> None:

@@ -59,7 +59,7 @@ def build_skeleton(
 
         with local_torch_dtype(torch_dtype, type(model).__name__):
             quantizer.preprocess_model(model, dtype=torch_dtype, device_map=None)
-        method = _method(quantizer.quantization_config)
+        method = prequantized.quant_method(quantizer.quantization_config)
         if method == "compressed-tensors":
             # compressed-tensors' preparation hooks a decompression of the whole model onto its first forward, which
             # would also strip accelerate's hooks (hf_prefetch's) and put its own offloading in their place. FP8
@@ -91,17 +91,11 @@ PREQUANTIZED = ("fp8", "bitsandbytes", "torchao", "compressed-tensors")
 _PACKAGES = {"bitsandbytes": "bitsandbytes", "torchao": "torchao", "compressed-tensors": "compressed_tensors"}
 
 
-def _method(quantization: Any) -> Any:
-    method = quantization.get("quant_method") if isinstance(quantization, dict) else None
-    method = getattr(quantization, "quant_method", method)
-    return getattr(method, "value", method)  # transformers' QuantizationMethod enum
-
-
 def _prequantized(folder: Path, quantization: Any) -> Any:
     """transformers' quantizer for a pre-quantized checkpoint hf_prefetch loads (None for an unquantized one)."""
     if quantization is None:
         return None
-    method = _method(quantization)
+    method = prequantized.quant_method(quantization)
     where = f"{folder}/config.json quantization_config"
     if method not in PREQUANTIZED:
         raise ValueError(

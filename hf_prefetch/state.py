@@ -17,6 +17,7 @@ from torch import nn
 from .changes import Journal
 from .config import PrefetchConfig
 from .offload_config import UVAConfig, resolve_offload
+from .packed_forward import decompresses, is_compressed
 
 if TYPE_CHECKING:
     from .codec import Layout
@@ -236,12 +237,9 @@ def _refuse_compressed_tensors(model: nn.Module) -> None:
     # compressed-tensors keeps a model it loaded compressed (`dequantize=False`, transformers' default) until a hook
     # decompresses it at the first forward; that decompression also strips accelerate's hooks (hf_prefetch's) and
     # wraps every module in compressed-tensors' own offloading, which moves the tensors hf_prefetch places.
-    from .packed_forward import decompresses
-
     modules = list(model.named_modules())
     for name, module in modules:
-        status = getattr(module, "quantization_status", None)
-        if getattr(status, "value", status) == "compressed" and not decompresses(module):
+        if is_compressed(module) and not decompresses(module):
             raise ValueError(
                 f"{name!r} ({type(module).__name__}) of {type(model).__name__} still holds compressed-tensors' "
                 "compressed weights, which its first forward replaces with decompressed ones. Dispatch it after that "
