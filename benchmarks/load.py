@@ -5,7 +5,10 @@ each system in a fresh subprocess so that its peak host RSS (VmHWM) is its own, 
 checkpoint read once before) and, with --cold, cold (the checkpoint evicted from the page cache before each run; the
 disk's own sequential read speed is measured in the same run with dd, O_DIRECT, 64 MiB blocks). transformers gets
 the same GPU budget as hf_prefetch's resident + pool bytes; the rest it offloads to the CPU. Each hf_prefetch row
-prints its load timeline and where the time to the first token went.
+prints its load timeline and where the time to the first token went. Systems: `hf_prefetch` (the default reads),
+`"hf_prefetch windows"` (CUDA destinations through bounce buffers instead of mapped reads), `"hf_prefetch 8 readers"`
+(8 reader threads instead of 16), `"hf_prefetch direct"`, `"hf_prefetch cached"` (`direct_io=True` / `False`),
+`transformers`.
 Run on a GPU machine:  PYTHONUNBUFFERED=1 python benchmarks/load.py [--dir /tmp/ckpt8b] [--rounds 1] [--cold]
 """
 
@@ -145,7 +148,13 @@ def run_system(system: str, folder: Path, budget_gib: int) -> dict:
     if system.startswith("hf_prefetch"):
         import hf_prefetch
 
-        direct_io = {"hf_prefetch": None, "hf_prefetch direct": True, "hf_prefetch cached": False}[system]
+        direct_io = {"hf_prefetch": None, "hf_prefetch direct": True, "hf_prefetch cached": False}.get(system)
+        from hf_prefetch import reader
+
+        if system == "hf_prefetch windows":  # CUDA destinations through bounce buffers, as before mapped reads
+            reader._MAPPED_FROM = 2.0
+        if system.endswith(" readers"):  # "hf_prefetch 8 readers": that many reader threads
+            reader._READERS = int(system.split()[1])
         model = hf_prefetch.from_pretrained(
             folder, device="cuda", progress=False, offload=hf_prefetch.PrefetchConfig(**PREFETCH), direct_io=direct_io
         )

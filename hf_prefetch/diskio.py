@@ -5,8 +5,9 @@ every byte then lives twice (in the cache and where the loader put it) until the
 kernel's readahead decides the request sizes. Direct I/O (`O_DIRECT`) reads from the disk into aligned buffers:
 large requests, several in flight, and no second copy. Bytes the cache already holds are faster read through it, so
 `cached_fraction` asks the kernel (`mincore`) and the reader reads a file directly only when most of it is not
-cached. `plan_windows` cuts the byte ranges a load needs into aligned windows, one direct read each. This module
-knows files and byte ranges; which tensor goes where is the reader's job.
+cached. `plan_windows` cuts the byte ranges a load needs into aligned windows, one direct read each. Bytes the cache
+holds can also be mapped (`FileMapping`), so that the GPU's copy engine reads them from the cache's own pages. This
+module knows files and byte ranges; which tensor goes where is the reader's job.
 """
 
 from __future__ import annotations
@@ -22,7 +23,16 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["DIRECT_ALIGN_BYTES", "Window", "aligned_buffer", "cached_fraction", "open_direct", "plan_windows", "pread"]
+__all__ = [
+    "DIRECT_ALIGN_BYTES",
+    "FileMapping",
+    "Window",
+    "aligned_buffer",
+    "cached_fraction",
+    "open_direct",
+    "plan_windows",
+    "pread",
+]
 
 # O_DIRECT wants the file offset, the length and the buffer address aligned to the device's logical block size:
 # 4096 covers every block size in use (512 and 4096).
@@ -110,44 +120,74 @@ def pread(fd: int, out: np.ndarray, position: int) -> int:
 _libc: ctypes.CDLL | None = None
 
 
+def _c() -> ctypes.CDLL | None:
+    # The C library, with mmap, munmap and mincore typed; None where there is none to load.
+    global _libc
+    if _libc is None:
+        name = ctypes.util.find_library("c")
+        if name is None:
+            return None
+        libc = ctypes.CDLL(name, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        size_t, c_int = ctypes.c_size_t, ctypes.c_int
+        libc.mmap.argtypes = [ctypes.c_void_p, size_t, c_int, c_int, c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        if hasattr(libc, "mincore"):
+            libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        _libc = libc
+    return _libc
+
+
 def cached_fraction(path: Path) -> float | None:
     """The share of `path`'s pages the page cache holds now (0.0 to 1.0), or None where the kernel cannot say.
 
     Asks `mincore` about a read-only mapping of the file; nothing is read and no page is brought in.
     """
-    global _libc
     size = os.stat(path).st_size
     if size == 0:
         return 1.0
-    if _libc is None:
-        name = ctypes.util.find_library("c")
-        if name is None:
-            return None
-        _libc = ctypes.CDLL(name, use_errno=True)
-        _libc.mmap.restype = ctypes.c_void_p
-        _libc.mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    if not hasattr(_libc, "mincore"):
+    libc = _c()
+    if libc is None or not hasattr(libc, "mincore"):
         return None
     fd = os.open(path, os.O_RDONLY)
     try:
-        address = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         if address in (None, ctypes.c_void_p(-1).value):
             return None
         try:
             pages = np.zeros(-(-size // mmap.PAGESIZE), dtype=np.uint8)
-            if _libc.mincore(address, size, pages.ctypes.data) != 0:
+            if libc.mincore(address, size, pages.ctypes.data) != 0:
                 return None
             return float(np.count_nonzero(pages & 1)) / len(pages)
         finally:
-            _libc.munmap(address, size)
+            libc.munmap(address, size)
     finally:
         os.close(fd)
+
+
+class FileMapping:
+    """Bytes [start, stop) of an open file mapped read-only and shared: the page cache's own pages, no copy.
+
+    `address` is where byte `start` is; `close()` unmaps (idempotent). Touching a mapped byte past the file's end
+    raises SIGBUS, so a caller reads it only through something that checks (the CUDA driver's registration, which
+    fails instead). Raises OSError where the platform cannot map the file.
+    """
+
+    def __init__(self, fd: int, start: int, stop: int) -> None:
+        libc = _c()
+        if libc is None:
+            raise OSError(errno.ENOSYS, "no C library to map files with")
+        base = start - start % mmap.ALLOCATIONGRANULARITY  # mmap's offset must be a multiple of it
+        self._length = stop - base
+        mapped = libc.mmap(None, self._length, mmap.PROT_READ, mmap.MAP_SHARED, fd, base)
+        if mapped in (None, ctypes.c_void_p(-1).value):
+            err = ctypes.get_errno()
+            raise OSError(err, f"mmap of bytes {base}-{stop} failed: {os.strerror(err)}")
+        self._base: int | None = mapped
+        self.address = mapped + start - base
+        self.nbytes = stop - start
+
+    def close(self) -> None:
+        base, self._base = self._base, None
+        if base is not None:
+            _c().munmap(base, self._length)

@@ -39,6 +39,8 @@ __all__ = [
     "span_bytes",
     "own_storage",
     "pinned_bytes",
+    "lock_read_only",
+    "unlock",
 ]
 
 logger = logging.getLogger(__name__)
@@ -286,6 +288,32 @@ def _register(buffer: torch.Tensor) -> bool:
             stacklevel=4,
         )
     return False
+
+
+# cudaHostRegister flags: pinned for every CUDA context, and the pages only read by the device (required for a
+# read-only mapping such as a file's page cache).
+_REGISTER_PORTABLE = 1
+_REGISTER_READ_ONLY = 8
+
+
+def lock_read_only(pointer: int, nbytes: int) -> bool:
+    """Page-lock `nbytes` at `pointer` of a read-only mapping (a file's page-cache pages) for every device, so that
+    the copy engine reads them directly. False where the driver refuses (a device without read-only registration, a
+    range past the file's end); the error is cleared. Not counted in `pinned_bytes`: the pages are the page cache's,
+    held only while a copy reads them. `unlock` undoes it."""
+    err = torch.cuda.cudart().cudaHostRegister(pointer, nbytes, _REGISTER_PORTABLE | _REGISTER_READ_ONLY)
+    if int(err) != 0:
+        _clear_last_cuda_error()
+        return False
+    return True
+
+
+def unlock(pointer: int) -> None:
+    """Undo `lock_read_only(pointer, ...)`; only once nothing queued on a device still reads the pages."""
+    err = torch.cuda.cudart().cudaHostUnregister(pointer)
+    if int(err) != 0:
+        _clear_last_cuda_error()
+        logger.warning("cudaHostUnregister failed with CUDA error %s", int(err))
 
 
 def _clear_last_cuda_error() -> None:

@@ -257,7 +257,7 @@ def _load(
         model.tie_weights()
     _check_fp8_matmuls(model, device)
     journal = Journal()
-    arena = state = warmup = None
+    arena = state = warmup = pinning = None
     try:
         set_dtypes(model, dtype, cast, journal)
         keymap = map_keys(model, checkpoint)
@@ -282,15 +282,24 @@ def _load(
         timeline.mark("allocate", device)
         # A plan with compressed parameters pins the arena their encoded bytes move into instead (`compress_arena`).
         compressing = plan.compressed_bytes[0] > 0
-        pin = (lambda: _pin_on(arena, device)) if device.type == "cuda" and not compressing else None
-        seconds, bytes_read, direct_bytes = _read_all(
-            checkpoint, keymap, dests, model, progress, direct_io, pin, timeline
-        )
+        seconds, read = _read_all(checkpoint, keymap, dests, model, progress, direct_io, timeline)
+        # The arena's page-locking (CUDA only), in a thread while the tensors are installed and the warm-up ends: the
+        # reads touched every page (page-locking touched memory is ~10x faster than fresh). Writes meanwhile (the
+        # install's parts no tensor filled) do not disturb it; `compress_arena` and `attach`'s copies come after the
+        # join, and so does any release of the arena (the error path joins first).
+        if device.type == "cuda" and not compressing:
+            pinning = _Background(lambda: _pin_on(arena, device))
+            pinning.start()
         _install(model, keymap, dests, journal)
         warmup.join()
         if warmup.seconds is not None:
             torch.cuda.empty_cache()  # the twin's blocks: the pool is allocated next, in sizes of its own
+            logger.info("The warm-up thread ran %.2f s", warmup.seconds)
         timeline.mark("warm-up")  # what was left of it after the reads
+        if pinning is not None:
+            pinning.join()  # on an error or interrupt here, the error path joins it again before any release
+            pinning = None
+        timeline.mark("pin")  # what was left of it
         state.offloaded = [_offloaded(model, keymap, name, dests[name]) for name in offloaded_names]
         if compressing:
             compress_arena(model, state, progress)
@@ -300,6 +309,8 @@ def _load(
     except BaseException:
         if warmup is not None:
             warmup.join()
+        if pinning is not None:
+            pinning.join(raise_error=False)  # the arena is released below: its page-locking must have ended
         if state is not None:
             attach.rollback(model, state)
         else:
@@ -311,11 +322,14 @@ def _load(
         model._weight_conversions = keymap.used_conversions  # what save_pretrained reverts, as after from_pretrained
     model.eval()
     arena = state.arena
-    gb, pinned_gib = bytes_read / 1e9, (arena.nbytes if arena.pinned else 0) / 2**30
+    gb, pinned_gib = read.bytes_read / 1e9, (arena.nbytes if arena.pinned else 0) / 2**30
     gpu_gib = (plan.device_bytes if device.type == "cuda" else 0) / 2**30
-    message = "Loaded %s: read %.2f GB (%.2f GB direct) in %.2f s (%.2f GB/s); pinned host %.2f GiB, GPU %.2f GiB"
-    direct_gb, rate = direct_bytes / 1e9, gb / max(seconds, 1e-9)
-    logger.info(message, checkpoint.folder, gb, direct_gb, seconds, rate, pinned_gib, gpu_gib)
+    message = (
+        "Loaded %s: read %.2f GB (%.2f GB direct, %.2f GB copied from the page cache by the copy engine) in %.2f s "
+        "(%.2f GB/s); pinned host %.2f GiB, GPU %.2f GiB"
+    )
+    direct_gb, mapped_gb, rate = read.direct_bytes / 1e9, read.mapped_bytes / 1e9, gb / max(seconds, 1e-9)
+    logger.info(message, checkpoint.folder, gb, direct_gb, mapped_gb, seconds, rate, pinned_gib, gpu_gib)
 
 
 def _check_direct_io(direct_io: object) -> None:
@@ -358,10 +372,9 @@ class LoadTimeline:
         self._last = now
 
 
-def _read_all(checkpoint, keymap, dests, model, progress, direct_io, pin, timeline) -> tuple[float, int, int]:
-    # Host destinations (the arena) first, then the device's: `pin` (the arena's page-locking, CUDA only) runs in a
-    # thread meanwhile. Page-locking memory the readers already touched is ~10x faster than fresh memory, and the
-    # arena is not written again once its reads are done (conversions aside, which page-locking does not disturb).
+def _read_all(checkpoint, keymap, dests, model, progress, direct_io, timeline) -> tuple[float, TensorReader]:
+    # Host destinations (the arena) and device destinations in one load: the host's are CPU copies, the device's
+    # (mapped reads) mostly the copy engine's, so they overlap.
     reads = [(e, region_view(dests[name], region)) for name, pieces in keymap.streamed.items() for e, region in pieces]
     total = sum(e.nbytes for e, _ in reads) + sum(e.nbytes for e, _ in keymap.duplicates)
     total += sum(e.nbytes for _, _, sources, _ in keymap.converted for _, e in sources)
@@ -373,18 +386,8 @@ def _read_all(checkpoint, keymap, dests, model, progress, direct_io, pin, timeli
         tqdm(total=total, unit="B", unit_scale=True, desc="Loading checkpoint", disable=disable) as bar,
         TensorReader(checkpoint, on_read=bar.update, direct=direct_io) as reader,
     ):
-        reader.load([(entry, out) for entry, out in reads if out.device.type == "cpu"])
-        timeline.mark("read host")
-        pinning = _Background(pin) if pin is not None else None
-        try:
-            reader.load([(entry, out) for entry, out in reads if out.device.type != "cpu"])
-        except BaseException:
-            if pinning is not None:
-                pinning.join(raise_error=False)  # the read's error is the one to report
-            raise
-        if pinning is not None:
-            pinning.join()
-        timeline.mark("read device")  # and the page-locking of the arena, meanwhile
+        reader.load(reads)
+        timeline.mark("read")
         if keymap.converted:
             logger.info("Not streamed (converted through transformers): %s", [t for _, t, _, _ in keymap.converted])
         for converter, target_key, sources, names in keymap.converted:
@@ -399,15 +402,18 @@ def _read_all(checkpoint, keymap, dests, model, progress, direct_io, pin, timeli
                     "the config ties them) but hold different values. Set tie_word_embeddings=False in config.json."
                 )
         timeline.mark("convert")  # tensors transformers converts, and tied duplicates checked
-    return time.perf_counter() - started, reader.bytes_read, reader.direct_bytes
+    return time.perf_counter() - started, reader  # closed, its counters final
 
 
 class _Background:
-    """`fn()` in a thread; `join()` waits and re-raises what it raised."""
+    """`fn()` in a thread once `start()`ed (assign it first, so that an error path always sees it); `join()` waits
+    and re-raises what it raised."""
 
     def __init__(self, fn: Callable[[], object]) -> None:
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(fn,), name="hf_prefetch-pin", daemon=True)
+
+    def start(self) -> None:
         self._thread.start()
 
     def _run(self, fn: Callable[[], object]) -> None:
@@ -417,7 +423,8 @@ class _Background:
             self._error = err
 
     def join(self, raise_error: bool = True) -> None:
-        self._thread.join()
+        if self._thread.ident is not None:  # started
+            self._thread.join()
         if raise_error and self._error is not None:
             raise self._error
 

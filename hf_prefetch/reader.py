@@ -1,15 +1,19 @@
 """Reading a checkpoint's tensors into caller-owned tensors, in host memory or on a CUDA device, from a thread pool.
 
 Host destinations of a file the page cache holds are filled straight by positional reads, big tensors split into
-chunks so that every reader thread has work. Device destinations, and every destination of a file read directly (one
-the cache mostly does not hold, see `diskio`), go through windows: aligned byte ranges read into bounce buffers and
-copied from there to each destination in the window. The reader knows byte ranges (`checkpoint.TensorEntry`); which
-tensor goes where is the loader's call.
+chunks so that every reader thread has work. CUDA destinations of a file the page cache holds are copied by the copy
+engine straight out of the cache's pages (mapped reads). Every destination of a file read directly (one the cache
+mostly does not hold, see `diskio`), and device destinations that the mapped reads cannot take, go through windows:
+aligned byte ranges read into bounce buffers and copied from there to each destination in the window. The reader
+knows byte ranges (`checkpoint.TensorEntry`); which tensor goes where is the loader's call.
 """
 
 from __future__ import annotations
 
+import ctypes
 import errno
+import functools
+import itertools
 import os
 import queue
 import threading
@@ -22,8 +26,8 @@ import numpy as np
 import torch
 
 from .checkpoint import Checkpoint, TensorEntry
-from .diskio import Window, cached_fraction, open_direct, plan_windows, pread
-from .host import HostArena
+from .diskio import FileMapping, Window, cached_fraction, open_direct, plan_windows, pread
+from .host import HostArena, lock_read_only, unlock
 
 __all__ = ["TensorReader"]
 
@@ -32,16 +36,25 @@ _READERS = min(16, os.cpu_count() or 4)
 _WINDOW_BYTES = 8 * 2**20  # one windowed read (a multiple of diskio.DIRECT_ALIGN_BYTES)
 _BOUNCE_BUFFERS = 2 * _READERS  # windows being read or copied out
 _DIRECT_BELOW = 0.5  # `direct=None`: a file is read directly when the page cache holds less than this share of it
+_MAPPED_FROM = 0.9  # CUDA destinations of a file the page cache holds at least this share of are mapped reads
+_SPAN_BYTES = 64 * 2**20  # one mapped read: at most _READERS spans are mapped (and page-locked) at once
+
+# Whether the driver page-locks read-only mappings of a file system's files for a device, by (device index, st_dev):
+# asked once per process, and answered False for good once a span of that file system is refused.
+_maps_files: dict[tuple[int, int], bool] = {}
+_maps_files_lock = threading.Lock()
 
 
 class TensorReader:
     """Fills tensors with checkpoint tensors, casting where the dtypes differ.
 
-    Host destinations (pinned or not) are written in place by positional reads from a thread pool; CUDA destinations
-    (and every destination of a file read directly) through windows of bounce buffers ([Note: windowed reads]),
-    whose asynchronous copies to the device overlap the next reads. No intermediate copy of a whole tensor is made,
-    except for the rare destination that is not contiguous, or a device cast of a tensor whose offset in its file is
-    not a multiple of its element size.
+    Host destinations (pinned or not) are written in place by positional reads from a thread pool. CUDA destinations
+    of a file the page cache holds are copied from the cache's pages by the copy engine ([Note: mapped reads]); the
+    other CUDA destinations (a cast, a file read directly, a driver that cannot lock file mappings) and every
+    destination of a file read directly go through windows of bounce buffers ([Note: windowed reads]), whose
+    asynchronous copies to the device overlap the next reads. No intermediate copy of a whole tensor is made, except
+    for the rare destination that is not contiguous, or a device cast of a tensor whose offset in its file is not a
+    multiple of its element size.
 
     Example:
 
@@ -69,9 +82,11 @@ class TensorReader:
         self.direct = direct
         self.bytes_read = 0
         self.direct_bytes = 0  # of bytes_read, read with direct I/O
+        self.mapped_bytes = 0  # of bytes_read, copied by the copy engine from the page cache's pages
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(_READERS, thread_name_prefix="hf_prefetch-read")
         self._direct_fds: dict[Path, int | None] = {}  # None: read this file through the page cache
+        self._fractions: dict[Path, float | None] = {}  # the share of each file the page cache held when first asked
 
     def load(self, reads: Sequence[tuple[TensorEntry, torch.Tensor]]) -> None:
         """Fill each `(entry, out)` pair's `out` (same shape as the entry) and return once all are filled."""
@@ -79,15 +94,21 @@ class TensorReader:
             if tuple(out.shape) != entry.shape:
                 raise ValueError(f"{entry.key!r} has shape {list(entry.shape)}, the destination {list(out.shape)}.")
         reads = [(entry, out) for entry, out in reads if out.numel()]
-        windowed = [(entry, out) for entry, out in reads if self._through_windows(entry, out)]
-        chosen = {id(out) for _, out in windowed}
+        mapped = [(entry, out) for entry, out in reads if self._through_mapping(entry, out)]
+        chosen = {id(out) for _, out in mapped}
+        windowed = [(e, out) for e, out in reads if id(out) not in chosen and self._through_windows(e, out)]
+        chosen |= {id(out) for _, out in windowed}
         rest = [(entry, out) for entry, out in reads if id(out) not in chosen]
-        futures = [f for entry, out in rest if out.device.type == "cpu" for f in self._submit_host(entry, out)]
-        windows = None
+        host = [job for entry, out in rest if out.device.type == "cpu" for job in self._host_jobs(entry, out)]
+        futures: list[Future] = []
+        windows = spans = None
         try:
-            if windowed:
-                windows = _Windows(self, windowed)
-                futures += windows.submit()
+            spans = _Mapped(self, mapped) if mapped else None
+            windows = _Windows(self, windowed) if windowed else None
+            # Interleaved: the host's reads (CPU copies) and the mapped reads (the copy engine's) overlap.
+            jobs = [host, spans.jobs() if spans else [], windows.jobs() if windows else []]
+            for job in _interleave(jobs):  # one at a time: an interrupt here leaves no submitted job unawaited
+                futures.append(self._pool.submit(job))
             for entry, out in rest:
                 if out.device.type != "cpu":  # rare (see `_through_windows`): synchronous, via pageable memory
                     out.copy_(self.read_tensor(entry))
@@ -99,8 +120,12 @@ class TensorReader:
             for future in futures:
                 if not future.cancelled():
                     future.exception()  # wait: nothing may still write into `out` once this returns
-            if windows is not None:
-                windows.finish()
+            try:
+                if windows is not None:
+                    windows.finish()
+            finally:
+                if spans is not None:
+                    spans.finish()
 
     def read_tensor(self, entry: TensorEntry) -> torch.Tensor:
         """A new host tensor holding `entry`."""
@@ -126,10 +151,11 @@ class TensorReader:
         self.checkpoint.read(entry, out, start)
         self._count(out.nbytes, direct=False)
 
-    def _count(self, nbytes: int, direct: bool) -> None:
+    def _count(self, nbytes: int, direct: bool, mapped: bool = False) -> None:
         with self._lock:
             self.bytes_read += nbytes
             self.direct_bytes += nbytes if direct else 0
+            self.mapped_bytes += nbytes if mapped else 0
             if self.on_read is not None:
                 self.on_read(nbytes)
 
@@ -139,14 +165,14 @@ class TensorReader:
         self._read(entry, _bytes_of(staged), first * entry.dtype.itemsize)
         out.copy_(staged.view(out.shape))
 
-    def _submit_host(self, entry: TensorEntry, out: torch.Tensor) -> list[Future]:
+    def _host_jobs(self, entry: TensorEntry, out: torch.Tensor) -> list[Callable[[], Any]]:
         if not out.is_contiguous():
-            return [self._pool.submit(lambda: out.copy_(self.read_tensor(entry)))]
+            return [lambda: out.copy_(self.read_tensor(entry))]
         if out.dtype == entry.dtype:
             raw = _bytes_of(out)
-            return [self._pool.submit(self._read, entry, raw[a:b], a) for a, b in _spans(entry.nbytes, _CHUNK_BYTES)]
+            return [functools.partial(self._read, entry, raw[a:b], a) for a, b in _spans(entry.nbytes, _CHUNK_BYTES)]
         flat, step = out.view(-1), max(1, _CHUNK_BYTES // entry.dtype.itemsize)
-        return [self._pool.submit(self._read_cast, entry, flat[a:b], a) for a, b in _spans(flat.numel(), step)]
+        return [functools.partial(self._read_cast, entry, flat[a:b], a) for a, b in _spans(flat.numel(), step)]
 
     def _through_windows(self, entry: TensorEntry, out: torch.Tensor) -> bool:
         # Windows carry every contiguous device destination, and the contiguous host destinations of files read
@@ -160,13 +186,51 @@ class TensorReader:
             return out.device.type != "cpu" and entry.offset % entry.dtype.itemsize == 0
         return out.device.type != "cpu" or self._direct_fd(entry.path) is not None
 
+    def _through_mapping(self, entry: TensorEntry, out: torch.Tensor) -> bool:
+        # Mapped reads copy raw bytes onto a CUDA device, from a file the page cache (nearly) holds whole: a mapped
+        # page the cache lacks is read from the disk when it is page-locked, one fault at a time.
+        if out.device.type != "cuda" or not out.is_contiguous() or out.dtype != entry.dtype:
+            return False
+        if self._direct_fd(entry.path) is not None:
+            return False
+        fraction = self._cached(entry.path)
+        return fraction is not None and fraction >= _MAPPED_FROM and self._maps_files(out.device, entry.path)
+
+    def _maps_files(self, device: torch.device, path: Path) -> bool:
+        # Asks the driver once per device: page-lock the first bytes of a read-only mapping of `path`.
+        fd = self.checkpoint.fd(path)
+        key = _maps_key(device, fd)
+        with _maps_files_lock:
+            if key not in _maps_files:
+                try:
+                    mapping = FileMapping(fd, 0, min(os.fstat(fd).st_size, 4096))
+                except OSError:  # a file system that cannot map files: windows, and ask again next time
+                    return False
+                try:
+                    with torch.cuda.device(key[0]):
+                        locked = lock_read_only(mapping.address, mapping.nbytes)
+                        if locked:
+                            unlock(mapping.address)
+                    _maps_files[key] = locked
+                finally:
+                    mapping.close()
+            return _maps_files[key]
+
+    def _cached(self, path: Path) -> float | None:
+        with self._lock:
+            if path in self._fractions:
+                return self._fractions[path]
+        fraction = cached_fraction(path)
+        with self._lock:
+            return self._fractions.setdefault(path, fraction)
+
     def _direct_fd(self, path: Path) -> int | None:
+        wanted = self.direct
+        if wanted is None and path not in self._direct_fds:
+            fraction = self._cached(path)
+            wanted = fraction is not None and fraction < _DIRECT_BELOW
         with self._lock:  # one descriptor per file, whichever thread asks first
             if path not in self._direct_fds:
-                wanted = self.direct
-                if wanted is None:
-                    fraction = cached_fraction(path)
-                    wanted = fraction is not None and fraction < _DIRECT_BELOW
                 self._direct_fds[path] = open_direct(path) if wanted else None
             return self._direct_fds[path]
 
@@ -213,8 +277,8 @@ class _Windows:
         for index in range(len(self.bounce.offsets)):
             self.free.put((index, []))
 
-    def submit(self) -> list[Future]:
-        return [self.reader._pool.submit(self._read_window, window) for window in self.windows]
+    def jobs(self) -> list[Callable[[], Any]]:
+        return [functools.partial(self._read_window, window) for window in self.windows]
 
     def finish(self) -> None:
         """After every submitted window has ended: wait for the device copies, then release the buffers."""
@@ -239,13 +303,8 @@ class _Windows:
                 # FUSE mounts): this window through the page cache.
                 direct = False
                 got = pread(self.reader.checkpoint.fd(window.path), buffer.numpy(), window.start)
-            needed = max(offset + nbytes for offset, nbytes, _ in window.pieces) - window.start
-            if got < needed:
-                raise ValueError(
-                    f"{window.path}: the file ended at byte {window.start + got} while reading up to byte "
-                    f"{window.start + needed}; it was truncated after it was opened. Re-download or re-save the "
-                    "checkpoint."
-                )
+            if window.start + got < _end(window):
+                _truncated(window.path, window.start + got, _end(window))
             for offset, nbytes, (entry, flat) in window.pieces:
                 source = buffer[offset - window.start : offset - window.start + nbytes]
                 if flat.dtype == entry.dtype:  # raw bytes, whatever their alignment
@@ -263,9 +322,120 @@ class _Windows:
                     event = torch.cuda.Event()
                     event.record(stream)
                 pending.append(event)
-            self.reader._count(sum(nbytes for _, nbytes, _ in window.pieces), direct=direct)
+            self.reader._count(_piece_bytes(window), direct=direct)
         finally:
             self.free.put((index, pending))
+
+
+class _Mapped:
+    """One `load`'s mapped reads. [Note: mapped reads] The byte ranges of CUDA destinations of files the page cache
+    holds are cut into aligned spans of at most `_SPAN_BYTES` (`diskio.plan_windows`). A reader thread maps its span
+    read-only (`diskio.FileMapping`: the page cache's own pages), page-locks the mapping for the copy engine
+    (`host.lock_read_only`), queues one asynchronous copy per piece on its device's copy stream, waits for the
+    event behind them, and only then unlocks and unmaps the span: no copy may read a page after it was unlocked. No
+    CPU copies a byte, and no bounce buffer is needed; at most one span per reader thread is mapped at once, which
+    bounds what the mappings add to the process's resident memory. A span that cannot be mapped or that the driver
+    refuses to lock (possible for a single span of a device that passed `TensorReader._maps_files`) is read with
+    positional reads into pageable memory and copied from there, synchronously."""
+
+    def __init__(self, reader: TensorReader, reads: list[tuple[TensorEntry, torch.Tensor]]) -> None:
+        self.reader = reader
+        ranges = [(e.path, e.offset, e.nbytes, (e, out.reshape(-1))) for e, out in reads]
+        self.spans = plan_windows(ranges, _SPAN_BYTES)
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        for device in dict.fromkeys(out.device for _, out in reads):  # destinations were allocated on the current
+            self.streams[device] = torch.cuda.Stream(device)  # stream: the copies come after that
+            self.streams[device].wait_stream(torch.cuda.current_stream(device))
+
+    def jobs(self) -> list[Callable[[], Any]]:
+        return [functools.partial(self._copy_span, span) for span in self.spans]
+
+    def finish(self) -> None:
+        for stream in self.streams.values():
+            stream.synchronize()
+
+    def _copy_span(self, span: Window) -> None:
+        # The span's bytes up to its last piece's end (the file may end before the span's aligned end); a mapped page
+        # past the file's end would fail the lock.
+        fd, end = self.reader.checkpoint.fd(span.path), _end(span)
+        size = os.fstat(fd).st_size
+        if size < end:
+            _truncated(span.path, size, end)
+        # Locked and unlocked under a destination's device: a thread's current device is 0, where a call would
+        # create a context of its own when the destinations are elsewhere.
+        device = span.pieces[0][2][1].device
+        try:
+            mapping = FileMapping(fd, span.start, end)
+        except OSError:  # the file system refused this mapping (the probe's succeeded): read the span instead
+            mapping = None
+        try:
+            with torch.cuda.device(device):
+                locked = mapping is not None and lock_read_only(mapping.address, mapping.nbytes)
+            if not locked:
+                with _maps_files_lock:  # later loads read this file system's files through windows
+                    _maps_files[_maps_key(device, fd)] = False
+                buffer = torch.empty(end - span.start, dtype=torch.uint8)
+                got = pread(fd, buffer.numpy(), span.start)
+                if span.start + got < end:
+                    _truncated(span.path, span.start + got, end)
+                self._copy(span, buffer, non_blocking=False)
+                self.reader._count(_piece_bytes(span), direct=False)
+                return
+            try:
+                pages = (ctypes.c_uint8 * mapping.nbytes).from_address(mapping.address)
+                for event in self._copy(span, torch.from_numpy(np.ctypeslib.as_array(pages)), non_blocking=True):
+                    event.synchronize()
+            except BaseException:
+                self.finish()  # whatever this span queued has run before its pages are unlocked
+                raise
+            finally:
+                with torch.cuda.device(device):
+                    unlock(mapping.address)
+            self.reader._count(_piece_bytes(span), direct=False, mapped=True)
+        finally:
+            if mapping is not None:
+                mapping.close()
+
+    def _copy(self, span: Window, source: torch.Tensor, non_blocking: bool) -> list[torch.cuda.Event]:
+        # Each piece of the span from `source` (the span's bytes) to its destination, on its device's copy stream;
+        # returns the events recorded behind them.
+        used: set[torch.device] = set()
+        for offset, nbytes, (entry, flat) in span.pieces:
+            target = flat.view(torch.uint8)[offset - entry.offset : offset - entry.offset + nbytes]
+            with torch.cuda.stream(self.streams[target.device]):
+                target.copy_(source[offset - span.start : offset - span.start + nbytes], non_blocking=non_blocking)
+            used.add(target.device)
+        events = []
+        for device in used:
+            event = torch.cuda.Event(blocking=True)  # waited for by a reader thread: sleeping, not spinning
+            event.record(self.streams[device])
+            events.append(event)
+        return events
+
+
+def _maps_key(device: torch.device, fd: int) -> tuple[int, int]:
+    return (device.index if device.index is not None else torch.cuda.current_device(), os.fstat(fd).st_dev)
+
+
+def _interleave(lists: Sequence[list]) -> list:
+    # One item of each list in turn, while any has items left.
+    return [item for row in itertools.zip_longest(*lists) for item in row if item is not None]
+
+
+def _piece_bytes(window: Window) -> int:
+    return sum(nbytes for _, nbytes, _ in window.pieces)
+
+
+def _end(window: Window) -> int:
+    # Where the window's last piece ends in its file.
+    return max(offset + nbytes for offset, nbytes, _ in window.pieces)
+
+
+def _truncated(path: Path, end: int, needed: int) -> None:
+    raise ValueError(
+        f"{path}: the file ended at byte {end} while reading up to byte {needed}; it was truncated after it was "
+        "opened. Re-download or re-save the checkpoint."
+    )
 
 
 def _bytes_of(tensor: torch.Tensor) -> np.ndarray:

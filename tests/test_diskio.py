@@ -1,9 +1,18 @@
+import ctypes
 import os
 from pathlib import Path
 
 import pytest
 
-from hf_prefetch.diskio import DIRECT_ALIGN_BYTES, aligned_buffer, cached_fraction, open_direct, plan_windows, pread
+from hf_prefetch.diskio import (
+    DIRECT_ALIGN_BYTES,
+    FileMapping,
+    aligned_buffer,
+    cached_fraction,
+    open_direct,
+    plan_windows,
+    pread,
+)
 
 A, B = Path("a"), Path("b")
 
@@ -73,3 +82,26 @@ def test_direct_reads_into_an_aligned_buffer(tmp_path):
     finally:
         os.close(fd)
     assert got == len(data) - 4096 and bytes(buffer[:got]) == data[4096:]
+
+
+def test_a_file_mapping_holds_the_file_s_bytes(tmp_path):
+    data = os.urandom(3 * 4096 + 123)
+    (tmp_path / "f").write_bytes(data)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        for start, stop in [(0, len(data)), (5000, 9000), (4096, 4097), (len(data) - 10, len(data))]:
+            mapping = FileMapping(fd, start, stop)
+            assert mapping.nbytes == stop - start
+            assert ctypes.string_at(mapping.address, mapping.nbytes) == data[start:stop]
+            mapping.close()
+            mapping.close()  # closing twice does nothing
+    finally:
+        os.close(fd)
+
+
+def test_a_file_mapping_of_a_closed_descriptor_is_an_os_error(tmp_path):
+    (tmp_path / "f").write_bytes(b"x" * 10)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    os.close(fd)
+    with pytest.raises(OSError, match="mmap of bytes 0-10 failed"):
+        FileMapping(fd, 0, 10)

@@ -466,8 +466,23 @@ def test_the_load_timeline_names_every_phase_in_order(saved):
     model = hf_prefetch.from_pretrained(folder, device="cpu")
     elapsed = time.perf_counter() - started
     timeline = hf_prefetch.get_state(model).load_timeline
-    phases = ["device", "open", "skeleton", "plan", "allocate", "read host", "read device", "convert", "warm-up"]
+    phases = ["device", "open", "skeleton", "plan", "allocate", "read", "convert", "warm-up", "pin"]
     assert list(timeline) == [*phases, "attach", "generation config"]
     assert all(seconds >= 0 for seconds in timeline.values())
     assert sum(timeline.values()) <= elapsed
     hf_prefetch.remove_offload(model)
+
+
+def test_a_background_job_is_joined_whether_or_not_it_started():
+    from hf_prefetch.loader import _Background
+
+    _Background(lambda: None).join()  # assigned but not started (an interrupt came between): nothing to wait for
+
+    def fail():
+        raise OSError("page-locking failed")
+
+    job = _Background(fail)
+    job.start()
+    job.join(raise_error=False)
+    with pytest.raises(OSError, match="page-locking failed"):
+        job.join()

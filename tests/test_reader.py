@@ -109,6 +109,7 @@ def test_real_direct_io_where_the_file_system_allows_it(shards):
 def test_windowed_reads_onto_cuda(shards, monkeypatch, direct):
     folder, tensors = shards
     monkeypatch.setattr(reader_module, "_WINDOW_BYTES", 4096)
+    monkeypatch.setattr(reader_module, "_MAPPED_FROM", 2.0)  # no mapped reads: windows through the page cache
     outs = {k: torch.empty_like(t, device="cuda") for k, t in tensors.items()}
     with _checkpoint(folder) as checkpoint, TensorReader(checkpoint, direct=direct) as reader:
         reader.load([(checkpoint[k], outs[k]) for k in tensors])
@@ -124,3 +125,157 @@ def test_windowed_reads_cast_onto_cuda(shards, monkeypatch):
     with _checkpoint(folder) as checkpoint, TensorReader(checkpoint) as reader:
         reader.load([(checkpoint[k], outs[k]) for k in casts])
     assert all(torch.equal(outs[k].cpu(), tensors[k].to(casts[k])) for k in casts)
+
+
+class _Locks:
+    """Records the mapped reads' page-locks and unlocks (the real ones run), and their mappings' opening and closing;
+    `refuse(n)` says whether the n-th lock (from 0) is refused."""
+
+    def __init__(self, monkeypatch, refuse=lambda n: False):
+        self.locked, self.unlocked, self.opened, self.closed = [], [], [], []
+        real_lock, real_unlock, real_mapping = (
+            reader_module.lock_read_only,
+            reader_module.unlock,
+            reader_module.FileMapping,
+        )
+
+        def lock(pointer, nbytes):
+            if refuse(len(self.locked)):
+                self.locked.append(None)
+                return False
+            self.locked.append(pointer)
+            return real_lock(pointer, nbytes)
+
+        def unlock(pointer):
+            self.unlocked.append(pointer)
+            real_unlock(pointer)
+
+        locks = self
+
+        class Mapping(real_mapping):
+            def __init__(self, *args):
+                super().__init__(*args)
+                locks.opened.append(self)
+
+            def close(self):
+                locks.closed.append(self)
+                super().close()
+
+        monkeypatch.setattr(reader_module, "lock_read_only", lock)
+        monkeypatch.setattr(reader_module, "unlock", unlock)
+        monkeypatch.setattr(reader_module, "FileMapping", Mapping)
+        monkeypatch.setattr(reader_module, "cached_fraction", lambda path: 1.0)  # the page cache holds them
+        monkeypatch.setattr(reader_module, "_maps_files", {})  # probed afresh: no answer left by another test
+
+    def balanced(self) -> bool:
+        locked = [p for p in self.locked if p is not None]
+        return sorted(locked) == sorted(self.unlocked) and len(self.opened) == len(self.closed)
+
+
+@pytest.mark.gpu
+def test_mapped_reads_onto_cuda(shards, monkeypatch):
+    folder, tensors = shards
+    monkeypatch.setattr(reader_module, "_SPAN_BYTES", 4096)  # pieces cut at many span boundaries
+    locks = _Locks(monkeypatch)
+    outs = {k: torch.empty_like(t, device="cuda") for k, t in tensors.items()}
+    with _checkpoint(folder) as checkpoint, TensorReader(checkpoint) as reader:
+        reader.load([(checkpoint[k], outs[k]) for k in tensors])
+    assert all(torch.equal(outs[k].cpu(), tensors[k]) for k in tensors)
+    assert reader.mapped_bytes == reader.bytes_read == sum(t.nbytes for t in tensors.values())
+    assert len(locks.locked) > 20 and locks.balanced()
+
+
+@pytest.mark.gpu
+def test_a_span_the_driver_refuses_to_lock_is_copied_from_pageable_memory(shards, monkeypatch):
+    folder, tensors = shards
+    monkeypatch.setattr(reader_module, "_SPAN_BYTES", 4096)
+    locks = _Locks(monkeypatch, refuse=lambda n: n % 3 == 1)
+    outs = {k: torch.empty_like(t, device="cuda") for k, t in tensors.items()}
+    with _checkpoint(folder) as checkpoint, TensorReader(checkpoint) as reader:
+        reader.load([(checkpoint[k], outs[k]) for k in tensors])
+    assert all(torch.equal(outs[k].cpu(), tensors[k]) for k in tensors)
+    assert 0 < reader.mapped_bytes < reader.bytes_read and locks.balanced()
+
+
+@pytest.mark.gpu
+def test_an_error_during_mapped_reads_leaves_no_span_locked_or_mapped(shards, monkeypatch):
+    folder, tensors = shards
+    monkeypatch.setattr(reader_module, "_SPAN_BYTES", 4096)
+    locks = _Locks(monkeypatch)
+    real_copy, calls = reader_module._Mapped._copy, []
+
+    def copy(self, span, source, non_blocking):
+        calls.append(span)
+        events = real_copy(self, span, source, non_blocking)
+        if len(calls) == 5:  # after its copies were queued: they must end before its pages are unlocked
+            raise RuntimeError("copy failed")
+        return events
+
+    monkeypatch.setattr(reader_module._Mapped, "_copy", copy)
+    outs = {k: torch.empty_like(t, device="cuda") for k, t in tensors.items()}
+    with _checkpoint(folder) as checkpoint, TensorReader(checkpoint) as reader:
+        with pytest.raises(RuntimeError, match="copy failed"):
+            reader.load([(checkpoint[k], outs[k]) for k in tensors])
+    assert len(calls) >= 5 and locks.balanced()
+
+
+@pytest.mark.gpu
+def test_mapped_reads_of_a_file_truncated_after_opening_name_it(shards, monkeypatch):
+    folder, tensors = shards
+    _Locks(monkeypatch)
+    with _checkpoint(folder) as checkpoint, TensorReader(checkpoint) as reader:
+        os.truncate(folder / "two.safetensors", 1000)
+        with pytest.raises(ValueError, match="two.safetensors: the file ended at byte 1000.*truncated"):
+            reader.load([(checkpoint["c"], torch.empty(5000, device="cuda"))])
+
+
+@pytest.mark.gpu
+def test_files_the_page_cache_holds_only_partly_are_not_mapped(shards, monkeypatch):
+    folder, tensors = shards
+    monkeypatch.setattr(reader_module, "_WINDOW_BYTES", 4096)
+    locks = _Locks(monkeypatch)
+    monkeypatch.setattr(reader_module, "cached_fraction", lambda path: 0.7)  # not read directly, not mapped either
+    outs = {k: torch.empty_like(t, device="cuda") for k, t in tensors.items()}
+    with _checkpoint(folder) as checkpoint, TensorReader(checkpoint) as reader:
+        reader.load([(checkpoint[k], outs[k]) for k in tensors])
+    assert all(torch.equal(outs[k].cpu(), tensors[k]) for k in tensors)
+    assert reader.mapped_bytes == reader.direct_bytes == 0 and not locks.locked
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("probed", [False, True])
+def test_files_that_cannot_be_mapped_are_read_another_way(shards, monkeypatch, probed):
+    # Not probed yet: the probe's mapping fails, so windows carry the reads. Probed (the driver locks mappings), but
+    # each span's mapping fails: every span is read into pageable memory and copied from there.
+    folder, tensors = shards
+    monkeypatch.setattr(reader_module, "_SPAN_BYTES", 4096)
+    monkeypatch.setattr(reader_module, "cached_fraction", lambda path: 1.0)
+    key = (torch.cuda.current_device(), os.stat(folder / "one.safetensors").st_dev)
+    monkeypatch.setattr(reader_module, "_maps_files", {key: True} if probed else {})
+
+    def refuse(*args):
+        raise OSError("no mmap here")
+
+    monkeypatch.setattr(reader_module, "FileMapping", refuse)
+    outs = {k: torch.empty_like(t, device="cuda") for k, t in tensors.items()}
+    with _checkpoint(folder) as checkpoint, TensorReader(checkpoint) as reader:
+        reader.load([(checkpoint[k], outs[k]) for k in tensors])
+    assert all(torch.equal(outs[k].cpu(), tensors[k]) for k in tensors)
+    assert reader.mapped_bytes == 0 and reader.bytes_read == sum(t.nbytes for t in tensors.values())
+    # A refused span answers for its file system from then on; a failed probe answers nothing.
+    assert reader_module._maps_files == ({key: False} if probed else {})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_mapped_reads_onto_a_second_gpu(shards, monkeypatch):
+    # Destinations on cuda:1 while cuda:0 is current: locked, copied and unlocked under cuda:1.
+    folder, tensors = shards
+    monkeypatch.setattr(reader_module, "_SPAN_BYTES", 4096)
+    locks = _Locks(monkeypatch)
+    outs = {k: torch.empty_like(t, device="cuda:1") for k, t in tensors.items()}
+    with _checkpoint(folder) as checkpoint, TensorReader(checkpoint) as reader:
+        reader.load([(checkpoint[k], outs[k]) for k in tensors])
+    assert all(torch.equal(outs[k].cpu(), tensors[k]) for k in tensors)
+    assert reader.mapped_bytes == reader.bytes_read and locks.balanced()
+    assert list(reader_module._maps_files) == [(1, os.stat(folder / "one.safetensors").st_dev)]
