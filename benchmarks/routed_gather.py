@@ -40,7 +40,6 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--picks", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--variants", action="store_true", help="also time variants of the fetch kernel")
     args = parser.parse_args()
     device = torch.device("cuda", 0)
     sizes = [torch.Size(s).numel() * 2 for s in SHAPES.values()]
@@ -129,9 +128,6 @@ def main() -> None:
         label = f"fetch ahead, {programs} programs"
         print(f"{label:<34} {seconds * 1e3:>7.3f} {moved / seconds / 1e9:>7.1f}  {check()}")
 
-    if args.variants:
-        fetch_variants(sources, slots, rows, check, moved, args.repeats)
-
     def engine_rows():
         for name in SHAPES:
             for expert in picks.tolist():
@@ -147,68 +143,6 @@ def main() -> None:
     seconds = device_seconds(engine_whole, max(3, args.repeats // 4))
     whole = sum(sizes)
     print(f"{'copy engine, whole tensors':<34} {seconds * 1e3:>7.3f} {whole / seconds / 1e9:>7.1f}")
-
-
-def fetch_variants(sources, slots, rows, check, moved, repeats) -> None:
-    """The fetch kernel's loop with other block sizes, warp counts and cache hints (an experiment, not the library's
-    kernel): which one reads the mapped view fastest."""
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def fetch_rows(
-        experts, source, out, entries, row_len, BLOCK: tl.constexpr, PROGRAMS: tl.constexpr, HINT: tl.constexpr
-    ):
-        blocks = tl.cdiv(row_len, BLOCK)
-        for item in range(tl.program_id(0), entries * blocks, PROGRAMS):
-            entry = item // blocks
-            block = item % blocks
-            expert = tl.load(experts + entry)
-            if expert >= 0:
-                offsets = block * BLOCK + tl.arange(0, BLOCK)
-                inside = offsets < row_len
-                if HINT == 1:
-                    values = tl.load(source + expert * row_len + offsets, mask=inside, cache_modifier=".cg")
-                    tl.store(out + expert * row_len + offsets, values, mask=inside, cache_modifier=".cs")
-                elif HINT == 2:
-                    values = tl.load(source + expert * row_len + offsets, mask=inside, volatile=True)
-                    tl.store(out + expert * row_len + offsets, values, mask=inside)
-                else:
-                    values = tl.load(source + expert * row_len + offsets, mask=inside)
-                    tl.store(out + expert * row_len + offsets, values, mask=inside)
-
-    for block, warps, programs, hint in (
-        (2048, 8, 64, 0),
-        (4096, 8, 64, 0),
-        (8192, 16, 64, 0),
-        (1024, 4, 128, 0),
-        (2048, 8, 64, 1),
-        (2048, 8, 64, 2),
-        (4096, 16, 64, 1),
-        (2048, 8, 132, 1),
-    ):
-
-        def fetched(block=block, warps=warps, programs=programs, hint=hint):
-            for name in SHAPES:
-                src = sources[name].view(EXPERTS, -1).view(torch.int64)
-                dst = slots[name].view(EXPERTS, -1).view(torch.int64)
-                fetch_rows[(programs,)](
-                    rows,
-                    src,
-                    dst,
-                    rows.numel(),
-                    dst.shape[1],
-                    BLOCK=block,
-                    PROGRAMS=programs,
-                    HINT=hint,
-                    num_warps=warps,
-                )
-
-        for slot in slots.values():
-            slot.zero_()
-        seconds = device_seconds(fetched, repeats)
-        label = f"fetch b{block} w{warps} p{programs} hint{hint}"
-        print(f"{label:<34} {seconds * 1e3:>7.3f} {moved / seconds / 1e9:>7.1f}  {check()}")
 
 
 if __name__ == "__main__":
