@@ -188,3 +188,19 @@ def use_local_fp8_kernel(path: str) -> None:
     sys.path.insert(0, os.path.dirname(folder))
     hub_kernels._KERNEL_MODULE_MAPPING["finegrained-fp8"] = importlib.import_module(os.path.basename(folder))
     finegrained_fp8.is_kernels_available = lambda *args, **kwargs: True  # its gate before the lookup
+
+
+def pread_files(paths, buffers, pool, chunk: int = 16 * 2**20) -> None:
+    """Fill each host tensor of `buffers` (uint8, a file's size) with its file of `paths`: positional reads of
+    `chunk` bytes from the thread pool `pool`, as the loader's host reads do."""
+    fds = [os.open(path, os.O_RDONLY) for path in paths]
+    try:
+        jobs = []
+        for fd, buffer in zip(fds, buffers, strict=True):
+            raw = buffer.numpy()
+            jobs += [pool.submit(os.preadv, fd, [raw[a : a + chunk]], a) for a in range(0, raw.nbytes, chunk)]
+        for job in jobs:
+            job.result()
+    finally:
+        for fd in fds:
+            os.close(fd)

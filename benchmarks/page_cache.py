@@ -27,12 +27,14 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import pread_files  # noqa: E402
+
 from hf_prefetch.checkpoint import Checkpoint  # noqa: E402
 from hf_prefetch.reader import TensorReader  # noqa: E402
 
 TENSOR_BYTES = 256 * 2**20
-CHUNK = 16 * 2**20
 READ_ONLY = 8  # cudaHostRegisterReadOnly
 
 
@@ -59,22 +61,6 @@ def warm(paths: list[Path]) -> None:
         with open(path, "rb") as fh:
             while fh.read(64 * 2**20):
                 pass
-
-
-def pread_into(paths: list[Path], buffers: list[torch.Tensor], pool: ThreadPoolExecutor) -> None:
-    jobs = []
-    for path, buf in zip(paths, buffers, strict=True):
-        fd = os.open(path, os.O_RDONLY)
-        raw = buf.numpy()
-        for a in range(0, raw.nbytes, CHUNK):
-            jobs.append(pool.submit(os.preadv, fd, [raw[a : a + CHUNK]], a))
-        jobs.append(pool.submit(lambda: None))
-        jobs[-1].fd = fd
-    for job in jobs:
-        job.result()
-    for job in jobs:
-        if hasattr(job, "fd"):
-            os.close(job.fd)
 
 
 def main() -> None:
@@ -107,7 +93,7 @@ def main() -> None:
         # 1. pread into fresh host memory (first touch inside the reads)
         bufs = [torch.empty(s, dtype=torch.uint8) for s in sizes]
         t = time.perf_counter()
-        pread_into(paths, bufs, pool)
+        pread_files(paths, bufs, pool)
         record("pread -> fresh host memory", time.perf_counter() - t)
         # page-locking the touched buffers (HostArena.pin)
         t = time.perf_counter()
@@ -116,7 +102,7 @@ def main() -> None:
         record("cudaHostRegister of touched anonymous memory", time.perf_counter() - t)
         # 2. pread into them again (touched, pinned)
         t = time.perf_counter()
-        pread_into(paths, bufs, pool)
+        pread_files(paths, bufs, pool)
         record("pread -> touched pinned memory", time.perf_counter() - t)
         # D2H into pinned
         torch.cuda.synchronize()
@@ -137,7 +123,7 @@ def main() -> None:
         bufs = [torch.empty(s, dtype=torch.uint8, pin_memory=True) for s in sizes]
         record("torch.empty(pin_memory=True) allocation", time.perf_counter() - t)
         t = time.perf_counter()
-        pread_into(paths, bufs, pool)
+        pread_files(paths, bufs, pool)
         record("pread -> cudaHostAlloc memory", time.perf_counter() - t)
         del bufs
         # 4. the loader's windowed reads onto the GPU

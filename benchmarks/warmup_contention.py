@@ -22,10 +22,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import pread_files  # noqa: E402
 
 RESULT_MARK = "RESULT "
-CHUNK = 16 * 2**20
 
 
 def run(folder: Path, readers: int) -> dict[str, float]:
@@ -44,12 +45,7 @@ def run(folder: Path, readers: int) -> dict[str, float]:
         files = sorted(folder.glob("*.safetensors"))
         buffers = [torch.empty(f.stat().st_size, dtype=torch.uint8) for f in files]
         with ThreadPoolExecutor(readers) as pool:
-            jobs = []
-            for file, buffer in zip(files, buffers, strict=True):
-                fd, raw = os.open(file, os.O_RDONLY), buffer.numpy()
-                jobs += [pool.submit(os.preadv, fd, [raw[a : a + CHUNK]], a) for a in range(0, raw.nbytes, CHUNK)]
-            for job in jobs:
-                job.result()
+            pread_files(files, buffers, pool)
         read_s = time.perf_counter() - started
     warmup.join()
     return {"warmup_s": warmup.seconds, "read_s": read_s, "until_both_s": time.perf_counter() - started}

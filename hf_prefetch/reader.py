@@ -87,6 +87,7 @@ class TensorReader:
         self._pool = ThreadPoolExecutor(_READERS, thread_name_prefix="hf_prefetch-read")
         self._direct_fds: dict[Path, int | None] = {}  # None: read this file through the page cache
         self._fractions: dict[Path, float | None] = {}  # the share of each file the page cache held when first asked
+        self._mapped_files: dict[tuple[torch.device, Path], bool] = {}  # `_through_mapping`'s answer per file
 
     def load(self, reads: Sequence[tuple[TensorEntry, torch.Tensor]]) -> None:
         """Fill each `(entry, out)` pair's `out` (same shape as the entry) and return once all are filled."""
@@ -191,13 +192,19 @@ class TensorReader:
         # page the cache lacks is read from the disk when it is page-locked, one fault at a time.
         if out.device.type != "cuda" or not out.is_contiguous() or out.dtype != entry.dtype:
             return False
-        if self._direct_fd(entry.path) is not None:
-            return False
-        fraction = self._cached(entry.path)
-        return fraction is not None and fraction >= _MAPPED_FROM and self._maps_files(out.device, entry.path)
+        key = (out.device, entry.path)
+        if key not in self._mapped_files:  # decided once per file and device, in the thread calling load
+            fraction = self._cached(entry.path)
+            self._mapped_files[key] = (
+                self._direct_fd(entry.path) is None
+                and fraction is not None
+                and fraction >= _MAPPED_FROM
+                and self._maps_files(out.device, entry.path)
+            )
+        return self._mapped_files[key]
 
     def _maps_files(self, device: torch.device, path: Path) -> bool:
-        # Asks the driver once per device: page-lock the first bytes of a read-only mapping of `path`.
+        # Asks the driver once per device and file system: page-lock the first bytes of a read-only mapping of `path`.
         fd = self.checkpoint.fd(path)
         key = _maps_key(device, fd)
         with _maps_files_lock:

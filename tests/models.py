@@ -3,23 +3,24 @@
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+# The tiny models' sizes (layers aside).
+_TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 
 
 def tiny_llama(
     num_layers: int = 8, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides
 ) -> LlamaForCausalLM:
     torch.manual_seed(seed)
-    fields = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=num_layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-        max_position_embeddings=256,
-    )
+    fields = dict(_TINY, num_hidden_layers=num_layers, max_position_embeddings=256)
     return LlamaForCausalLM(LlamaConfig(**{**fields, **overrides})).to(dtype).eval()
+
+
+def tiny_qwen2(num_layers: int = 4, seed: int = 0, dtype: torch.dtype = torch.bfloat16) -> Qwen2ForCausalLM:
+    """tiny_llama's sizes in Qwen2, whose q/k/v projections have biases."""
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(Qwen2Config(**_TINY, num_hidden_layers=num_layers)).to(dtype).eval()
 
 
 def gpu_llama(num_layers: int = 8, dtype: torch.dtype = torch.bfloat16) -> LlamaForCausalLM:

@@ -13,7 +13,7 @@ import weakref
 
 import pytest
 import torch
-from models import assert_same_generation, generate_with_logits, prompt, rewrite_checkpoint, tiny_llama
+from models import assert_same_generation, generate_with_logits, prompt, rewrite_checkpoint, tiny_llama, tiny_qwen2
 
 import hf_prefetch
 from hf_prefetch import PrefetchConfig
@@ -217,18 +217,7 @@ def test_the_plan_is_what_the_dispatch_does(tmp_path):
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_a_4bit_layers_bias_stays_resident_and_edits_to_it_are_kept(tmp_path):
     # bitsandbytes casts a Linear4bit's bias to the compute dtype by assigning `bias.data`, which a slot would not see.
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-    )
-    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    tiny_qwen2(num_layers=6).save_pretrained(tmp_path)
     model = _load(tmp_path, bnb_4bit_compute_dtype=torch.float32)
     resident = _load(tmp_path, bnb_4bit_compute_dtype=torch.float32, portable=True)
     hf_prefetch.dispatch_model(model, PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=2), device="cpu")

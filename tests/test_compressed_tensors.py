@@ -11,7 +11,7 @@ import re
 
 import pytest
 import torch
-from models import assert_same_generation, generate_with_logits, tiny_llama
+from models import assert_same_generation, generate_with_logits, tiny_llama, tiny_qwen2
 from safetensors.torch import load_file, save_file
 
 import hf_prefetch
@@ -210,18 +210,7 @@ def test_from_pretrained_streams_fp8_bytes_and_computes_what_transformers_optimi
 def test_from_pretrained_of_a_model_with_biases_and_ignored_linears_equals_transformers(tmp_path, fp8_everywhere):
     # Qwen2's q/k/v projections have biases (kept in the model's dtype beside the float8 weight); the checkpoint leaves
     # every down_proj dense (`ignore`), which stays a plain Linear.
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=128,
-    )
-    folder = fp8_checkpoint(tmp_path, model=Qwen2ForCausalLM(config).to(torch.bfloat16), skip="down_proj")
+    folder = fp8_checkpoint(tmp_path, model=tiny_qwen2(num_layers=4), skip="down_proj")
     reference = transformers_fp8(folder)
     attention = reference.model.layers[1].self_attn
     assert isinstance(attention.q_proj, CompressedTensorsFP8Linear) and attention.q_proj.bias is not None
