@@ -7,7 +7,9 @@ disk's own sequential read speed is measured in the same run with dd, O_DIRECT, 
 the same GPU budget as hf_prefetch's resident + pool bytes; the rest it offloads to the CPU. Each hf_prefetch row
 prints its load timeline and where the time to the first token went. Systems: `hf_prefetch` (the default reads),
 `"hf_prefetch windows"` (CUDA destinations through bounce buffers instead of mapped reads), `"hf_prefetch 8 readers"`
-(8 reader threads instead of 16), `"hf_prefetch direct"`, `"hf_prefetch cached"` (`direct_io=True` / `False`),
+(8 reader threads instead of 16), `"hf_prefetch late warm-up"` (the warm-up thread started after the plan, not at the
+call's first line), `"hf_prefetch device first"` (the reads onto the GPU submitted before the host's, not
+interleaved), `"hf_prefetch direct"`, `"hf_prefetch cached"` (`direct_io=True` / `False`),
 `transformers`.
 Run on a GPU machine:  PYTHONUNBUFFERED=1 python benchmarks/load.py [--dir /tmp/ckpt8b] [--rounds 1] [--cold]
 """
@@ -155,6 +157,24 @@ def run_system(system: str, folder: Path, budget_gib: int) -> dict:
             reader._MAPPED_FROM = 2.0
         if system.endswith(" readers"):  # "hf_prefetch 8 readers": that many reader threads
             reader._READERS = int(system.split()[1])
+        if system == "hf_prefetch device first":  # the device's reads submitted before the host's, not interleaved
+            reader._interleave = lambda lists: [*lists[1], *lists[2], *lists[0]]
+        if system == "hf_prefetch late warm-up":  # the warm-up thread started after the plan, as before session 16
+            from hf_prefetch import loader, warmup
+
+            class Late(warmup.Warmup):
+                def __init__(self, device):
+                    self._late = device
+
+                def run(self, model, spare_bytes):
+                    super().__init__(self._late)
+                    super().run(model, spare_bytes)
+
+                def join(self):
+                    if hasattr(self, "_thread"):
+                        super().join()
+
+            loader.Warmup = Late
         model = hf_prefetch.from_pretrained(
             folder, device="cuda", progress=False, offload=hf_prefetch.PrefetchConfig(**PREFETCH), direct_io=direct_io
         )

@@ -9,7 +9,9 @@ cache warm), then times, alternating the rounds:
   asynchronous copies);
 - the files mapped read-only and registered with `cudaHostRegister(cudaHostRegisterReadOnly)`: the registration's
   time, then the copy engine copying straight out of the page cache onto the GPU, and the unregistration;
-- page-locking touched anonymous memory (what `HostArena.pin` does), and the GPU-to-pinned copy rate.
+- page-locking touched anonymous memory (what `HostArena.pin` does), and the GPU-to-pinned copy rate;
+- the files mapped private and writable, and page-locked for writing (`cudaHostRegister` with no flags), from one
+  thread and from one thread per file: the kernel copies each page out of the page cache as it locks it.
 
     PYTHONUNBUFFERED=1 python benchmarks/page_cache.py [--dir /tmp/pc] [--files 4] [--gib 2] [--rounds 3]
 """
@@ -36,6 +38,7 @@ from hf_prefetch.reader import TensorReader  # noqa: E402
 
 TENSOR_BYTES = 256 * 2**20
 READ_ONLY = 8  # cudaHostRegisterReadOnly
+PROT_RW = mmap.PROT_READ | mmap.PROT_WRITE
 
 
 def write_files(folder: Path, files: int, gib: int) -> list[Path]:
@@ -177,6 +180,42 @@ def main() -> None:
                 cudart.cudaHostUnregister(a)
             record(f"cudaHostUnregister of {label}mappings", time.perf_counter() - t)
             del addrs
+            for m in maps:
+                m.close()
+        # 6. private writable mappings page-locked for writing: the kernel copies each page out of the page cache
+        # into anonymous memory as it locks it (copy on write), with no page zeroed and no read call: host storage
+        # that is the process's own, filled by the registration alone. One file per thread, as many threads as files.
+        for threads in (1, len(paths)):
+            maps, t = [], time.perf_counter()
+            for path, size in zip(paths, sizes, strict=True):
+                with open(path, "rb") as fh:
+                    maps.append(mmap.mmap(fh.fileno(), size, flags=mmap.MAP_PRIVATE, prot=PROT_RW))
+            views = [torch.frombuffer(m, dtype=torch.uint8) for m in maps]
+            t_map = time.perf_counter() - t
+            t = time.perf_counter()
+            with ThreadPoolExecutor(threads) as lockers:
+                errs = list(lockers.map(lambda v: int(cudart.cudaHostRegister(v.data_ptr(), v.numel(), 0)), views))
+            t_reg = time.perf_counter() - t
+            print(f"  register errors {errs}  (mmap {t_map:.3f} s)")
+            if any(errs):
+                break
+            record(f"cudaHostRegister of private mappings, {threads} thread(s)", t_reg)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            offset = 0
+            for view in views:
+                gpu[offset : offset + view.numel()].copy_(view, non_blocking=True)
+                offset += view.numel()
+            torch.cuda.synchronize()
+            record("registered private mapping -> GPU (copy engine)", time.perf_counter() - t)
+            first = views[0][:4096].clone()
+            views[0][:4096] = 0  # written through the mapping: the file keeps its bytes
+            with open(paths[0], "rb") as fh:
+                kept = torch.frombuffer(bytearray(fh.read(4096)), dtype=torch.uint8)
+            print(f"  equal to the file: {torch.equal(first, kept)}; file unchanged by a write: {bool(kept.any())}")
+            for view in views:
+                cudart.cudaHostUnregister(view.data_ptr())
+            del view, views
             for m in maps:
                 m.close()
     print("medians (GB/s):")

@@ -1,13 +1,21 @@
-"""How long the loader's warm-up thread runs, alone and beside the checkpoint's reads, by the number of reader threads.
+"""How long the loader's warm-up thread runs, alone and beside other work, to find what slows it during the reads.
 
 The warm-up (`hf_prefetch.warmup.Warmup`: a one-layer twin's `generate()`, which pays the CUDA context, cuBLAS and
 kernel loading) runs while the loader reads the checkpoint, and a load ends only when both have. Each variant runs
 in a fresh process (the costs are one-time): the 8B-shaped skeleton of `benchmarks/load.py`'s checkpoint on the meta
-device, then the warm-up thread started, alone or while N threads read every shard (page cache warm) into fresh host
-memory with 16 MiB positional reads, as the loader's host reads do. Prints the warm-up's and the reads' seconds.
-Run on a GPU machine after `benchmarks/load.py` wrote its checkpoint:
+device, then the warm-up thread started, alone or beside 16 threads (`--threads`) doing one kind of work:
 
-    PYTHONUNBUFFERED=1 python benchmarks/warmup_contention.py [--dir /tmp/ckpt8b] [--rounds 2]
+- `pread`: positional reads of every shard (page cache warm) into fresh host memory, 16 MiB each, as the loader's
+  host reads do; `pread-touched`: the same into memory written once before the warm-up starts; `pread-256MiB`: reads
+  of 256 MiB (16x fewer returns to Python);
+- `touch`: the first write of as much fresh host memory as the checkpoint's size (page faults, no file);
+- `copy`: copies between host buffers written before (memory bandwidth; the GIL released, no page faults);
+- `python`: pure-Python loops (the GIL held), for 2 s.
+
+Prints the warm-up's seconds and the other work's. Run on a GPU machine after `benchmarks/load.py` wrote its
+checkpoint:
+
+    PYTHONUNBUFFERED=1 python benchmarks/warmup_contention.py [--dir /tmp/ckpt8b] [--rounds 2] [--variants ...]
 """
 
 from __future__ import annotations
@@ -27,9 +35,64 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import pread_files  # noqa: E402
 
 RESULT_MARK = "RESULT "
+VARIANTS = ["none", "pread", "pread-touched", "pread-256MiB", "touch", "copy", "python"]
+_PYTHON_SECONDS = 2.0
+_COPY_BYTES = 2**30  # each thread's buffer of the `copy` variant
 
 
-def run(folder: Path, readers: int) -> dict[str, float]:
+def _files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("*.safetensors"))
+
+
+def _prepare(variant: str, folder: Path, threads: int):
+    # What the variant needs before the warm-up starts (not timed).
+    import torch
+
+    if variant in ("pread", "pread-256MiB"):
+        return [torch.empty(f.stat().st_size, dtype=torch.uint8) for f in _files(folder)]
+    if variant == "pread-touched":
+        return [torch.zeros(f.stat().st_size, dtype=torch.uint8) for f in _files(folder)]
+    if variant == "copy":
+        return [(torch.ones(_COPY_BYTES, dtype=torch.uint8), torch.zeros(_COPY_BYTES, dtype=torch.uint8))
+                for _ in range(threads)]  # fmt: skip
+    return None
+
+
+def _beside(variant: str, folder: Path, threads: int, prepared, pool: ThreadPoolExecutor) -> None:
+    import torch
+
+    if variant.startswith("pread"):
+        chunk = 256 * 2**20 if variant == "pread-256MiB" else 16 * 2**20
+        pread_files(_files(folder), prepared, pool, chunk=chunk)
+    elif variant == "touch":
+        total = sum(f.stat().st_size for f in _files(folder))
+        share = total // threads
+        jobs = [pool.submit(lambda: torch.empty(share, dtype=torch.uint8).fill_(1)) for _ in range(threads)]
+        for job in jobs:
+            job.result()
+    elif variant == "copy":
+        total = sum(f.stat().st_size for f in _files(folder))
+        rounds = max(1, total // (_COPY_BYTES * threads))
+
+        def copy(pair):
+            for _ in range(rounds):
+                pair[1].copy_(pair[0])
+
+        for job in [pool.submit(copy, pair) for pair in prepared]:
+            job.result()
+    elif variant == "python":
+
+        def spin():
+            end, n = time.perf_counter() + _PYTHON_SECONDS, 0
+            while time.perf_counter() < end:
+                n += 1
+            return n
+
+        for job in [pool.submit(spin) for _ in range(threads)]:
+            job.result()
+
+
+def run(folder: Path, variant: str, threads: int) -> dict[str, float]:
     import torch
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -38,52 +101,60 @@ def run(folder: Path, readers: int) -> dict[str, float]:
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder), dtype=torch.bfloat16)
-    started = time.perf_counter()
-    warmup = Warmup(model, torch.device("cuda", 0), spare_bytes=2**40)
-    read_s = 0.0
-    if readers:
-        files = sorted(folder.glob("*.safetensors"))
-        buffers = [torch.empty(f.stat().st_size, dtype=torch.uint8) for f in files]
-        with ThreadPoolExecutor(readers) as pool:
-            pread_files(files, buffers, pool)
-        read_s = time.perf_counter() - started
-    warmup.join()
-    return {"warmup_s": warmup.seconds, "read_s": read_s, "until_both_s": time.perf_counter() - started}
+    prepared = _prepare(variant, folder, threads)
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(lambda _: None, range(threads)))  # the threads exist before the clock starts
+        started = time.perf_counter()
+        warmup = Warmup(model, torch.device("cuda", 0), spare_bytes=2**40)
+        beside_s = 0.0
+        if variant != "none":
+            _beside(variant, folder, threads, prepared, pool)
+            beside_s = time.perf_counter() - started
+        warmup.join()
+    return {"warmup_s": warmup.seconds, "beside_s": beside_s, "until_both_s": time.perf_counter() - started}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", default="/tmp/ckpt8b")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--readers", type=int, nargs="*", default=[0, 16, 8, 4])
-    parser.add_argument("--run", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=16)
+    parser.add_argument("--variants", nargs="*", default=VARIANTS, choices=VARIANTS)
+    parser.add_argument("--run", help=argparse.SUPPRESS)
     args = parser.parse_args()
     folder = Path(args.dir)
     if args.run is not None:
-        print(RESULT_MARK + json.dumps(run(folder, args.run)), flush=True)
+        print(RESULT_MARK + json.dumps(run(folder, args.run, args.threads)), flush=True)
         return
-    results: dict[int, list[dict[str, float]]] = {n: [] for n in args.readers}
+    results: dict[str, list[dict[str, float]]] = {v: [] for v in args.variants}
     for round_index in range(args.rounds):
-        for readers in args.readers:
-            command = [sys.executable, __file__, "--dir", str(folder), "--run", str(readers)]
+        for variant in args.variants:
+            command = [
+                sys.executable,
+                __file__,
+                "--dir",
+                str(folder),
+                "--threads",
+                str(args.threads),
+                "--run",
+                variant,
+            ]
             child = subprocess.run(command, capture_output=True, text=True)
             lines = [line for line in child.stdout.splitlines() if line.startswith(RESULT_MARK)]
             if child.returncode or not lines:
-                print(f"readers={readers} failed:\n{child.stderr[-2000:]}")
+                print(f"{variant} failed:\n{child.stderr[-2000:]}")
                 continue
             result = json.loads(lines[-1].removeprefix(RESULT_MARK))
-            results[readers].append(result)
-            print(
-                f"round {round_index + 1} readers {readers:>2}: "
-                + ", ".join(f"{k} {v:.2f}" for k, v in result.items())
-            )
-    print(f"{'reader threads':>14} {'warm-up s':>10} {'reads s':>8} {'both done s':>12}   (medians)")
-    for readers, rows in results.items():
+            results[variant].append(result)
+            print(f"round {round_index + 1} {variant}: " + ", ".join(f"{k} {v:.2f}" for k, v in result.items()))
+    header = f"{'beside the warm-up':>20} {'warm-up s':>10} {'other work s':>13} {'both done s':>12}"
+    print(f"{header}   (medians, {args.threads} threads)")
+    for variant, rows in results.items():
         if rows:
             warm = statistics.median(r["warmup_s"] for r in rows)
-            read = statistics.median(r["read_s"] for r in rows)
+            other = statistics.median(r["beside_s"] for r in rows)
             both = statistics.median(r["until_both_s"] for r in rows)
-            print(f"{readers if readers else 'none':>14} {warm:>10.2f} {read:>8.2f} {both:>12.2f}")
+            print(f"{variant:>20} {warm:>10.2f} {other:>13.2f} {both:>12.2f}")
 
 
 if __name__ == "__main__":

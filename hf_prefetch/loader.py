@@ -119,26 +119,32 @@ def from_pretrained(
     link_indices = resolve_links(links, exec_device)
     _check_direct_io(direct_io)
     folder = checkpoint_folder(path)
+    # The CUDA context and cuBLAS's handle are made in a thread while the model is built and planned (warmup.py).
+    warmup = Warmup(exec_device)
     timeline.mark("device")
-    with Checkpoint.open(folder) as checkpoint:
-        timeline.mark("open")
-        model, torch_dtype = build_skeleton(folder, checkpoint, dtype, model_class)
-        timeline.mark("skeleton")
-        _load(
-            model,
-            checkpoint,
-            config,
-            exec_device,
-            torch_dtype,
-            cast=False,
-            layers=layers,
-            progress=progress,
-            timing=timing,
-            max_memory=max_memory,
-            links=link_indices,
-            timeline=timeline,
-            direct_io=direct_io,
-        )
+    try:
+        with Checkpoint.open(folder) as checkpoint:
+            timeline.mark("open")
+            model, torch_dtype = build_skeleton(folder, checkpoint, dtype, model_class)
+            timeline.mark("skeleton")
+            _load(
+                model,
+                checkpoint,
+                config,
+                exec_device,
+                torch_dtype,
+                cast=False,
+                layers=layers,
+                progress=progress,
+                timing=timing,
+                max_memory=max_memory,
+                links=link_indices,
+                timeline=timeline,
+                direct_io=direct_io,
+                warmup=warmup,
+            )
+    finally:
+        warmup.join()  # joined already unless the skeleton failed
     if (folder / "generation_config.json").is_file() and model.can_generate():
         from transformers import GenerationConfig
 
@@ -247,6 +253,7 @@ def _load(
     links: tuple[int, ...] = (),
     timeline: LoadTimeline | None = None,
     direct_io: bool | None = None,
+    warmup: Warmup | None = None,
 ) -> None:
     from transformers import PreTrainedModel
 
@@ -257,14 +264,15 @@ def _load(
         model.tie_weights()
     _check_fp8_matmuls(model, device)
     journal = Journal()
-    arena = state = warmup = pinning = None
+    arena = state = pinning = None
+    warmup = warmup if warmup is not None else Warmup(device)  # joined on every path below
     try:
         set_dtypes(model, dtype, cast, journal)
         keymap = map_keys(model, checkpoint)
         plan = choose_plan(model, config, layers, device, max_memory, links)
         timeline.mark("plan")
         # The first forward's one-time costs, paid while the reads run, in device memory the pool gets afterwards.
-        warmup = Warmup(model, device, spare_bytes=plan.gpu_bytes(device.index)[1] if device.type == "cuda" else 0)
+        warmup.run(model, spare_bytes=plan.gpu_bytes(device.index)[1] if device.type == "cuda" else 0)
         # Everything is validated: allocate the host arena exactly as dispatch_model does, then the resident tensors.
         layout = attach.host_layout(plan)
         arena = HostArena([spec.nbytes for _, spec in layout])
@@ -307,8 +315,7 @@ def _load(
         attach.attach(model, state)
         timeline.mark("attach", device)  # the pool, the hooks, and the copies of each ring's first layers
     except BaseException:
-        if warmup is not None:
-            warmup.join()
+        warmup.join()
         if pinning is not None:
             pinning.join(raise_error=False)  # the arena is released below: its page-locking must have ended
         if state is not None:

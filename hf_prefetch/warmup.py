@@ -1,16 +1,23 @@
-"""A process's first-forward costs, paid in the background while the loader reads the checkpoint.
+"""A process's first-forward costs, paid in the background while the loader builds the model and reads the checkpoint.
 
 The first forward of a process on a GPU pays for what no later forward does: the CUDA context, cuBLAS's handle and
 workspace, each kernel's module (CUDA loads them lazily, cuBLAS per GEMM shape), and transformers' first-call setup
 of `generate()`. Measured on an H100 (`benchmarks/first_forward.py`): 0.3-0.4 s for the context, then 0.5 s for the
 first forward of an 8B-shaped model against 0.005 s for the second, and 0.15 s for the first `generate()` call's own
-setup. None of it needs the weights, so `Warmup` runs it while the weights are read: a one-layer twin of the model
-(its class and config with one decoder layer, a small vocabulary, uninitialised weights) runs `generate()` for two
-tokens from a 16-token prompt (a prefill and a decode step) on the execution device, in a thread.
+setup. None of it needs the weights, so `Warmup` runs it in a thread, in two steps:
+
+- at once (the loader starts it at the call's first line, before the skeleton and the plan): the CUDA context and
+  cuBLAS's handle, which need no memory to speak of;
+- once `run` hands it the model: a one-layer twin of the model (its class and config with one decoder layer, a small
+  vocabulary, uninitialised weights) runs `generate()` for two tokens from a 16-token prompt (a prefill and a decode
+  step) on the execution device, while the weights are read.
+
+The context is made before the readers start because the readers' first writes into fresh host memory (page faults)
+slow every thread that maps memory, the driver's included (`benchmarks/warmup_contention.py`).
 
 The twin's memory comes out of the buffer pool's share of the budget, which the loader allocates only after the
-reads: a warm-up whose twin is larger than the pool does not run. The warm-up never touches the model and never
-fails a load: an error is logged (debug) and costs only the time it would have saved.
+reads: a twin larger than the pool does not run. The warm-up never touches the model and never fails a load: an error
+is logged (debug) and costs only the time it would have saved.
 """
 
 from __future__ import annotations
@@ -32,43 +39,62 @@ _TWIN_VOCAB = 512  # the twin's vocabulary: its embedding and head stay small; t
 
 
 class Warmup:
-    """Starts the warm-up of `device` for `model` (built on the meta device) in a thread; `join()` waits for it.
+    """Warms `device` up in a thread: makes its CUDA context and cuBLAS handle at once, then runs the one-layer twin
+    of the model that `run` hands it. `join()` waits for the thread (handing it nothing if `run` was not called).
 
-    Nothing runs where the device is not CUDA, the model's config cannot make a one-layer twin, or the twin needs
-    more than `spare_bytes` of device memory. `seconds` is how long the thread ran (None when it did not run).
+    Nothing runs where the device is not CUDA; no twin runs where the model's config cannot make one, or where it
+    needs more than `spare_bytes` of device memory. `seconds` is how long the thread ran (None when it did not run).
     """
 
-    def __init__(self, model: nn.Module, device: torch.device, spare_bytes: int) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.seconds: float | None = None
         self.error: BaseException | None = None
+        self._device = device
+        self._twin: nn.Module | None = None
+        self._handed = threading.Event()
         self._thread: threading.Thread | None = None
-        twin = _twin(model) if device.type == "cuda" else None
-        if twin is None:
+        if device.type != "cuda":
             return
-        nbytes = sum(p.numel() * p.element_size() for p in twin.parameters())
-        if nbytes > spare_bytes:
-            logger.debug("No warm-up: its one-layer twin (%d bytes) exceeds the spare device memory (%d)", nbytes,
-                         spare_bytes)  # fmt: skip
-            return
-        self._thread = threading.Thread(target=self._run, args=(twin, device), name="hf_prefetch-warmup", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="hf_prefetch-warmup", daemon=True)
         self._thread.start()
+
+    def run(self, model: nn.Module, spare_bytes: int) -> None:
+        """Hands the thread `model`'s one-layer twin (built on the meta device), if it fits in `spare_bytes`."""
+        if self._thread is None or self._handed.is_set():
+            return
+        twin = _twin(model)
+        nbytes = sum(p.numel() * p.element_size() for p in twin.parameters()) if twin is not None else 0
+        if nbytes > spare_bytes:
+            logger.debug("No warm-up forward: its one-layer twin (%d bytes) exceeds the spare device memory (%d)",
+                         nbytes, spare_bytes)  # fmt: skip
+            twin = None
+        self._twin = twin
+        self._handed.set()
 
     def join(self) -> None:
         if self._thread is not None:
+            self._handed.set()  # a thread still waiting for a twin gets none
             self._thread.join()
             self._thread = None
+            self._twin = None
 
-    def _run(self, twin: nn.Module, device: torch.device) -> None:
+    def _run(self) -> None:
         started = time.perf_counter()
+        device, twin = self._device, None
         try:
             with torch.cuda.device(device):
-                _warm(twin, device)
+                torch.empty(1, device=device)  # the context
+                torch.cuda.current_blas_handle()
+                self._handed.wait()
+                twin, self._twin = self._twin, None
+                if twin is not None:
+                    _warm(twin, device)
                 torch.cuda.current_stream(device).synchronize()
         except Exception as err:  # a warm-up that cannot run costs only the time it would have saved
             self.error = err
-            logger.debug("The warm-up forward failed (the load goes on): %r", err)
+            logger.debug("The warm-up failed (the load goes on): %r", err)
         finally:
-            del twin
+            twin = None  # the twin's memory goes now (an error's traceback keeps this frame)
             self.seconds = time.perf_counter() - started
 
 

@@ -486,3 +486,46 @@ def test_a_background_job_is_joined_whether_or_not_it_started():
     job.join(raise_error=False)
     with pytest.raises(OSError, match="page-locking failed"):
         job.join()
+
+
+class _RecordedWarmup:
+    """Stands in for `warmup.Warmup`: records when the loader starts it, hands it a model and joins it."""
+
+    events: list[str] = []
+
+    def __init__(self, device):
+        self.seconds = None
+        self.events.append(f"start {device.type}")
+
+    def run(self, model, spare_bytes):
+        self.events.append("run")
+
+    def join(self):
+        self.events.append("join")
+
+
+def test_from_pretrained_starts_the_warmup_before_the_skeleton_and_joins_it_on_every_path(saved, monkeypatch):
+    folder = saved("llama-sharded")
+    events = _RecordedWarmup.events = []
+    build = loader.build_skeleton
+    monkeypatch.setattr(loader, "Warmup", _RecordedWarmup)
+    monkeypatch.setattr(loader, "build_skeleton", lambda *args: (events.append("skeleton"), build(*args))[1])
+    hf_prefetch.remove_offload(hf_prefetch.from_pretrained(folder, device="cpu"))
+    assert events[:3] == ["start cpu", "skeleton", "run"] and set(events[3:]) == {"join"}
+
+    events.clear()
+    monkeypatch.setattr(loader, "build_skeleton", lambda *args: (events.append("skeleton"), 1 / 0))
+    with pytest.raises(ZeroDivisionError):
+        hf_prefetch.from_pretrained(folder, device="cpu")
+    assert events == ["start cpu", "skeleton", "join"]  # a failed skeleton leaves no thread waiting for a model
+
+
+def test_load_checkpoint_and_dispatch_joins_its_warmup_when_the_plan_fails(saved, monkeypatch):
+    folder = saved("llama-sharded")
+    events = _RecordedWarmup.events = []
+    monkeypatch.setattr(loader, "Warmup", _RecordedWarmup)
+    with init_empty_weights():
+        model = AutoModelForCausalLM.from_config(CONFIGS["llama"]())
+    with pytest.raises(ValueError, match="layers"):
+        hf_prefetch.load_checkpoint_and_dispatch(model, folder, device="cpu", layers="model.nothing")
+    assert events == ["start cpu", "join"] and hf_prefetch.get_state(model) is None

@@ -49,24 +49,46 @@ def test_no_twin_without_a_layer_count():
     assert warmup._twin(torch.nn.Linear(2, 2)) is None
 
 
-def test_no_warmup_on_the_cpu_or_beyond_the_spare_memory(monkeypatch):
+def test_no_thread_on_the_cpu(monkeypatch):
     model = _on_meta(ARCHS[0].build())
     started = []
     monkeypatch.setattr(warmup.threading.Thread, "start", lambda self: started.append(self))
-    Warmup(model, torch.device("cpu"), spare_bytes=2**40).join()
-    assert started == []
-    Warmup(model, torch.device("cuda", 0), spare_bytes=0).join()  # the twin needs more than 0 bytes
-    assert started == []
+    run = Warmup(torch.device("cpu"))
+    run.run(model, spare_bytes=2**40)
+    run.join()
+    assert started == [] and run.seconds is None
+
+
+def test_the_thread_gets_a_twin_only_within_the_spare_memory_and_none_from_join(monkeypatch):
+    model = _on_meta(ARCHS[0].build())
+    handed = []
+
+    def body(self):  # the thread's own CUDA work left out: what it is handed
+        self._handed.wait()
+        handed.append(self._twin)
+
+    monkeypatch.setattr(Warmup, "_run", body)
+    run = Warmup(torch.device("cuda", 0))
+    run.run(model, spare_bytes=0)  # the twin needs more than 0 bytes
+    run.join()
+    run = Warmup(torch.device("cuda", 0))
+    run.run(model, spare_bytes=2**40)
+    run.join()
+    run = Warmup(torch.device("cuda", 0))
+    run.join()  # never handed a model (the load failed before its plan): the thread ends all the same
+    assert handed[0] is None and handed[2] is None
+    assert type(handed[1]) is type(model) and handed[1] is not model and all(p.is_meta for p in handed[1].parameters())
 
 
 def test_a_failing_warmup_is_logged_and_the_load_goes_on(monkeypatch, caplog):
     model = _on_meta(ARCHS[0].build())
     monkeypatch.setattr(warmup.torch.cuda, "device", lambda device: (_ for _ in ()).throw(RuntimeError("no GPU")))
     with caplog.at_level("DEBUG", logger="hf_prefetch.warmup"):
-        run = Warmup(model, torch.device("cuda", 0), spare_bytes=2**40)
+        run = Warmup(torch.device("cuda", 0))
+        run.run(model, spare_bytes=2**40)
         run.join()
     assert isinstance(run.error, RuntimeError) and run.seconds is not None
-    assert "The warm-up forward failed (the load goes on)" in caplog.text
+    assert "The warm-up failed (the load goes on)" in caplog.text
 
 
 @pytest.mark.gpu
@@ -76,7 +98,8 @@ def test_the_warmup_runs_on_cuda_and_leaves_no_memory_behind():
     model = _on_meta(gpu_llama(2))
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    run = Warmup(model, torch.device("cuda", 0), spare_bytes=2**40)
+    run = Warmup(torch.device("cuda", 0))
+    run.run(model, spare_bytes=2**40)
     run.join()
     assert run.error is None and run.seconds is not None
     # What stays is cuBLAS's workspace for the warm-up thread's handle (32 MiB, kept by torch for the process, and
