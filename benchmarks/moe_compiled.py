@@ -1,17 +1,17 @@
 """Mixture-of-experts decode compiled with CUDA graphs: routed experts' gathers recorded in the graphs. GPU only.
 
-The Qwen3-30B-A3B-shaped random bf16 model of `moe.py` decodes through transformers' own compile of static-cache
-decoding (inductor, mode "reduce-overhead"): first all on the GPU (the reference tokens and the compiled all-on-GPU
-time), then dispatched at a GPU budget with routed experts (a decode graph copies each layer without its experts and
-gathers the 8 picked experts' rows through the arena's mapped view, reading the index each replay's router wrote),
-then with routed experts but without fetching each layer's previous picks ahead of its router
-(`recent_experts=False`: only the router's picks cross the link, after the router), then with routing off
+The Qwen3-30B-A3B-shaped random bf16 model of `moe.py` (seed 0: every run the same weights and prompt) decodes through
+transformers' own compile of static-cache decoding (inductor, mode "reduce-overhead"): first all on the GPU (the
+reference tokens and the compiled all-on-GPU time), then dispatched at a GPU budget with routed experts (a decode graph
+copies each layer without its experts and gathers the 8 picked experts' rows through the arena's mapped view, reading
+the index each replay's router wrote), then with routed experts but without fetching each layer's previous picks ahead
+of its router (`recent_experts=False`: only the router's picks cross the link, after the router), then with routing off
 (`routed_max_tokens=0`: whole expert tensors, the same ops, so the same fusions: the bitwise reference for the routed
 tokens). A CUDA graph replays without Python, so the bytes one token moves are counted on one eager decode step of the
 same dispatch. bound = max(compiled all-on-GPU s/token, routed bytes per token / pinned H2D peak), the peak measured
-before each run and the fastest reading used; the routed bytes of both routed rows are those of the row without
-recent experts (each pick not in the cache, once: fetching a recent expert that is not picked again moves bytes the
-bound does not count).
+before each run and the fastest reading used; the routed bytes of both routed rows are those of the row without recent
+experts (each pick not in the cache, once: fetching a recent expert that is not picked again moves bytes the bound does
+not count).
 
     python benchmarks/moe_compiled.py [--budget-gib 24] [--layers 48] [--runs 3]
     python benchmarks/moe_compiled.py --cache-shares 0 0.25 0.5 --budget-gib 40
@@ -99,7 +99,8 @@ def main() -> None:
     parser.add_argument(
         "--default-cache",
         action="store_true",
-        help="routed rows with expert_cache=None (what the budget leaves spare) instead of no cache",
+        help="routed rows with expert_cache=None (what the budget leaves spare) instead of no cache; the whole-tensor "
+        "row keeps none",
     )
     add_offload_params_argument(parser)
     args = parser.parse_args()
@@ -108,6 +109,7 @@ def main() -> None:
     offload_params = frozenset(args.offload_params)
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     links = [h2d_peak_gbps()]
+    torch.manual_seed(0)  # the same weights and prompt in every run: runs of different code compare
     model = build(args.layers)
     ids = torch.randint(3, 1000, (1, PROMPT_TOKENS), device="cuda")
 
@@ -126,7 +128,7 @@ def main() -> None:
             ("routed experts", None, cache, True),
             ("routed, router only", None, cache, False),
             ("whole expert tensors", 0, 0, False),
-        ][: 2 if args.sample or args.default_cache else 3]
+        ][: 2 if args.sample else 3]  # whole expert tensors: the bitwise reference of the routed rows
     else:
         experts = model.config.num_experts
         variants = [
@@ -208,7 +210,7 @@ def main() -> None:
             f"{'hf_prefetch ' + name:<34} {row['moved'] / 1e9:>9.2f} {seconds:>8.4f} {bound:>8.4f} "
             f"{seconds / bound:>8.3f}  {same}; misses {row['misses']}"
         )
-    if args.cache_shares is None and not (args.sample or args.default_cache):
+    if args.cache_shares is None and not args.sample:
         whole = systems["whole expert tensors"]
         for name in ("routed experts", "routed, router only"):
             routed = systems[name]
