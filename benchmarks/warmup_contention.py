@@ -105,7 +105,8 @@ def run(folder: Path, variant: str, threads: int) -> dict[str, float]:
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(lambda _: None, range(threads)))  # the threads exist before the clock starts
         started = time.perf_counter()
-        warmup = Warmup(model, torch.device("cuda", 0), spare_bytes=2**40)
+        warmup = Warmup(torch.device("cuda", 0))
+        warmup.run(model, spare_bytes=2**40)
         beside_s = 0.0
         if variant != "none":
             _beside(variant, folder, threads, prepared, pool)

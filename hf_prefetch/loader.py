@@ -119,10 +119,11 @@ def from_pretrained(
     link_indices = resolve_links(links, exec_device)
     _check_direct_io(direct_io)
     folder = checkpoint_folder(path)
-    # The CUDA context and cuBLAS's handle are made in a thread while the model is built and planned (warmup.py).
-    warmup = Warmup(exec_device)
-    timeline.mark("device")
+    warmup = None
     try:
+        # The CUDA context and cuBLAS's handle are made in a thread while the model is built and planned (warmup.py).
+        warmup = Warmup(exec_device)
+        timeline.mark("device")
         with Checkpoint.open(folder) as checkpoint:
             timeline.mark("open")
             model, torch_dtype = build_skeleton(folder, checkpoint, dtype, model_class)
@@ -144,7 +145,8 @@ def from_pretrained(
                 warmup=warmup,
             )
     finally:
-        warmup.join()  # joined already unless the skeleton failed
+        if warmup is not None:
+            warmup.join()  # joined already unless the skeleton failed
     if (folder / "generation_config.json").is_file() and model.can_generate():
         from transformers import GenerationConfig
 
@@ -265,8 +267,8 @@ def _load(
     _check_fp8_matmuls(model, device)
     journal = Journal()
     arena = state = pinning = None
-    warmup = warmup if warmup is not None else Warmup(device)  # joined on every path below
     try:
+        warmup = warmup if warmup is not None else Warmup(device)
         set_dtypes(model, dtype, cast, journal)
         keymap = map_keys(model, checkpoint)
         plan = choose_plan(model, config, layers, device, max_memory, links)
@@ -302,7 +304,7 @@ def _load(
         warmup.join()
         if warmup.seconds is not None:
             torch.cuda.empty_cache()  # the twin's blocks: the pool is allocated next, in sizes of its own
-            logger.info("The warm-up thread ran %.2f s", warmup.seconds)
+            logger.info("The warm-up thread worked %.2f s (its wait for the model left out)", warmup.seconds)
         timeline.mark("warm-up")  # what was left of it after the reads
         if pinning is not None:
             pinning.join()  # on an error or interrupt here, the error path joins it again before any release
@@ -315,15 +317,22 @@ def _load(
         attach.attach(model, state)
         timeline.mark("attach", device)  # the pool, the hooks, and the copies of each ring's first layers
     except BaseException:
-        warmup.join()
-        if pinning is not None:
-            pinning.join(raise_error=False)  # the arena is released below: its page-locking must have ended
-        if state is not None:
-            attach.rollback(model, state)
-        else:
-            journal.unwind(Phase.PLACE)
-            if arena is not None:
-                arena.release()
+        # Nested, so that a second interrupt during a join still rolls back: the arena is released only after its
+        # page-locking ended.
+        try:
+            if warmup is not None:
+                warmup.join()
+        finally:
+            try:
+                if pinning is not None:
+                    pinning.join(raise_error=False)
+            finally:
+                if state is not None:
+                    attach.rollback(model, state)
+                else:
+                    journal.unwind(Phase.PLACE)
+                    if arena is not None:
+                        arena.release()
         raise
     if isinstance(model, PreTrainedModel):
         model._weight_conversions = keymap.used_conversions  # what save_pretrained reverts, as after from_pretrained

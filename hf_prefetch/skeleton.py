@@ -10,7 +10,10 @@ quantization settings): filling the model is the loader's job; `hf_prefetch.plan
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -232,12 +235,24 @@ def _check_bitsandbytes(where: str, quantization: Any) -> None:
         )
 
 
-def _build_empty(model_class: type, config: Any, dtype: torch.dtype) -> nn.Module:
+_EMPTY_WEIGHTS = threading.Lock()
+
+
+@contextlib.contextmanager
+def empty_weights() -> Iterator[None]:
+    """accelerate's `init_empty_weights(include_buffers=False)` (parameters on the meta device, buffers real), one
+    thread at a time: it patches `nn.Module.register_parameter` for the whole process and puts back what it found on
+    exit, so two at once in two threads (two loads) can leave the patch in place for every later module."""
     from accelerate import init_empty_weights
 
+    with _EMPTY_WEIGHTS, init_empty_weights(include_buffers=False):
+        yield
+
+
+def _build_empty(model_class: type, config: Any, dtype: torch.dtype) -> nn.Module:
     # Parameters on the meta device, buffers real: non-persistent buffers (rotary tables, ...) are computed by the
     # modules' own __init__, under the same default dtype as transformers' from_pretrained uses.
-    with init_empty_weights(include_buffers=False):
+    with empty_weights():
         if not hasattr(model_class, "from_config"):
             return model_class._from_config(config, dtype=dtype)
         try:  # an Auto class

@@ -26,9 +26,12 @@ import copy
 import logging
 import threading
 import time
+import traceback
 
 import torch
 from torch import nn
+
+from .skeleton import empty_weights
 
 __all__ = ["Warmup"]
 
@@ -42,8 +45,10 @@ class Warmup:
     """Warms `device` up in a thread: makes its CUDA context and cuBLAS handle at once, then runs the one-layer twin
     of the model that `run` hands it. `join()` waits for the thread (handing it nothing if `run` was not called).
 
-    Nothing runs where the device is not CUDA; no twin runs where the model's config cannot make one, or where it
-    needs more than `spare_bytes` of device memory. `seconds` is how long the thread ran (None when it did not run).
+    Nothing runs where the device is not CUDA or no thread can be started; no twin runs where the model's config
+    cannot make one, or where it needs more than `spare_bytes` of device memory. `seconds` is how long the thread
+    worked, its wait for `run` left out (None when it did not run); `error` what stopped it, without its traceback
+    (which would keep the twin and its device memory).
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -55,12 +60,17 @@ class Warmup:
         self._thread: threading.Thread | None = None
         if device.type != "cuda":
             return
-        self._thread = threading.Thread(target=self._run, name="hf_prefetch-warmup", daemon=True)
-        self._thread.start()
+        thread = threading.Thread(target=self._run, name="hf_prefetch-warmup", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as err:  # "can't start new thread": the load goes on without a warm-up
+            logger.debug("No warm-up: %r", err)
+            return
+        self._thread = thread
 
     def run(self, model: nn.Module, spare_bytes: int) -> None:
         """Hands the thread `model`'s one-layer twin (built on the meta device), if it fits in `spare_bytes`."""
-        if self._thread is None or self._handed.is_set():
+        if self._thread is None or self._handed.is_set() or not self._thread.is_alive():
             return
         twin = _twin(model)
         nbytes = sum(p.numel() * p.element_size() for p in twin.parameters()) if twin is not None else 0
@@ -79,23 +89,42 @@ class Warmup:
             self._twin = None
 
     def _run(self) -> None:
+        device, twin, worked = self._device, None, 0.0
         started = time.perf_counter()
-        device, twin = self._device, None
         try:
             with torch.cuda.device(device):
-                torch.empty(1, device=device)  # the context
-                torch.cuda.current_blas_handle()
+                _make_context(device)
+                worked = time.perf_counter() - started
                 self._handed.wait()
+                started = time.perf_counter()
                 twin, self._twin = self._twin, None
                 if twin is not None:
                     _warm(twin, device)
                 torch.cuda.current_stream(device).synchronize()
         except Exception as err:  # a warm-up that cannot run costs only the time it would have saved
-            self.error = err
+            self.error = _without_frames(err)
             logger.debug("The warm-up failed (the load goes on): %r", err)
         finally:
-            twin = None  # the twin's memory goes now (an error's traceback keeps this frame)
-            self.seconds = time.perf_counter() - started
+            twin = None
+            self.seconds = worked + time.perf_counter() - started
+
+
+def _make_context(device: torch.device) -> None:
+    torch.empty(1, device=device)  # the CUDA context
+    torch.cuda.current_blas_handle()
+
+
+def _without_frames(err: BaseException) -> BaseException:
+    # `err` and the exceptions it chains, with their finished frames' locals cleared and their tracebacks dropped:
+    # those frames hold the twin (and its device memory), and the thread's frame this warm-up.
+    seen: set[int] = set()
+    link: BaseException | None = err
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        traceback.clear_frames(link.__traceback__)  # the frame still running (the thread's) is skipped
+        link.__traceback__ = None
+        link = link.__cause__ or link.__context__
+    return err
 
 
 def _warm(twin: nn.Module, device: torch.device) -> None:
@@ -114,8 +143,6 @@ def _twin(model: nn.Module) -> nn.Module | None:
     # The model's class with one decoder layer of each kind its config lists (hybrid models: attention and linear
     # attention, sliding and full) and a small vocabulary, on the meta device (buffers real, as the loader's skeleton).
     # None where the config does not say how many layers the model has, or refuses the changes.
-    from accelerate import init_empty_weights
-
     config = getattr(model, "config", None)
     if config is None or not isinstance(getattr(config, "num_hidden_layers", None), int):
         return None
@@ -134,7 +161,7 @@ def _twin(model: nn.Module) -> nn.Module | None:
             if getattr(config, name, None) is not None:
                 setattr(config, name, 0)
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.get_default_dtype())
-        with init_empty_weights(include_buffers=False):
+        with empty_weights():
             return type(model)._from_config(config, dtype=dtype)
     except Exception as err:
         logger.debug("No warm-up: the model's config does not build a one-layer twin: %r", err)

@@ -529,3 +529,78 @@ def test_load_checkpoint_and_dispatch_joins_its_warmup_when_the_plan_fails(saved
     with pytest.raises(ValueError, match="layers"):
         hf_prefetch.load_checkpoint_and_dispatch(model, folder, device="cpu", layers="model.nothing")
     assert events == ["start cpu", "join"] and hf_prefetch.get_state(model) is None
+
+
+def test_an_interrupt_right_after_the_warmup_started_joins_it(saved, monkeypatch):
+    events = _RecordedWarmup.events = []
+    monkeypatch.setattr(loader, "Warmup", _RecordedWarmup)
+
+    def interrupt(self, phase, device=None):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loader.LoadTimeline, "mark", interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        hf_prefetch.from_pretrained(saved("llama-sharded"), device="cpu")
+    assert events == ["start cpu", "join"]
+
+
+def test_two_threads_loading_at_once_get_their_own_weights_and_leave_nn_module_as_it_was(saved):
+    # accelerate's init_empty_weights patches nn.Module.register_parameter for the whole process and restores what
+    # it found: two skeletons built at once could leave the patch in place, and every later module on the meta device.
+    from torch import nn
+
+    names = ["llama-sharded", "qwen2-sharded"]
+    want = {name: logits(reference(saved(name))) for name in names}
+    register = nn.Module.register_parameter
+    try:
+        for _ in range(8):
+            got, errors = _load_at_once([saved(name) for name in names])
+            assert errors == [] and nn.Module.register_parameter is register
+            for name, result in zip(names, got, strict=True):
+                assert torch.equal(result, want[name])
+    finally:
+        nn.Module.register_parameter = register  # a failure here must not leave every later test's modules on meta
+
+
+def _load_at_once(folders) -> tuple[list, list]:
+    # Each folder loaded by its own thread, all starting together: their logits, and any errors.
+    import threading
+
+    got, errors, barrier = [None] * len(folders), [], threading.Barrier(len(folders))
+
+    def load(number, folder):
+        try:
+            barrier.wait()
+            model = hf_prefetch.from_pretrained(folder, device="cpu", progress=False)
+            got[number] = logits(model)
+            hf_prefetch.remove_offload(model)
+        except BaseException as err:  # reported by the caller
+            errors.append(err)
+
+    threads = [threading.Thread(target=load, args=item) for item in enumerate(folders)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return got, errors
+
+
+def test_a_second_interrupt_while_the_warmup_is_joined_still_rolls_back(saved, monkeypatch, arenas):
+    folder = saved("llama-sharded")
+    model = empty_model(folder)
+
+    class Interrupted(_RecordedWarmup):
+        def join(self):  # the first join (the error path's) is interrupted again
+            super().join()
+            if self.events.count("join") == 1:
+                raise KeyboardInterrupt
+
+    _RecordedWarmup.events = []
+    monkeypatch.setattr(loader, "Warmup", Interrupted)
+    monkeypatch.setattr(loader, "_read_all", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        hf_prefetch.load_checkpoint_and_dispatch(
+            model, folder, device="cpu", offload=hf_prefetch.PrefetchConfig(**PATTERNS["every-second"])
+        )
+    assert len(arenas) == 1 and arenas[0]._buffer.numel() == 0  # released
+    assert_left_as_given(model)

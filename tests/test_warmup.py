@@ -1,3 +1,9 @@
+import contextlib
+import gc
+import threading
+import time
+import weakref
+
 import pytest
 import torch
 from accelerate import init_empty_weights
@@ -89,6 +95,64 @@ def test_a_failing_warmup_is_logged_and_the_load_goes_on(monkeypatch, caplog):
         run.join()
     assert isinstance(run.error, RuntimeError) and run.seconds is not None
     assert "The warm-up failed (the load goes on)" in caplog.text
+
+
+def _without_cuda(monkeypatch):
+    # The thread's own CUDA work left out, so that it runs on the CPU up to the twin's forward.
+    monkeypatch.setattr(warmup.torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(warmup, "_make_context", lambda device: None)
+    monkeypatch.setattr(warmup.torch.cuda, "current_stream", lambda device: _NoSync())
+
+
+class _NoSync:
+    def synchronize(self):
+        pass
+
+
+def test_a_failed_warmup_keeps_neither_the_twin_nor_its_frames(monkeypatch):
+    # An out-of-memory error in the twin's generate(): its traceback's frames hold the twin (device memory on CUDA),
+    # and the thread's frame the warm-up. `error` keeps neither, so the twin is gone at join without a collection.
+    model = _on_meta(ARCHS[0].build())
+    _without_cuda(monkeypatch)
+    twins = []
+
+    def fail(twin, device):
+        twins.append(weakref.ref(twin))
+        raise RuntimeError("CUDA out of memory") from ValueError("inner")
+
+    monkeypatch.setattr(warmup, "_warm", fail)
+    gc.disable()
+    try:
+        run = Warmup(torch.device("cuda", 0))
+        run.run(model, spare_bytes=2**40)
+        run.join()
+        assert len(twins) == 1 and twins[0]() is None
+    finally:
+        gc.enable()
+    assert isinstance(run.error, RuntimeError) and run.error.__traceback__ is None
+    assert run.error.__cause__.__traceback__ is None
+
+
+def test_seconds_leave_out_the_wait_for_the_model(monkeypatch):
+    model = _on_meta(ARCHS[0].build())
+    _without_cuda(monkeypatch)
+    monkeypatch.setattr(warmup, "_warm", lambda twin, device: None)
+    run = Warmup(torch.device("cuda", 0))
+    time.sleep(0.5)  # the skeleton and the plan
+    run.run(model, spare_bytes=2**40)
+    run.join()
+    assert run.error is None and run.seconds is not None and run.seconds < 0.4
+
+
+def test_no_thread_that_cannot_start_fails_a_load(monkeypatch):
+    def refuse(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(warmup.threading.Thread, "start", refuse)
+    run = Warmup(torch.device("cuda", 0))
+    run.run(_on_meta(ARCHS[0].build()), spare_bytes=2**40)
+    run.join()
+    assert run.seconds is None and not any(t.name == "hf_prefetch-warmup" for t in threading.enumerate())
 
 
 @pytest.mark.gpu
