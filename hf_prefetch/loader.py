@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import attach
 from .budget import choose_plan
-from .changes import Journal, Phase
+from .changes import Journal, Phase, deferred_interrupts
 from .checkpoint import Checkpoint
 from .compressed import compress_arena
 from .config import PrefetchConfig
@@ -317,22 +317,19 @@ def _load(
         attach.attach(model, state)
         timeline.mark("attach", device)  # the pool, the hooks, and the copies of each ring's first layers
     except BaseException:
-        # Nested, so that a second interrupt during a join still rolls back: the arena is released only after its
-        # page-locking ended.
-        try:
+        # A second Ctrl-C waits for the end of this block: the threads are joined (the arena is released only after
+        # its page-locking ended) and the model is rolled back whatever comes meanwhile.
+        with deferred_interrupts():
             if warmup is not None:
                 warmup.join()
-        finally:
-            try:
-                if pinning is not None:
-                    pinning.join(raise_error=False)
-            finally:
-                if state is not None:
-                    attach.rollback(model, state)
-                else:
-                    journal.unwind(Phase.PLACE)
-                    if arena is not None:
-                        arena.release()
+            if pinning is not None:
+                pinning.join(raise_error=False)
+            if state is not None:
+                attach.rollback(model, state)
+            else:
+                journal.unwind(Phase.PLACE)
+                if arena is not None:
+                    arena.release()
         raise
     if isinstance(model, PreTrainedModel):
         model._weight_conversions = keymap.used_conversions  # what save_pretrained reverts, as after from_pretrained

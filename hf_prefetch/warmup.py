@@ -27,6 +27,7 @@ import logging
 import threading
 import time
 import traceback
+import weakref
 
 import torch
 from torch import nn
@@ -43,7 +44,8 @@ _TWIN_VOCAB = 512  # the twin's vocabulary: its embedding and head stay small; t
 
 class Warmup:
     """Warms `device` up in a thread: makes its CUDA context and cuBLAS handle at once, then runs the one-layer twin
-    of the model that `run` hands it. `join()` waits for the thread (handing it nothing if `run` was not called).
+    of the model that `run` hands it. `join()` waits for the thread (handing it nothing if `run` was not called); so
+    does this object's end, should a caller lose it before joining (an interrupt).
 
     Nothing runs where the device is not CUDA or no thread can be started; no twin runs where the model's config
     cannot make one, or where it needs more than `spare_bytes` of device memory. `seconds` is how long the thread
@@ -52,25 +54,34 @@ class Warmup:
     """
 
     def __init__(self, device: torch.device) -> None:
-        self.seconds: float | None = None
-        self.error: BaseException | None = None
-        self._device = device
-        self._twin: nn.Module | None = None
-        self._handed = threading.Event()
+        self._shared = _Handoff()
         self._thread: threading.Thread | None = None
         if device.type != "cuda":
             return
-        thread = threading.Thread(target=self._run, name="hf_prefetch-warmup", daemon=True)
+        # The thread holds the handoff, not this object: when this object goes, the thread stops waiting for a model.
+        weakref.finalize(self, self._shared.handed.set)
+        thread = threading.Thread(target=_run, args=(self._shared, device), name="hf_prefetch-warmup", daemon=True)
         try:
             thread.start()
+            self._thread = thread
         except RuntimeError as err:  # "can't start new thread": the load goes on without a warm-up
             logger.debug("No warm-up: %r", err)
-            return
-        self._thread = thread
+        except BaseException:  # an interrupt while it started: a started thread must not wait for a model
+            self._shared.handed.set()
+            raise
+
+    @property
+    def seconds(self) -> float | None:
+        return self._shared.seconds
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._shared.error
 
     def run(self, model: nn.Module, spare_bytes: int) -> None:
         """Hands the thread `model`'s one-layer twin (built on the meta device), if it fits in `spare_bytes`."""
-        if self._thread is None or self._handed.is_set() or not self._thread.is_alive():
+        shared = self._shared
+        if self._thread is None or shared.handed.is_set() or not self._thread.is_alive():
             return
         twin = _twin(model)
         nbytes = sum(p.numel() * p.element_size() for p in twin.parameters()) if twin is not None else 0
@@ -78,35 +89,47 @@ class Warmup:
             logger.debug("No warm-up forward: its one-layer twin (%d bytes) exceeds the spare device memory (%d)",
                          nbytes, spare_bytes)  # fmt: skip
             twin = None
-        self._twin = twin
-        self._handed.set()
+        shared.twin = twin
+        shared.handed.set()
 
     def join(self) -> None:
         if self._thread is not None:
-            self._handed.set()  # a thread still waiting for a twin gets none
+            self._shared.handed.set()  # a thread still waiting for a twin gets none
             self._thread.join()
             self._thread = None
-            self._twin = None
+            self._shared.twin = None
 
-    def _run(self) -> None:
-        device, twin, worked = self._device, None, 0.0
-        started = time.perf_counter()
-        try:
-            with torch.cuda.device(device):
-                _make_context(device)
-                worked = time.perf_counter() - started
-                self._handed.wait()
-                started = time.perf_counter()
-                twin, self._twin = self._twin, None
-                if twin is not None:
-                    _warm(twin, device)
-                torch.cuda.current_stream(device).synchronize()
-        except Exception as err:  # a warm-up that cannot run costs only the time it would have saved
-            self.error = _without_frames(err)
-            logger.debug("The warm-up failed (the load goes on): %r", err)
-        finally:
-            twin = None
-            self.seconds = worked + time.perf_counter() - started
+
+class _Handoff:
+    """What the loading thread and the warm-up thread share: the twin (set once, before `handed`) and the report."""
+
+    def __init__(self) -> None:
+        self.handed = threading.Event()
+        self.twin: nn.Module | None = None
+        self.seconds: float | None = None
+        self.error: BaseException | None = None
+
+
+def _run(shared: _Handoff, device: torch.device) -> None:
+    # The warm-up thread's body: the context, then the twin's forward once handed one.
+    twin, worked = None, 0.0
+    started = time.perf_counter()
+    try:
+        with torch.cuda.device(device):
+            _make_context(device)
+            worked = time.perf_counter() - started
+            shared.handed.wait()
+            started = time.perf_counter()
+            twin, shared.twin = shared.twin, None
+            if twin is not None:
+                _warm(twin, device)
+            torch.cuda.current_stream(device).synchronize()
+    except Exception as err:  # a warm-up that cannot run costs only the time it would have saved
+        shared.error = _without_frames(err)
+        logger.debug("The warm-up failed (the load goes on): %r", err)
+    finally:
+        twin = None
+        shared.seconds = worked + time.perf_counter() - started
 
 
 def _make_context(device: torch.device) -> None:
@@ -116,14 +139,17 @@ def _make_context(device: torch.device) -> None:
 
 def _without_frames(err: BaseException) -> BaseException:
     # `err` and the exceptions it chains, with their finished frames' locals cleared and their tracebacks dropped:
-    # those frames hold the twin (and its device memory), and the thread's frame this warm-up.
+    # those frames hold the twin (and its device memory).
     seen: set[int] = set()
-    link: BaseException | None = err
-    while link is not None and id(link) not in seen:
+    links: list[BaseException | None] = [err]
+    while links:
+        link = links.pop()
+        if link is None or id(link) in seen:
+            continue
         seen.add(id(link))
         traceback.clear_frames(link.__traceback__)  # the frame still running (the thread's) is skipped
         link.__traceback__ = None
-        link = link.__cause__ or link.__context__
+        links += [link.__cause__, link.__context__]  # both: `raise X from Y` inside an except keeps a third
     return err
 
 

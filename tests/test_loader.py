@@ -586,14 +586,16 @@ def _load_at_once(folders) -> tuple[list, list]:
 
 
 def test_a_second_interrupt_while_the_warmup_is_joined_still_rolls_back(saved, monkeypatch, arenas):
+    import signal
+
     folder = saved("llama-sharded")
     model = empty_model(folder)
 
     class Interrupted(_RecordedWarmup):
-        def join(self):  # the first join (the error path's) is interrupted again
+        def join(self):  # a second Ctrl-C (SIGINT) arrives during the error path's join
             super().join()
             if self.events.count("join") == 1:
-                raise KeyboardInterrupt
+                signal.raise_signal(signal.SIGINT)
 
     _RecordedWarmup.events = []
     monkeypatch.setattr(loader, "Warmup", Interrupted)

@@ -69,11 +69,11 @@ def test_the_thread_gets_a_twin_only_within_the_spare_memory_and_none_from_join(
     model = _on_meta(ARCHS[0].build())
     handed = []
 
-    def body(self):  # the thread's own CUDA work left out: what it is handed
-        self._handed.wait()
-        handed.append(self._twin)
+    def body(shared, device):  # the thread's own CUDA work left out: what it is handed
+        shared.handed.wait()
+        handed.append(shared.twin)
 
-    monkeypatch.setattr(Warmup, "_run", body)
+    monkeypatch.setattr(warmup, "_run", body)
     run = Warmup(torch.device("cuda", 0))
     run.run(model, spare_bytes=0)  # the twin needs more than 0 bytes
     run.join()
@@ -118,7 +118,10 @@ def test_a_failed_warmup_keeps_neither_the_twin_nor_its_frames(monkeypatch):
 
     def fail(twin, device):
         twins.append(weakref.ref(twin))
-        raise RuntimeError("CUDA out of memory") from ValueError("inner")
+        try:
+            raise ValueError("inner")  # handled, then another error raised from a third: three tracebacks
+        except ValueError:
+            raise RuntimeError("CUDA out of memory") from KeyError("third")
 
     monkeypatch.setattr(warmup, "_warm", fail)
     gc.disable()
@@ -130,7 +133,33 @@ def test_a_failed_warmup_keeps_neither_the_twin_nor_its_frames(monkeypatch):
     finally:
         gc.enable()
     assert isinstance(run.error, RuntimeError) and run.error.__traceback__ is None
-    assert run.error.__cause__.__traceback__ is None
+    assert run.error.__context__.__traceback__ is None and isinstance(run.error.__cause__, KeyError)
+
+
+def test_a_warmup_dropped_without_join_or_interrupted_while_starting_ends_its_thread(monkeypatch):
+    # A load interrupted before it kept its Warmup, or while the thread started, never joins it: the thread must not
+    # wait for a model forever.
+    _without_cuda(monkeypatch)
+    run = Warmup(torch.device("cuda", 0))
+    thread = run._thread
+    del run
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+
+    started = []
+    start = warmup.threading.Thread.start
+
+    def start_then_interrupt(self):
+        start(self)
+        started.append(self)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(warmup.threading.Thread, "start", start_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        Warmup(torch.device("cuda", 0))
+    monkeypatch.setattr(warmup.threading.Thread, "start", start)
+    started[0].join(timeout=10)
+    assert not started[0].is_alive()
 
 
 def test_seconds_leave_out_the_wait_for_the_model(monkeypatch):
