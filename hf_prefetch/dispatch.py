@@ -8,6 +8,7 @@ checkpoint instead of from the parameters, then calls the same `attach`.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,7 +30,7 @@ from .planner import make_uva_plan
 from .state import (
     Lifecycle,
     OffloadedParam,
-    get_state,
+    exclusive,
     refuse_other_offload,
     refuse_unknown_keywords,
     resolve_device,
@@ -115,7 +116,16 @@ def dispatch_model(
     max_memory = None if uva else parse_max_memory(max_memory, reserve_bytes, config)
     exec_device = resolve_device(device_argument(max_memory, device))
     link_indices = resolve_links(links, exec_device)
-    state = get_state(model)
+    # One dispatch at a time in the process (two threads dispatching one model would both find it undispatched), and
+    # a re-dispatch after any forward under way in another thread.
+    with _DISPATCHING, exclusive(model) as state:
+        return _dispatch(model, state, config, layers, exec_device, max_memory, link_indices, replace, timing, uva)
+
+
+_DISPATCHING = threading.Lock()
+
+
+def _dispatch(model, state, config, layers, exec_device, max_memory, link_indices, replace, timing, uva) -> nn.Module:
     if state is not None and state.lifecycle is not Lifecycle.ATTACHED:
         finish_interrupted(model, state)  # an interrupted dispatch or removal: complete it first
         state = None
@@ -204,17 +214,17 @@ def remove_offload(model: nn.Module, device: str | int | torch.device | None = N
 
     ```
     """
-    state = get_state(model)
-    if state is None:
-        raise ValueError(f"{type(model).__name__} is not dispatched by hf_prefetch: nothing to remove.")
-    if state.lifecycle in (Lifecycle.ATTACHING, Lifecycle.ROLLING_BACK):
-        rollback(model, state)
-        return model
-    if state.lifecycle is Lifecycle.ATTACHED:
-        target = state.device if device is None else resolve_device(device)
-        _check_removable(model, state)  # before anything is undone
-        state.target = target
-    detach(model, state, state.target)
+    with exclusive(model) as state:  # after a forward under way in another thread
+        if state is None:
+            raise ValueError(f"{type(model).__name__} is not dispatched by hf_prefetch: nothing to remove.")
+        if state.lifecycle in (Lifecycle.ATTACHING, Lifecycle.ROLLING_BACK):
+            rollback(model, state)
+            return model
+        if state.lifecycle is Lifecycle.ATTACHED:
+            target = state.device if device is None else resolve_device(device)
+            _check_removable(model, state)  # before anything is undone
+            state.target = target
+        detach(model, state, state.target)
     return model
 
 

@@ -31,7 +31,7 @@ from .compressed import encode_for, host_value, write_encoded
 from .engine import PrefetchEngine
 from .host import own_storage
 from .layers import set_part, with_inner
-from .state import Lifecycle, OffloadedParam, OffloadState
+from .state import STATE_ATTR, Lifecycle, OffloadedParam, OffloadState
 
 __all__ = [
     "PrefetchHook",
@@ -121,12 +121,12 @@ class ForwardGate:
 
     def __init__(self, state: OffloadState) -> None:
         self._state = state
-        self._lock = threading.RLock()
+        self._lock = state.lock  # shared with the verbs that change the dispatch or the weights (`state.exclusive`)
         self._depth = threading.local()
 
     def before(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         tokens = _token_count(args, kwargs)
-        _outside_any_graph(lambda: self._enter(tokens))
+        _outside_any_graph(lambda: self._enter(module, tokens))
 
     def after(self, module: nn.Module, args: Any, output: Any) -> None:
         _outside_any_graph(self._exit)
@@ -157,14 +157,21 @@ class ForwardGate:
         forward.__signature__ = inspect.signature(module.forward)  # without `self`: generate() reads the arguments
         return forward
 
-    def _enter(self, tokens: int | None = None) -> None:
+    def _enter(self, module: nn.Module, tokens: int | None = None) -> None:
         state = self._state
+        self._lock.acquire()  # after a forward, or a verb changing the dispatch, in another thread
+        if module.__dict__.get(STATE_ATTR) is not state:
+            self._lock.release()
+            raise RuntimeError(
+                "Another thread removed or replaced this model's hf_prefetch dispatch while this forward waited for "
+                "it (remove_offload, dispatch_model(replace=True)): nothing was computed. Call the model again."
+            )
         if state.lifecycle is not Lifecycle.ATTACHED:
+            self._lock.release()
             raise RuntimeError(
                 f"This model's hf_prefetch dispatch is half-done ({state.lifecycle.value}: an interrupt or an error "
                 "stopped it). Call hf_prefetch.remove_offload(model) to finish undoing it, then dispatch again."
             )
-        self._lock.acquire()
         self._depth.value = getattr(self._depth, "value", 0) + 1
         try:
             for write_through in state.write_throughs:

@@ -21,24 +21,37 @@ into the host storage of the layer that holds it.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
 from .placements import OffloadPlan
 from .reload_sources import REDISPATCH, CheckpointValues, StateDictValues, check_writable, same_memory
-from .state import OffloadState, get_state
+from .state import OffloadState, exclusive, get_state
 
 __all__ = ["reload_weights", "sync_from_device"]
+
+
+def _exclusive(verb: Callable[..., Any]) -> Callable[..., Any]:
+    # The verb runs after any forward under way in another thread, and the forwards that come meanwhile wait for it:
+    # a forward must compute with the old weights or the new ones, never a mix (`state.exclusive`).
+    @functools.wraps(verb)
+    def run(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with exclusive(model):
+            return verb(model, *args, **kwargs)
+
+    return run
 
 logger = logging.getLogger(__name__)
 
 
+@_exclusive
 def reload_weights(
     model: nn.Module,
     source: str | os.PathLike | Mapping[str, torch.Tensor],
@@ -169,6 +182,7 @@ def reload_weights(
     return model
 
 
+@_exclusive
 def sync_from_device(model: nn.Module, layers: str | Sequence[str] | None = None) -> list[str]:
     """Copy the contents of the buffer slots back into the host storage of the streamed layers that hold them.
 

@@ -7,6 +7,9 @@ no plans' internals, streams or hooks.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
@@ -93,6 +96,9 @@ class OffloadState:
     write_throughs: list[WriteThrough] = field(default_factory=list)  # completed by the gate before each forward
     # Seconds per phase of the load that built this dispatch (`loader.LoadTimeline`; empty after dispatch_model).
     load_timeline: dict[str, float] = field(default_factory=dict)
+    # One at a time, across threads: forwards (the forward gate) and the verbs that change the dispatch or the
+    # weights (`exclusive`), each waiting for the others. Re-entrant in one thread.
+    lock: threading.RLock = field(default_factory=threading.RLock)
 
     def __deepcopy__(self, memo: dict) -> Any:
         refuse_deepcopy(memo)
@@ -137,6 +143,23 @@ def get_state(model: nn.Module) -> OffloadState | None:
     ```
     """
     return model.__dict__.get(STATE_ATTR)
+
+
+@contextmanager
+def exclusive(model: nn.Module) -> Iterator[OffloadState | None]:
+    """The model's state (None where it is not dispatched), held against other threads' forwards and verbs until the
+    block ends: a verb that removes, replaces or rewrites a dispatch waits for a forward under way, and the forwards
+    that come meanwhile wait for it. A state that another thread removed or replaced while this one waited is looked
+    up again."""
+    while True:
+        state = get_state(model)
+        if state is None:
+            yield None
+            return
+        with state.lock:
+            if get_state(model) is state:
+                yield state
+                return
 
 
 def resolve_device(device: str | int | torch.device | None) -> torch.device:

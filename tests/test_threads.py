@@ -1,0 +1,147 @@
+"""A second thread: the verbs that change a dispatch or its weights wait for a forward under way in another thread,
+and the forwards that come meanwhile wait for them (`state.exclusive`, the forward gate's lock)."""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from models import tiny_llama
+from moe_models import moe_model
+
+import hf_prefetch
+from hf_prefetch import PrefetchConfig
+from hf_prefetch.state import exclusive
+
+CONFIG = PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1)
+EXPERTS = PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=2, offload_params={"experts"})
+IDS = torch.tensor([[5, 6, 7, 8, 9, 10]])
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+def _models(kind: str):
+    # The model, a second one with other weights, and the config that streams them.
+    if kind == "llama":
+        return tiny_llama(4, seed=0), tiny_llama(4, seed=1000), CONFIG
+    return moe_model("qwen3_moe", 0), moe_model("qwen3_moe", 1000), EXPERTS
+
+
+def _in_the_middle_of_a_forward(model, verb) -> tuple[torch.Tensor, threading.Thread, list]:
+    # A forward of `model` that, halfway (before its third layer), starts `verb` in another thread and gives it 0.5 s:
+    # the verb must still be waiting when the forward goes on. Returns the forward's logits, the thread, its outcome.
+    outcome, threads = [], []
+
+    def run():
+        try:
+            outcome.append(verb())
+        except Exception as err:  # reported to the test
+            outcome.append(err)
+
+    def halfway(module, args):
+        if not threads:
+            threads.append(threading.Thread(target=run, daemon=True))
+            threads[0].start()
+            threads[0].join(timeout=0.5)
+            assert threads[0].is_alive(), f"the verb did not wait for the forward: {outcome}"
+
+    handle = model.model.layers[2].register_forward_pre_hook(halfway)
+    try:
+        logits = _logits(model)
+    finally:
+        handle.remove()
+    threads[0].join(timeout=60)
+    assert not threads[0].is_alive()
+    return logits, threads[0], outcome
+
+
+@pytest.mark.parametrize("kind", ["llama", "moe"])
+def test_reload_weights_waits_for_a_forward_under_way_and_the_forward_keeps_the_old_weights(kind):
+    model, other, config = _models(kind)
+    old, new = _logits(copy.deepcopy(model)), _logits(other)
+    hf_prefetch.dispatch_model(model, config, device="cpu")
+    try:
+        reload = lambda: hf_prefetch.reload_weights(model, other.state_dict())  # noqa: E731
+        got, _, outcome = _in_the_middle_of_a_forward(model, reload)
+        assert outcome == [model]
+        assert torch.equal(got, old)  # computed wholly with the old weights
+        assert torch.equal(_logits(model), new)
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+@pytest.mark.parametrize("kind", ["llama", "moe"])
+def test_a_redispatch_and_a_removal_wait_for_a_forward_under_way(kind):
+    model, _, config = _models(kind)
+    want = _logits(copy.deepcopy(model))
+    hf_prefetch.dispatch_model(model, config, device="cpu")
+    other = PrefetchConfig(group_size=2, num_in_group=2, prefetch_step=1, offload_params=config.offload_params)
+    redispatch = lambda: hf_prefetch.dispatch_model(model, other, device="cpu", replace=True)  # noqa: E731
+    got, _, outcome = _in_the_middle_of_a_forward(model, redispatch)
+    assert outcome == [model] and torch.equal(got, want)
+    assert hf_prefetch.get_state(model).plan.config == other and torch.equal(_logits(model), want)
+    got, _, outcome = _in_the_middle_of_a_forward(model, lambda: hf_prefetch.remove_offload(model))
+    assert outcome == [model] and torch.equal(got, want)
+    assert hf_prefetch.get_state(model) is None and torch.equal(_logits(model), want)
+
+
+def test_sync_from_device_waits_for_a_forward_under_way():
+    model = tiny_llama(4)
+    want = _logits(copy.deepcopy(model))
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    try:
+        got, _, outcome = _in_the_middle_of_a_forward(model, lambda: hf_prefetch.sync_from_device(model))
+        assert torch.equal(got, want) and outcome == [["model.layers.1"]]  # the layer that holds the slot then
+        assert torch.equal(_logits(model), want)
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_a_forward_that_waited_for_a_removal_says_so_and_computes_nothing():
+    model = tiny_llama(4)
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    outcome = []
+
+    def forward():
+        try:
+            outcome.append(_logits(model))
+        except RuntimeError as err:
+            outcome.append(err)
+
+    with exclusive(model):  # a verb under way in this thread: the other thread's forward waits for it
+        thread = threading.Thread(target=forward, daemon=True)
+        thread.start()
+        thread.join(timeout=0.5)
+        assert thread.is_alive()
+        hf_prefetch.remove_offload(model)
+    thread.join(timeout=60)
+    assert len(outcome) == 1 and isinstance(outcome[0], RuntimeError)
+    assert "Another thread removed or replaced this model's hf_prefetch dispatch" in str(outcome[0])
+
+
+def test_two_removals_at_once_remove_once_and_the_other_says_nothing_is_dispatched():
+    model = tiny_llama(4)
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    outcome, barrier = [], threading.Barrier(2)
+
+    def remove():
+        barrier.wait()
+        try:
+            outcome.append(hf_prefetch.remove_offload(model))
+        except ValueError as err:
+            outcome.append(err)
+
+    threads = [threading.Thread(target=remove, daemon=True) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    assert sum(result is model for result in outcome) == 1
+    errors = [result for result in outcome if isinstance(result, ValueError)]
+    assert len(errors) == 1 and "is not dispatched by hf_prefetch: nothing to remove" in str(errors[0])
+    assert hf_prefetch.get_state(model) is None
