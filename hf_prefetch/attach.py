@@ -45,6 +45,7 @@ from .state import (
     Lifecycle,
     OffloadedParam,
     OffloadState,
+    model_lock,
     refuse_deepcopy,
     refuse_pickle,
 )
@@ -99,7 +100,7 @@ def begin(
     """The first change of every dispatch: the model gets its state (lifecycle ATTACHING), so that from here on an
     interrupt leaves something `remove_offload` can finish. `journal`: changes made before (the loader's casts)."""
     state = OffloadState(plan, device, arena, journal if journal is not None else Journal(), timing=timing)
-    gate, hooks = ForwardGate(state), state.gate_hooks
+    gate, hooks = ForwardGate(state, model_lock(model)), state.gate_hooks
     # The state arrives with its forward gate and leaves with it (`_end`), after everything else was undone: from the
     # first change of a dispatch to the last step of its removal, a forward on the half-done model refuses to run.
     with deferred_interrupts():

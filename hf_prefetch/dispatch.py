@@ -8,7 +8,6 @@ checkpoint instead of from the parameters, then calls the same `attach`.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -116,13 +115,10 @@ def dispatch_model(
     max_memory = None if uva else parse_max_memory(max_memory, reserve_bytes, config)
     exec_device = resolve_device(device_argument(max_memory, device))
     link_indices = resolve_links(links, exec_device)
-    # One dispatch at a time in the process (two threads dispatching one model would both find it undispatched), and
-    # a re-dispatch after any forward under way in another thread.
-    with _DISPATCHING, exclusive(model) as state:
+    # The whole dispatch under the model's lock: after any forward or change under way in another thread, and
+    # before any that comes meanwhile (a second dispatch of the model finds it dispatched).
+    with exclusive(model) as state:
         return _dispatch(model, state, config, layers, exec_device, max_memory, link_indices, replace, timing, uva)
-
-
-_DISPATCHING = threading.Lock()
 
 
 def _dispatch(model, state, config, layers, exec_device, max_memory, link_indices, replace, timing, uva) -> nn.Module:

@@ -119,9 +119,9 @@ class ForwardGate:
       replay); pending write-throughs of an interrupted `load_state_dict` are completed first.
     """
 
-    def __init__(self, state: OffloadState) -> None:
+    def __init__(self, state: OffloadState, lock: threading.RLock) -> None:
         self._state = state
-        self._lock = state.lock  # shared with the verbs that change the dispatch or the weights (`state.exclusive`)
+        self._lock = lock  # the model's (`state.model_lock`), shared with the verbs that change the dispatch
         self._depth = threading.local()
 
     def before(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:

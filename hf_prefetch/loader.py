@@ -39,6 +39,7 @@ from .skeleton import FLOAT8, build_skeleton, checkpoint_folder, set_dtypes
 from .state import (
     OffloadedParam,
     get_state,
+    model_lock,
     refuse_other_offload,
     refuse_unknown_keywords,
     resolve_config,
@@ -240,7 +241,18 @@ def load_checkpoint_and_dispatch(
     return model
 
 
-def _load(
+def _load(model: nn.Module, *args: Any, **kwargs: Any) -> None:
+    # Under the model's lock: a dispatch, a removal or a load of the same model in another thread waits, and so do
+    # forwards (the model is the caller's with load_checkpoint_and_dispatch).
+    with model_lock(model):
+        if get_state(model) is not None:
+            raise ValueError(
+                f"{type(model).__name__} is already dispatched; call hf_prefetch.remove_offload(model) before loading."
+            )
+        _load_unlocked(model, *args, **kwargs)
+
+
+def _load_unlocked(
     model: nn.Module,
     checkpoint: Checkpoint,
     config: PrefetchConfig,

@@ -8,6 +8,7 @@ no plans' internals, streams or hooks.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -96,9 +97,6 @@ class OffloadState:
     write_throughs: list[WriteThrough] = field(default_factory=list)  # completed by the gate before each forward
     # Seconds per phase of the load that built this dispatch (`loader.LoadTimeline`; empty after dispatch_model).
     load_timeline: dict[str, float] = field(default_factory=dict)
-    # One at a time, across threads: forwards (the forward gate) and the verbs that change the dispatch or the
-    # weights (`exclusive`), each waiting for the others. Re-entrant in one thread.
-    lock: threading.RLock = field(default_factory=threading.RLock)
 
     def __deepcopy__(self, memo: dict) -> Any:
         refuse_deepcopy(memo)
@@ -145,21 +143,28 @@ def get_state(model: nn.Module) -> OffloadState | None:
     return model.__dict__.get(STATE_ATTR)
 
 
+_MODEL_LOCKS: weakref.WeakKeyDictionary[nn.Module, threading.RLock] = weakref.WeakKeyDictionary()
+_MODEL_LOCKS_GUARD = threading.Lock()
+
+
+def model_lock(model: nn.Module) -> threading.RLock:
+    """The model's lock: held by each of its forwards (the forward gate) and by each change of its dispatch or its
+    weights (`exclusive`, and the loaders), so that across threads they run one at a time; re-entrant in one thread.
+    One per model for the model's life, kept outside it (nothing on the model to copy or pickle)."""
+    with _MODEL_LOCKS_GUARD:
+        lock = _MODEL_LOCKS.get(model)
+        if lock is None:
+            lock = _MODEL_LOCKS[model] = threading.RLock()
+        return lock
+
+
 @contextmanager
 def exclusive(model: nn.Module) -> Iterator[OffloadState | None]:
-    """The model's state (None where it is not dispatched), held against other threads' forwards and verbs until the
-    block ends: a verb that removes, replaces or rewrites a dispatch waits for a forward under way, and the forwards
-    that come meanwhile wait for it. A state that another thread removed or replaced while this one waited is looked
-    up again."""
-    while True:
-        state = get_state(model)
-        if state is None:
-            yield None
-            return
-        with state.lock:
-            if get_state(model) is state:
-                yield state
-                return
+    """The model's state (None where it is not dispatched) with the model's lock held until the block ends: a verb
+    that removes, replaces or rewrites a dispatch waits for a forward under way in another thread, and the forwards
+    and verbs that come meanwhile wait for it."""
+    with model_lock(model):
+        yield get_state(model)
 
 
 def resolve_device(device: str | int | torch.device | None) -> torch.device:

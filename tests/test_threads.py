@@ -145,3 +145,53 @@ def test_two_removals_at_once_remove_once_and_the_other_says_nothing_is_dispatch
     errors = [result for result in outcome if isinstance(result, ValueError)]
     assert len(errors) == 1 and "is not dispatched by hf_prefetch: nothing to remove" in str(errors[0])
     assert hf_prefetch.get_state(model) is None
+
+
+def test_forwards_and_removals_wait_for_a_redispatch_to_end(monkeypatch):
+    # The new dispatch's state is on the model before its attach ends: nothing may use it before.
+    from hf_prefetch import dispatch
+
+    model = tiny_llama(4)
+    want = _logits(copy.deepcopy(model))
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    attaching, go = threading.Event(), threading.Event()
+    attach = dispatch.attach
+
+    def slow_attach(*args):
+        attaching.set()
+        go.wait(30)
+        return attach(*args)
+
+    monkeypatch.setattr(dispatch, "attach", slow_attach)
+    other = PrefetchConfig(group_size=4, num_in_group=2, prefetch_step=2)
+    outcome = {}
+
+    def run(name, call):
+        try:
+            outcome[name] = call()
+        except Exception as err:  # reported to the test
+            outcome[name] = err
+
+    redispatch = threading.Thread(
+        target=run, args=("dispatch", lambda: hf_prefetch.dispatch_model(model, other, device="cpu", replace=True))
+    )
+    redispatch.start()
+    assert attaching.wait(30)
+    others = [
+        threading.Thread(target=run, args=("forward", lambda: _logits(model))),
+        threading.Thread(target=run, args=("remove", lambda: hf_prefetch.remove_offload(model))),
+    ]
+    for thread in others:
+        thread.start()
+        thread.join(timeout=0.5)
+        assert thread.is_alive()  # waiting for the re-dispatch
+    go.set()
+    for thread in [redispatch, *others]:
+        thread.join(timeout=60)
+    assert outcome["dispatch"] is model and outcome["remove"] is model and hf_prefetch.get_state(model) is None
+    # The forward ran after the re-dispatch, before or after the removal (the lock takes no turns): with the new
+    # dispatch, or it found it removed and computed nothing.
+    forward = outcome["forward"]
+    assert (isinstance(forward, torch.Tensor) and torch.equal(forward, want)) or (
+        isinstance(forward, RuntimeError) and "Another thread removed or replaced" in str(forward)
+    )
