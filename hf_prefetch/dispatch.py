@@ -22,13 +22,14 @@ from .config import PrefetchConfig
 from .host import HostArena
 from .layers import get_part
 from .links import resolve_links
-from .memory_budget import device_argument, parse_max_memory
+from .memory_budget import MaxMemory, device_argument, parse_max_memory
 from .offload_config import OffloadConfig, UVAConfig, resolve_offload
 from .placements import INNER_SEP, ParamSpec
 from .planner import make_uva_plan
 from .state import (
     Lifecycle,
     OffloadedParam,
+    OffloadState,
     exclusive,
     refuse_other_offload,
     refuse_unknown_keywords,
@@ -121,7 +122,18 @@ def dispatch_model(
         return _dispatch(model, state, config, layers, exec_device, max_memory, link_indices, replace, timing, uva)
 
 
-def _dispatch(model, state, config, layers, exec_device, max_memory, link_indices, replace, timing, uva) -> nn.Module:
+def _dispatch(
+    model: nn.Module,
+    state: OffloadState | None,
+    config: PrefetchConfig | UVAConfig,
+    layers: str | Sequence[str] | None,
+    exec_device: torch.device,
+    max_memory: MaxMemory | None,
+    link_indices: tuple[int, ...],
+    replace: bool,
+    timing: bool,
+    uva: bool,
+) -> nn.Module:
     if state is not None and state.lifecycle is not Lifecycle.ATTACHED:
         finish_interrupted(model, state)  # an interrupted dispatch or removal: complete it first
         state = None

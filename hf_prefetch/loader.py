@@ -213,10 +213,7 @@ def load_checkpoint_and_dispatch(
     exec_device = resolve_device(device_argument(max_memory, device))
     link_indices = resolve_links(links, exec_device)
     _check_direct_io(direct_io)
-    if get_state(model) is not None:
-        raise ValueError(
-            f"{type(model).__name__} is already dispatched; call hf_prefetch.remove_offload(model) before loading."
-        )
+    _refuse_dispatched(model)
     refuse_other_offload(model)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype not in FLOAT8):
         raise ValueError(
@@ -245,11 +242,15 @@ def _load(model: nn.Module, *args: Any, **kwargs: Any) -> None:
     # Under the model's lock: a dispatch, a removal or a load of the same model in another thread waits, and so do
     # forwards (the model is the caller's with load_checkpoint_and_dispatch).
     with model_lock(model):
-        if get_state(model) is not None:
-            raise ValueError(
-                f"{type(model).__name__} is already dispatched; call hf_prefetch.remove_offload(model) before loading."
-            )
+        _refuse_dispatched(model)  # again: another thread may have dispatched it since the caller's check
         _load_unlocked(model, *args, **kwargs)
+
+
+def _refuse_dispatched(model: nn.Module) -> None:
+    if get_state(model) is not None:
+        raise ValueError(
+            f"{type(model).__name__} is already dispatched; call hf_prefetch.remove_offload(model) before loading."
+        )
 
 
 def _load_unlocked(

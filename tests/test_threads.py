@@ -32,9 +32,9 @@ def _models(kind: str):
     return moe_model("qwen3_moe", 0), moe_model("qwen3_moe", 1000), EXPERTS
 
 
-def _in_the_middle_of_a_forward(model, verb) -> tuple[torch.Tensor, threading.Thread, list]:
+def _in_the_middle_of_a_forward(model, verb) -> tuple[torch.Tensor, list]:
     # A forward of `model` that, halfway (before its third layer), starts `verb` in another thread and gives it 0.5 s:
-    # the verb must still be waiting when the forward goes on. Returns the forward's logits, the thread, its outcome.
+    # the verb must still be waiting when the forward goes on. Returns the forward's logits and the verb's outcome.
     outcome, threads = [], []
 
     def run():
@@ -57,7 +57,7 @@ def _in_the_middle_of_a_forward(model, verb) -> tuple[torch.Tensor, threading.Th
         handle.remove()
     threads[0].join(timeout=60)
     assert not threads[0].is_alive()
-    return logits, threads[0], outcome
+    return logits, outcome
 
 
 @pytest.mark.parametrize("kind", ["llama", "moe"])
@@ -67,7 +67,7 @@ def test_reload_weights_waits_for_a_forward_under_way_and_the_forward_keeps_the_
     hf_prefetch.dispatch_model(model, config, device="cpu")
     try:
         reload = lambda: hf_prefetch.reload_weights(model, other.state_dict())  # noqa: E731
-        got, _, outcome = _in_the_middle_of_a_forward(model, reload)
+        got, outcome = _in_the_middle_of_a_forward(model, reload)
         assert outcome == [model]
         assert torch.equal(got, old)  # computed wholly with the old weights
         assert torch.equal(_logits(model), new)
@@ -82,10 +82,10 @@ def test_a_redispatch_and_a_removal_wait_for_a_forward_under_way(kind):
     hf_prefetch.dispatch_model(model, config, device="cpu")
     other = PrefetchConfig(group_size=2, num_in_group=2, prefetch_step=1, offload_params=config.offload_params)
     redispatch = lambda: hf_prefetch.dispatch_model(model, other, device="cpu", replace=True)  # noqa: E731
-    got, _, outcome = _in_the_middle_of_a_forward(model, redispatch)
+    got, outcome = _in_the_middle_of_a_forward(model, redispatch)
     assert outcome == [model] and torch.equal(got, want)
     assert hf_prefetch.get_state(model).plan.config == other and torch.equal(_logits(model), want)
-    got, _, outcome = _in_the_middle_of_a_forward(model, lambda: hf_prefetch.remove_offload(model))
+    got, outcome = _in_the_middle_of_a_forward(model, lambda: hf_prefetch.remove_offload(model))
     assert outcome == [model] and torch.equal(got, want)
     assert hf_prefetch.get_state(model) is None and torch.equal(_logits(model), want)
 
@@ -95,7 +95,7 @@ def test_sync_from_device_waits_for_a_forward_under_way():
     want = _logits(copy.deepcopy(model))
     hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
     try:
-        got, _, outcome = _in_the_middle_of_a_forward(model, lambda: hf_prefetch.sync_from_device(model))
+        got, outcome = _in_the_middle_of_a_forward(model, lambda: hf_prefetch.sync_from_device(model))
         assert torch.equal(got, want) and outcome == [["model.layers.1"]]  # the layer that holds the slot then
         assert torch.equal(_logits(model), want)
     finally:
