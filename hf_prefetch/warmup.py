@@ -133,7 +133,10 @@ def _run(shared: _Handoff, device: torch.device) -> None:
 
 
 def _make_context(device: torch.device) -> None:
-    torch.empty(1, device=device)  # the CUDA context
+    torch.empty(1, device=device)  # the CUDA context (where the process has none yet)
+    # A runtime call that makes the device's context current on this thread: the allocation above runs none when the
+    # caching allocator already holds a free block, and cuBLAS then warns that no context is current.
+    torch.cuda.current_stream(device).query()
     torch.cuda.current_blas_handle()
 
 

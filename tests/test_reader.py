@@ -1,4 +1,5 @@
 import os
+import threading
 
 import pytest
 import torch
@@ -202,12 +203,14 @@ def test_an_error_during_mapped_reads_leaves_no_span_locked_or_mapped(shards, mo
     folder, tensors = shards
     monkeypatch.setattr(reader_module, "_SPAN_BYTES", 4096)
     locks = _Locks(monkeypatch)
-    real_copy, calls = reader_module._Mapped._copy, []
+    real_copy, calls, counting = reader_module._Mapped._copy, [], threading.Lock()
 
     def copy(self, span, source, non_blocking):
-        calls.append(span)
+        with counting:  # reader threads copy at once: the 5th call is known when it starts, not when it ends
+            calls.append(span)
+            fifth = len(calls) == 5
         events = real_copy(self, span, source, non_blocking)
-        if len(calls) == 5:  # after its copies were queued: they must end before its pages are unlocked
+        if fifth:  # after its copies were queued: they must end before its pages are unlocked
             raise RuntimeError("copy failed")
         return events
 

@@ -1,5 +1,7 @@
 import contextlib
 import gc
+import subprocess
+import sys
 import threading
 import time
 import weakref
@@ -198,3 +200,18 @@ def test_the_warmup_runs_on_cuda_and_leaves_no_memory_behind():
     # What stays is cuBLAS's workspace for the warm-up thread's handle (32 MiB, kept by torch for the process, and
     # what the first real forward would allocate); the twin itself (~190 MB) is gone.
     assert torch.cuda.memory_allocated() - before <= 32 * 2**20
+
+
+@pytest.mark.gpu
+def test_the_warmup_thread_asks_for_cublas_with_its_context_current():
+    # With a small free block in the caching allocator, the thread's first allocation makes no runtime call, and
+    # cuBLAS warned "no current CUDA context" (a UserWarning, made an error here, which the warm-up stores).
+    code = (
+        "import torch\n"
+        "from hf_prefetch.warmup import Warmup\n"
+        "block = torch.empty(1, device='cuda'); del block\n"
+        "run = Warmup(torch.device('cuda', 0)); run.join()\n"
+        "assert run.error is None, repr(run.error)\n"
+    )
+    done = subprocess.run([sys.executable, "-W", "error::UserWarning", "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0 and "CUDA context" not in done.stderr, done.stderr
