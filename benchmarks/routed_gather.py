@@ -114,13 +114,15 @@ def main() -> None:
 
     fetch = fetch_kernel()
     ready = torch.zeros(EXPERTS, dtype=torch.int32, device=device)
+    chosen = torch.full((EXPERTS,), -1, dtype=torch.long, device=device)
+    pairs = [
+        (sources[name].view(EXPERTS, -1).view(torch.int64), slots[name].view(EXPERTS, -1).view(torch.int64))
+        for name in SHAPES
+    ]
     for programs in (16, 32, 64, 132, 264):
 
-        def fetched(programs=programs):
-            for number, name in enumerate(SHAPES):
-                src = sources[name].view(EXPERTS, -1).view(torch.int64)
-                dst = slots[name].view(EXPERTS, -1).view(torch.int64)
-                fetch(rows, src, dst, ready, tallies, count=number == 0, programs=programs)
+        def fetched(programs=programs):  # both tensors: the choice, then one copy kernel
+            fetch(rows, None, chosen, ready, pairs, tallies, programs=programs)
 
         for slot in slots.values():
             slot.zero_()

@@ -284,6 +284,7 @@ def _add_lookups(transfer: LayerTransfer, layer, plan, device: torch.device) -> 
         transfer.recent = RecentPicks(
             experts=torch.full((num_experts,), -1, dtype=torch.long, device=device),
             ready=torch.zeros(num_experts, dtype=torch.int32, device=device),
+            chosen=torch.full((num_experts,), -1, dtype=torch.long, device=device),
         )
     if transfer.cache is not None or transfer.recent is not None:
         transfer.tallies = torch.zeros(4, dtype=torch.long, device=device)

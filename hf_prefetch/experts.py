@@ -114,22 +114,24 @@ def fetch_recent(layer: LayerTransfer, tokens: int | None = None) -> None:
     of the forward under way, in a capture, is one of that many tokens. Entries past the picks are -1. Counts the rows
     in `tallies`.
 
-    Whether the cache holds an expert is read once, before any row is copied: `prepare` may change the cache's rows
-    on the compute stream while this runs on the copy stream, and one decision per expert keeps every row of every
-    tensor and its mark together (all fetched and marked, or none: the gather then reads the final `slot_of`)."""
+    Whether the cache holds an expert is read once, before any row is copied (into `recent.chosen`): `prepare` may
+    change the cache's rows on the compute stream while this runs on the copy stream, and one decision per expert
+    keeps every row of every tensor and its mark together (all fetched and marked, or none: the gather then reads the
+    final `slot_of`). On CUDA that is two Triton kernels for the whole layer (`fetch_kernel`): the copy stream carries
+    the layer's critical path, and every launch on it is time the link waits."""
     recent = layer.recent
-    recent.ready.zero_()
     num_experts = recent.ready.numel()
-    entries = max(recent.count, (tokens or 0) * recent.top_k)
+    entries = min(max(recent.count, (tokens or 0) * recent.top_k), num_experts)
     if entries == 0:
+        recent.ready.zero_()
         return
-    experts = recent.experts[: min(entries, num_experts)]
-    take = (experts >= 0) & (experts < num_experts)
-    if layer.cache is not None:
-        take &= layer.cache.slot_of.index_select(0, experts.clamp(0, num_experts - 1)) < 0
-    experts = torch.where(take, experts, -1)  # a snapshot: the kernels read neither `slot_of` nor `recent.experts`
+    experts = recent.experts[:entries]
     kernel = fetch_kernel() if experts.is_cuda else None
     if kernel is None:
+        recent.ready.zero_()
+        take = (experts >= 0) & (experts < num_experts)
+        if layer.cache is not None:
+            take &= layer.cache.slot_of.index_select(0, experts.clamp(0, num_experts - 1)) < 0
         marks = torch.zeros(num_experts + 1, dtype=recent.ready.dtype, device=experts.device)
         marks.index_fill_(0, torch.where(take, experts, num_experts), 1)  # a repeated pick marks once
         wanted = marks[:num_experts] > 0
@@ -139,9 +141,10 @@ def fetch_recent(layer: LayerTransfer, tokens: int | None = None) -> None:
         recent.ready.copy_(marks[:num_experts])
         layer.tallies[_FETCHED] += take.sum()
         return
+    slot_of = layer.cache.slot_of if layer.cache is not None else None
+    pairs = [(tensor.source_rows, tensor.device_rows) for tensor in layer.routed]
     with torch.cuda.device(experts.device):  # Triton launches on the current device's current stream
-        for number, tensor in enumerate(layer.routed):
-            kernel(experts, tensor.source_rows, tensor.device_rows, recent.ready, layer.tallies, count=number == 0)
+        kernel(experts, slot_of, recent.chosen, recent.ready, pairs, layer.tallies)
 
 
 def remember_picks(layer: LayerTransfer, index: torch.Tensor, routing: bool) -> None:
@@ -356,7 +359,11 @@ def gather_kernel():
 
 @functools.cache
 def fetch_kernel():
-    """`fetch_recent`'s copy as one Triton kernel per routed tensor, or None where Triton is missing."""
+    """`fetch_recent`'s work on CUDA as two Triton kernels, or None where Triton is missing. `launch(experts, slot_of,
+    chosen, ready, pairs, tallies)`: one program clears `ready` and writes into `chosen` each entry of `experts` to
+    fetch (an expert of the layer that `slot_of`, when given, says the cache does not hold) or -1; then few programs
+    copy the rows of every chosen expert of each `(source, out)` pair (2-D, a row per expert), marking each ready and
+    counting it in `tallies` as they go."""
     try:
         import triton
         import triton.language as tl
@@ -364,52 +371,86 @@ def fetch_kernel():
         return None
 
     @triton.jit
+    def choose(experts, slot_of, chosen, ready, entries, num_experts, CACHED: tl.constexpr, BLOCK: tl.constexpr):
+        every = tl.arange(0, BLOCK)
+        tl.store(ready + every, 0, mask=every < num_experts)
+        inside = every < entries
+        expert = tl.load(experts + every, mask=inside, other=-1)
+        take = inside & (expert >= 0) & (expert < num_experts)
+        if CACHED:
+            take = take & (tl.load(slot_of + expert, mask=take, other=-1) < 0)
+        tl.store(chosen + every, tl.where(take, expert, -1), mask=inside)
+
+    @triton.jit
     def fetch_rows(
-        experts,
-        source,
-        out,
+        chosen,
+        first_source,
+        first_out,
+        first_len,
+        second_source,
+        second_out,
+        second_len,
         ready,
         tallies,
         entries,
-        row_len,
-        COUNT: tl.constexpr,
+        MARK: tl.constexpr,
+        FETCHED: tl.constexpr,
         BLOCK: tl.constexpr,
         PROGRAMS: tl.constexpr,
     ):
-        # PROGRAMS programs take turns over (entry, block): one BLOCK of the row of one expert to fetch (-1: none),
-        # from the host (through the mapped view). The first block of each marks it ready and counts it. Few
-        # programs: the kernel runs beside the compute stream's, which need SMs too.
-        blocks = tl.cdiv(row_len, BLOCK)
+        # PROGRAMS programs take turns over (entry, block): one BLOCK of the row of one chosen expert (-1: none) in
+        # one of two tensors, from the host (through the mapped view). The first block of each marks it ready and
+        # counts it. Few programs: the kernel runs beside the compute stream's, which need SMs too.
+        first_blocks = tl.cdiv(first_len, BLOCK)
+        blocks = first_blocks + tl.cdiv(second_len, BLOCK)
         for item in range(tl.program_id(0), entries * blocks, PROGRAMS):
             entry = item // blocks
             block = item % blocks
-            expert = tl.load(experts + entry)
+            expert = tl.load(chosen + entry)
             if expert >= 0:
-                offsets = block * BLOCK + tl.arange(0, BLOCK)
-                inside = offsets < row_len
-                values = tl.load(source + expert * row_len + offsets, mask=inside)
-                tl.store(out + expert * row_len + offsets, values, mask=inside)
-                if COUNT:
-                    if block == 0:
-                        tl.store(ready + expert, 1)
-                        tl.atomic_add(tallies + 3, 1)
+                if block < first_blocks:
+                    offsets = block * BLOCK + tl.arange(0, BLOCK)
+                    inside = offsets < first_len
+                    values = tl.load(first_source + expert * first_len + offsets, mask=inside)
+                    tl.store(first_out + expert * first_len + offsets, values, mask=inside)
+                    if MARK:
+                        if block == 0:
+                            tl.store(ready + expert, 1)
+                            tl.atomic_add(tallies + FETCHED, 1)
+                else:
+                    offsets = (block - first_blocks) * BLOCK + tl.arange(0, BLOCK)
+                    inside = offsets < second_len
+                    values = tl.load(second_source + expert * second_len + offsets, mask=inside)
+                    tl.store(second_out + expert * second_len + offsets, values, mask=inside)
 
     block = 2048
 
-    def launch(experts, source, out, ready, tallies, count, programs=None):
+    def launch(experts, slot_of, chosen, ready, pairs, tallies, programs=None):
         programs = programs or FETCH_PROGRAMS
-        fetch_rows[(programs,)](
-            experts,
-            source,
-            out,
-            ready,
-            tallies,
-            experts.numel(),
-            out.shape[1],
-            COUNT=count,
-            BLOCK=block,
-            PROGRAMS=programs,
-            num_warps=8,
-        )
+        num_experts = ready.numel()
+        cached = slot_of is not None
+        chooser_block = triton.next_power_of_2(num_experts)
+        choose[(1,)](experts, slot_of if cached else experts, chosen, ready, experts.numel(), num_experts,
+                     CACHED=cached, BLOCK=chooser_block)  # fmt: skip
+        for start in range(0, len(pairs), 2):  # two tensors a launch (an experts module has two, or four with biases)
+            (first_source, first_out), *rest = pairs[start : start + 2]
+            second_source, second_out = rest[0] if rest else (first_source, first_out)
+            fetch_rows[(programs,)](
+                chosen,
+                first_source,
+                first_out,
+                first_out.shape[1],
+                second_source,
+                second_out,
+                second_out.shape[1] if rest else 0,
+                ready,
+                tallies,
+                experts.numel(),
+                MARK=start == 0,
+                FETCHED=_FETCHED,
+                BLOCK=block,
+                PROGRAMS=programs,
+                num_warps=8,
+            )
 
     return launch

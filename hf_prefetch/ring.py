@@ -259,6 +259,7 @@ class RecentPicks:
 
     experts: torch.Tensor  # (num_experts,) int64 on the device: the latest forward's picks (the first `count`), -1
     ready: torch.Tensor  # (num_experts,) int32 on the device: 1 where the slot's rows hold the layer's expert
+    chosen: torch.Tensor  # (num_experts,) int64 on the device: the fetch's own choice, read by its copies only
     count: int = 0  # picks the latest forward run in Python recorded (a function of its shapes; replays set none)
     top_k: int = 0  # picks per token in that forward (the router's index: tokens x top_k)
 

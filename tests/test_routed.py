@@ -1060,6 +1060,7 @@ def test_an_expert_that_enters_the_cache_during_a_fetch_is_fetched_whole_or_not_
     layer.recent = RecentPicks(
         torch.full((experts,), -1, dtype=torch.long, device=device),
         torch.zeros(experts, dtype=torch.int32, device=device),
+        torch.full((experts,), -1, dtype=torch.long, device=device),
     )
     layer.tallies = torch.zeros(4, dtype=torch.long, device=device)
     layer.recent.experts[:4] = torch.tensor([3, 5, 7, 9])
