@@ -8,7 +8,9 @@ This module knows plans and states; reading checkpoints is the loader's job, cho
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from functools import partial
 
 import torch
@@ -30,6 +32,7 @@ from .hooks import (
     host_values_in_state_dict,
     refuse_apply,
     refuse_assign,
+    waits_then_refuses,
 )
 from .host import HostArena
 from .layers import with_inner
@@ -50,7 +53,7 @@ from .state import (
     refuse_pickle,
 )
 
-__all__ = ["host_layout", "begin", "attach", "detach", "rollback", "finish_interrupted"]
+__all__ = ["host_layout", "begin", "forwards_held", "attach", "detach", "rollback", "finish_interrupted"]
 
 _warned_on_cpu = False
 
@@ -87,6 +90,19 @@ def _int8_as_given(ref: weakref.ref, ran: bool) -> None:
         layer.state.CB, layer.state.SCB, layer.weight.SCB = layer.weight.data, layer.weight.SCB, None
     else:
         layer.weight.CB = layer.weight.data
+
+
+@contextlib.contextmanager
+def forwards_held(model: nn.Module) -> Iterator[None]:
+    """For the caller replacing a model's dispatch under its lock, from the old forward gate's removal to the new one's
+    arrival (`begin`): the model has no gate then, and a forward another thread starts meets this pre-hook instead,
+    which waits for the lock and refuses (`hooks.waits_then_refuses`)."""
+    handle = model.register_forward_pre_hook(waits_then_refuses(model_lock(model)), prepend=True)
+    try:
+        yield
+    finally:
+        with deferred_interrupts():
+            handle.remove()
 
 
 def begin(

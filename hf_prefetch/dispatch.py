@@ -8,6 +8,7 @@ checkpoint instead of from the parameters, then calls the same `attach`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,7 +16,16 @@ import torch
 from torch import nn
 
 from . import host_memory
-from .attach import attach, begin, detach, finish_interrupted, host_layout, keep_int8_scales, rollback
+from .attach import (
+    attach,
+    begin,
+    detach,
+    finish_interrupted,
+    forwards_held,
+    host_layout,
+    keep_int8_scales,
+    rollback,
+)
 from .budget import choose_plan
 from .compressed import compress_arena
 from .config import PrefetchConfig
@@ -134,30 +144,34 @@ def _dispatch(
     timing: bool,
     uva: bool,
 ) -> nn.Module:
-    if state is not None and state.lifecycle is not Lifecycle.ATTACHED:
-        finish_interrupted(model, state)  # an interrupted dispatch or removal: complete it first
-        state = None
-    if state is not None and not replace:
-        raise ValueError(
-            f"{type(model).__name__} is already dispatched with {state.plan.config}. Call "
-            "hf_prefetch.remove_offload(model) first, or pass replace=True to re-dispatch with the new config."
-        )
-    refuse_other_offload(model)
-    _check_materialized(model)
-    # Validated before the old dispatch is undone.
-    if uva:
-        plan = make_uva_plan(model, config, layers)
-    else:
-        plan = choose_plan(model, config, layers, exec_device, max_memory, link_indices)
-    # UVA on the CPU leaves every weight where it is: host memory is the device's memory.
-    layout = [] if uva and exec_device.type == "cpu" else host_layout(plan)
-    if state is not None:
-        _check_replacement_arena(model, state, layout)  # while the old dispatch still stands
-        detach(model, state, target=None)
-    # Host memory the arena takes back as it fills: each offloaded parameter's original storage, if on the CPU.
-    on_host = sum(spec.nbytes for path, spec in layout if _param(model, path, spec).device.type == "cpu")
-    arena = HostArena([spec.nbytes for _, spec in layout], freed_bytes=on_host)
-    state = begin(model, plan, exec_device, arena, timing)
+    # From the old forward gate's removal to the new one's arrival, forwards in other threads wait and refuse.
+    with contextlib.ExitStack() as gateless:
+        if state is not None and state.lifecycle is not Lifecycle.ATTACHED:
+            gateless.enter_context(forwards_held(model))
+            finish_interrupted(model, state)  # an interrupted dispatch or removal: complete it first
+            state = None
+        if state is not None and not replace:
+            raise ValueError(
+                f"{type(model).__name__} is already dispatched with {state.plan.config}. Call "
+                "hf_prefetch.remove_offload(model) first, or pass replace=True to re-dispatch with the new config."
+            )
+        refuse_other_offload(model)
+        _check_materialized(model)
+        # Validated before the old dispatch is undone.
+        if uva:
+            plan = make_uva_plan(model, config, layers)
+        else:
+            plan = choose_plan(model, config, layers, exec_device, max_memory, link_indices)
+        # UVA on the CPU leaves every weight where it is: host memory is the device's memory.
+        layout = [] if uva and exec_device.type == "cpu" else host_layout(plan)
+        if state is not None:
+            _check_replacement_arena(model, state, layout)  # while the old dispatch still stands
+            gateless.enter_context(forwards_held(model))
+            detach(model, state, target=None)
+        # Host memory the arena takes back as it fills: each offloaded parameter's original storage, if on the CPU.
+        on_host = sum(spec.nbytes for path, spec in layout if _param(model, path, spec).device.type == "cpu")
+        arena = HostArena([spec.nbytes for _, spec in layout], freed_bytes=on_host)
+        state = begin(model, plan, exec_device, arena, timing)
     try:
         keep_int8_scales(model, state.journal)
         for index, (layer_path, spec) in enumerate(layout):

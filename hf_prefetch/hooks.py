@@ -37,6 +37,7 @@ __all__ = [
     "PrefetchHook",
     "RoutedHook",
     "ForwardGate",
+    "waits_then_refuses",
     "WriteThrough",
     "refuse_assign",
     "refuse_apply",
@@ -106,6 +107,25 @@ class RoutedHook(ModelHook):
         return f"RoutedHook({self.path}, ring={self.ring}, position={self.position})"
 
 
+_REPLACED = (
+    "Another thread removed or replaced this model's hf_prefetch dispatch while this forward waited for it "
+    "(remove_offload, dispatch_model(replace=True)): nothing was computed. Call the model again."
+)
+
+
+def waits_then_refuses(lock: threading.RLock) -> Callable[[nn.Module, Any], None]:
+    """A forward pre-hook for the time a model has no forward gate while its dispatch is replaced
+    (`attach.forwards_held`): a forward another thread starts then waits for the model's `lock`, held by the caller
+    replacing the dispatch, and then refuses, as one that waited in the old gate does."""
+
+    def wait_then_refuse(module: nn.Module, args: Any) -> None:
+        with lock:
+            pass
+        raise RuntimeError(_REPLACED)
+
+    return wait_then_refuse
+
+
 class ForwardGate:
     """The model's forward pre-hook and forward hook (registered with `always_call=True`, so the hook runs when the
     forward raises too), and a `forward` that releases the gate when a KeyboardInterrupt leaves the forward (`guard`).
@@ -162,10 +182,7 @@ class ForwardGate:
         self._lock.acquire()  # after a forward, or a verb changing the dispatch, in another thread
         if module.__dict__.get(STATE_ATTR) is not state:
             self._lock.release()
-            raise RuntimeError(
-                "Another thread removed or replaced this model's hf_prefetch dispatch while this forward waited for "
-                "it (remove_offload, dispatch_model(replace=True)): nothing was computed. Call the model again."
-            )
+            raise RuntimeError(_REPLACED)
         if state.lifecycle is not Lifecycle.ATTACHED:
             self._lock.release()
             raise RuntimeError(

@@ -195,3 +195,53 @@ def test_forwards_and_removals_wait_for_a_redispatch_to_end(monkeypatch):
     assert (isinstance(forward, torch.Tensor) and torch.equal(forward, want)) or (
         isinstance(forward, RuntimeError) and "Another thread removed or replaced" in str(forward)
     )
+
+
+@pytest.mark.parametrize("half_done", [False, True], ids=["attached", "interrupted"])
+def test_a_forward_between_the_old_gate_and_the_new_one_waits_and_computes_nothing(monkeypatch, half_done):
+    # A re-dispatch removes the old forward gate (detach, or finishing an interrupted dispatch) before `begin` brings
+    # the new one: a forward started by another thread in between meets neither, and must not run on weights in
+    # transit.
+    from hf_prefetch import dispatch
+    from hf_prefetch.state import Lifecycle
+
+    model = tiny_llama(4)
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    if half_done:
+        hf_prefetch.get_state(model).lifecycle = Lifecycle.DETACHING  # as an interrupted removal leaves it
+    between, go = threading.Event(), threading.Event()
+
+    class PausedArena(dispatch.HostArena):  # built after the old gate left, before the new one comes
+        def __init__(self, *args, **kwargs):
+            between.set()
+            go.wait(30)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "HostArena", PausedArena)
+    other = PrefetchConfig(group_size=4, num_in_group=2, prefetch_step=2)
+    outcome = {}
+
+    def run(name, call):
+        try:
+            outcome[name] = call()
+        except Exception as err:  # reported to the test
+            outcome[name] = err
+
+    redispatch = threading.Thread(
+        target=run, args=("dispatch", lambda: hf_prefetch.dispatch_model(model, other, device="cpu", replace=True))
+    )
+    redispatch.start()
+    assert between.wait(30)
+    assert hf_prefetch.get_state(model) is None  # the old dispatch is gone, the new one not begun
+    forward = threading.Thread(target=run, args=("forward", lambda: _logits(model)))
+    forward.start()
+    forward.join(timeout=0.5)
+    assert forward.is_alive()  # waiting for the re-dispatch
+    go.set()
+    for thread in (redispatch, forward):
+        thread.join(timeout=60)
+    assert outcome["dispatch"] is model and hf_prefetch.get_state(model).plan.config == other
+    assert isinstance(outcome["forward"], RuntimeError)
+    assert "Another thread removed or replaced" in str(outcome["forward"])
+    assert len(model._forward_pre_hooks) == 1  # the new gate's only: the hold's hook is gone
+    hf_prefetch.remove_offload(model)
