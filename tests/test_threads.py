@@ -16,6 +16,7 @@ from hf_prefetch import PrefetchConfig
 from hf_prefetch.state import exclusive
 
 CONFIG = PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1)
+OTHER = PrefetchConfig(group_size=4, num_in_group=2, prefetch_step=2)  # what a re-dispatch in a thread gives
 EXPERTS = PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=2, offload_params={"experts"})
 IDS = torch.tensor([[5, 6, 7, 8, 9, 10]])
 
@@ -58,6 +59,30 @@ def _in_the_middle_of_a_forward(model, verb) -> tuple[torch.Tensor, list]:
     threads[0].join(timeout=60)
     assert not threads[0].is_alive()
     return logits, outcome
+
+
+def _recorder(outcome: dict):
+    # `run(name, call)` for a thread: the call's result, or its exception, into `outcome[name]`.
+    def run(name, call):
+        try:
+            outcome[name] = call()
+        except Exception as err:  # reported to the test
+            outcome[name] = err
+
+    return run
+
+
+def _started(run, name, call) -> threading.Thread:
+    thread = threading.Thread(target=run, args=(name, call))
+    thread.start()
+    return thread
+
+
+def _redispatching(model, outcome: dict):
+    # A thread re-dispatching `model` with OTHER (its outcome in `outcome["dispatch"]`), and the recorder for more.
+    run = _recorder(outcome)
+    replace = lambda: hf_prefetch.dispatch_model(model, OTHER, device="cpu", replace=True)  # noqa: E731
+    return run, _started(run, "dispatch", replace)
 
 
 @pytest.mark.parametrize("kind", ["llama", "moe"])
@@ -163,19 +188,8 @@ def test_forwards_and_removals_wait_for_a_redispatch_to_end(monkeypatch):
         return attach(*args)
 
     monkeypatch.setattr(dispatch, "attach", slow_attach)
-    other = PrefetchConfig(group_size=4, num_in_group=2, prefetch_step=2)
     outcome = {}
-
-    def run(name, call):
-        try:
-            outcome[name] = call()
-        except Exception as err:  # reported to the test
-            outcome[name] = err
-
-    redispatch = threading.Thread(
-        target=run, args=("dispatch", lambda: hf_prefetch.dispatch_model(model, other, device="cpu", replace=True))
-    )
-    redispatch.start()
+    run, redispatch = _redispatching(model, outcome)
     assert attaching.wait(30)
     others = [
         threading.Thread(target=run, args=("forward", lambda: _logits(model))),
@@ -218,29 +232,17 @@ def test_a_forward_between_the_old_gate_and_the_new_one_waits_and_computes_nothi
             super().__init__(*args, **kwargs)
 
     monkeypatch.setattr(dispatch, "HostArena", PausedArena)
-    other = PrefetchConfig(group_size=4, num_in_group=2, prefetch_step=2)
     outcome = {}
-
-    def run(name, call):
-        try:
-            outcome[name] = call()
-        except Exception as err:  # reported to the test
-            outcome[name] = err
-
-    redispatch = threading.Thread(
-        target=run, args=("dispatch", lambda: hf_prefetch.dispatch_model(model, other, device="cpu", replace=True))
-    )
-    redispatch.start()
+    run, redispatch = _redispatching(model, outcome)
     assert between.wait(30)
     assert hf_prefetch.get_state(model) is None  # the old dispatch is gone, the new one not begun
-    forward = threading.Thread(target=run, args=("forward", lambda: _logits(model)))
-    forward.start()
+    forward = _started(run, "forward", lambda: _logits(model))
     forward.join(timeout=0.5)
     assert forward.is_alive()  # waiting for the re-dispatch
     go.set()
     for thread in (redispatch, forward):
         thread.join(timeout=60)
-    assert outcome["dispatch"] is model and hf_prefetch.get_state(model).plan.config == other
+    assert outcome["dispatch"] is model and hf_prefetch.get_state(model).plan.config == OTHER
     assert isinstance(outcome["forward"], RuntimeError)
     assert "Another thread removed or replaced" in str(outcome["forward"])
     assert len(model._forward_pre_hooks) == 1  # the new gate's only: the hold's hook is gone
