@@ -9,6 +9,7 @@ This module knows plans and states; reading checkpoints is the loader's job, cho
 from __future__ import annotations
 
 import contextlib
+import threading
 import weakref
 from collections.abc import Iterator
 from functools import partial
@@ -96,13 +97,17 @@ def _int8_as_given(ref: weakref.ref, ran: bool) -> None:
 def forwards_held(model: nn.Module) -> Iterator[None]:
     """For the caller replacing a model's dispatch under its lock, from the old forward gate's removal to the new one's
     arrival (`begin`): the model has no gate then, and a forward another thread starts meets this pre-hook instead,
-    which waits for the lock and refuses (`hooks.waits_then_refuses`)."""
-    handle = model.register_forward_pre_hook(waits_then_refuses(model_lock(model)), prepend=True)
+    which waits for the lock and refuses (`hooks.waits_then_refuses`). Registered and removed with interrupts held
+    back: a hook left on the model would refuse every later forward."""
+    hook, handle = waits_then_refuses(model_lock(model), threading.get_ident()), None
     try:
+        with deferred_interrupts():  # inside the `try`: an interrupt held back is raised as the block ends
+            handle = model.register_forward_pre_hook(hook, prepend=True)
         yield
     finally:
         with deferred_interrupts():
-            handle.remove()
+            if handle is not None:
+                handle.remove()
 
 
 def begin(

@@ -113,14 +113,29 @@ _REPLACED = (
 )
 
 
-def waits_then_refuses(lock: threading.RLock) -> Callable[[nn.Module, Any], None]:
-    """A forward pre-hook for the time a model has no forward gate while its dispatch is replaced
-    (`attach.forwards_held`): a forward another thread starts then waits for the model's `lock`, held by the caller
-    replacing the dispatch, and then refuses, as one that waited in the old gate does."""
+def _half_done(state: OffloadState) -> str:
+    return (
+        f"This model's hf_prefetch dispatch is half-done ({state.lifecycle.value}: an interrupt or an error stopped "
+        "it). Call hf_prefetch.remove_offload(model) to finish undoing it, then dispatch again."
+    )
+
+
+def waits_then_refuses(lock: threading.RLock, owner: int) -> Callable[[nn.Module, Any], None]:
+    """A forward pre-hook for the time a model has no forward gate while thread `owner` replaces its dispatch under
+    its `lock` (`attach.forwards_held`): a forward another thread starts then waits for the lock, and then refuses,
+    as one that waited in the old gate does (half-done if the replacement stopped half-way). A forward of the owner
+    itself (the lock is re-entrant) refuses at once."""
 
     def wait_then_refuse(module: nn.Module, args: Any) -> None:
+        if threading.get_ident() == owner:
+            raise RuntimeError(
+                "This model's hf_prefetch dispatch is being replaced by this thread (dispatch_model): it cannot run "
+                "a forward until the replacement ends."
+            )
         with lock:
-            pass
+            state = module.__dict__.get(STATE_ATTR)
+        if state is not None and state.lifecycle is not Lifecycle.ATTACHED:
+            raise RuntimeError(_half_done(state))
         raise RuntimeError(_REPLACED)
 
     return wait_then_refuse
@@ -185,10 +200,7 @@ class ForwardGate:
             raise RuntimeError(_REPLACED)
         if state.lifecycle is not Lifecycle.ATTACHED:
             self._lock.release()
-            raise RuntimeError(
-                f"This model's hf_prefetch dispatch is half-done ({state.lifecycle.value}: an interrupt or an error "
-                "stopped it). Call hf_prefetch.remove_offload(model) to finish undoing it, then dispatch again."
-            )
+            raise RuntimeError(_half_done(state))
         self._depth.value = getattr(self._depth, "value", 0) + 1
         try:
             for write_through in state.write_throughs:

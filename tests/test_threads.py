@@ -247,3 +247,96 @@ def test_a_forward_between_the_old_gate_and_the_new_one_waits_and_computes_nothi
     assert "Another thread removed or replaced" in str(outcome["forward"])
     assert len(model._forward_pre_hooks) == 1  # the new gate's only: the hold's hook is gone
     hf_prefetch.remove_offload(model)
+
+
+def test_a_forward_held_by_a_redispatch_that_stops_half_way_says_it_is_half_done(monkeypatch):
+    # The hold comes before the old gate leaves (detach's last step): a forward that waited in it for a re-dispatch
+    # that an interrupt stopped in the middle of detach is told the model is half-done, not that it was replaced.
+    from hf_prefetch import attach
+
+    model = tiny_llama(4)
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    detaching, go = threading.Event(), threading.Event()
+    quiesce = attach._quiesce
+
+    def interrupted_quiesce(state):
+        if state.lifecycle.value == "detaching":
+            detaching.set()
+            go.wait(30)
+            raise KeyboardInterrupt
+        return quiesce(state)
+
+    monkeypatch.setattr(attach, "_quiesce", interrupted_quiesce)
+    outcome = {}
+
+    def redispatch():
+        try:
+            hf_prefetch.dispatch_model(model, OTHER, device="cpu", replace=True)
+        except KeyboardInterrupt as err:
+            outcome["dispatch"] = err
+
+    thread = threading.Thread(target=redispatch)
+    thread.start()
+    assert detaching.wait(30)
+    run = _recorder(outcome)
+    forward = _started(run, "forward", lambda: _logits(model))
+    forward.join(timeout=0.5)
+    assert forward.is_alive()
+    go.set()
+    for waiting in (thread, forward):
+        waiting.join(timeout=60)
+    assert isinstance(outcome["dispatch"], KeyboardInterrupt)
+    assert isinstance(outcome["forward"], RuntimeError) and "is half-done (detaching" in str(outcome["forward"])
+    monkeypatch.undo()
+    hf_prefetch.remove_offload(model)
+    assert not model._forward_pre_hooks  # neither the hold nor a gate is left
+
+
+def test_a_forward_of_the_redispatching_thread_itself_is_refused_as_such(monkeypatch):
+    from hf_prefetch import dispatch
+
+    model = tiny_llama(4)
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    refused = []
+
+    class ForwardingArena(dispatch.HostArena):  # runs in the gap, in the re-dispatching thread
+        def __init__(self, *args, **kwargs):
+            try:
+                _logits(model)
+            except RuntimeError as err:
+                refused.append(str(err))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(dispatch, "HostArena", ForwardingArena)
+    hf_prefetch.dispatch_model(model, OTHER, device="cpu", replace=True)
+    assert len(refused) == 1 and "being replaced by this thread" in refused[0]
+    assert torch.equal(_logits(model), _logits(tiny_llama(4)))
+    hf_prefetch.remove_offload(model)
+
+
+def test_an_interrupt_while_the_hold_is_registered_leaves_no_hook_behind():
+    # A Ctrl-C (SIGINT) arriving just after torch registered the hold's hook, before its handle was kept.
+    import signal
+
+    model = tiny_llama(4)
+    want = _logits(copy.deepcopy(model))
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    register, calls = model.register_forward_pre_hook, []
+
+    def register_then_interrupt(*args, **kwargs):
+        handle = register(*args, **kwargs)
+        if not calls:
+            calls.append(handle)
+            signal.raise_signal(signal.SIGINT)
+        return handle
+
+    model.register_forward_pre_hook = register_then_interrupt
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            hf_prefetch.dispatch_model(model, OTHER, device="cpu", replace=True)
+    finally:
+        del model.register_forward_pre_hook
+    assert calls and hf_prefetch.get_state(model).plan.config == CONFIG  # interrupted before the old one was undone
+    assert torch.equal(_logits(model), want)
+    hf_prefetch.remove_offload(model)
+    assert not model._forward_pre_hooks
