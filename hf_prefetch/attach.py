@@ -23,7 +23,7 @@ from .changes import Journal, Phase, deferred_interrupts, move_tensors
 from .compressed import refuse_unencodable
 from .config import warn_at_caller
 from .engine import PrefetchEngine
-from .experts import fetch_kernel, gather_kernel
+from .experts import add_lookups
 from .hooks import (
     ForwardGate,
     PrefetchHook,
@@ -40,10 +40,10 @@ from .layers import with_inner
 from .ops import register_engine
 from .pipeline import DeviceEngines, device_map, inputs_to
 from .pipeline import ring_device as device_of_ring
-from .placements import OffloadPlan, ParamSpec, Placement, RingPlan, caches_experts, staged_nbytes
+from .placements import OffloadPlan, ParamSpec, Placement, RingPlan, staged_nbytes
 from .pool import BufferPool
 from .render import format_bytes
-from .ring import Decode, ExpertCache, LayerTransfer, RecentPicks, RingTransfers, RoutedTensor, byte_span
+from .ring import Decode, LayerTransfer, RingTransfers, RoutedTensor, byte_span
 from .state import (
     STATE_ATTR,
     Lifecycle,
@@ -226,7 +226,7 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
             if not decodes:  # a compressed layer's staged bytes are copied one by one (engine.store tells them apart)
                 transfer.span = byte_span(slots, host)
             if routable and routed and all(r.device_rows.dim() == 2 for r in routed):
-                _add_lookups(transfer, layer, plan, ring_device)
+                add_lookups(transfer, layer, plan, ring_device)
             transfers.append(transfer)
         rings.append(RingTransfers(transfers, pool))
     engine = state.engine = _engines(state, rings, ring_devices)
@@ -289,51 +289,6 @@ def _align_devices(model: nn.Module, state: OffloadState, ring_devices: list[tor
         if path and owns and not inside:
             register = partial(module.register_forward_pre_hook, partial(inputs_to, state.device), with_kwargs=True)
             state.journal.handle(register, f"inputs of {path} to {state.device}")
-
-
-def _add_lookups(transfer: LayerTransfer, layer, plan, device: torch.device) -> None:
-    # What a routing forward looks up on the device for a layer whose slot takes turns and whose routed tensors
-    # belong to one experts module (`caches_experts`; one module's picks name no other's experts): its expert cache,
-    # and the experts it picked in its latest forward, fetched with its copy. Fetching ahead reads rows through the
-    # mapped view from the copy stream: on CUDA only with its Triton kernel.
-    if not caches_experts(layer):
-        return
-    transfer.cache = _expert_cache(layer, transfer.routed, plan.cached_experts, device)
-    num_experts = transfer.routed[0].num_experts
-    fetches = device.type != "cuda" or fetch_kernel() is not None
-    if getattr(plan.config, "recent_experts", True) and plan.routed_max_tokens > 0 and fetches:
-        transfer.recent = RecentPicks(
-            experts=torch.full((num_experts,), -1, dtype=torch.long, device=device),
-            ready=torch.zeros(num_experts, dtype=torch.int32, device=device),
-            chosen=torch.full((num_experts,), -1, dtype=torch.long, device=device),
-        )
-    if transfer.cache is not None or transfer.recent is not None:
-        transfer.tallies = torch.zeros(4, dtype=torch.long, device=device)
-
-
-def _expert_cache(layer, routed: list[RoutedTensor], cached_experts: int, device: torch.device) -> ExpertCache | None:
-    # As many rows as the plan counted (`placements.caches_experts`, `_cached_rows_bytes`).
-    if cached_experts <= 0:
-        return None
-    if device.type == "cuda" and gather_kernel() is None:
-        warn_at_caller(
-            "The expert cache reads every pick from host memory: its lookup kernel needs Triton, "
-            "which is not installed (`pip install triton`). Results are the same; set expert_cache=0 to save its "
-            "memory."
-        )
-    num_experts = routed[0].num_experts
-    capacity = min(cached_experts, num_experts)
-    tensors = [torch.empty((capacity, *t.host.shape[1:]), dtype=t.host.dtype, device=device) for t in routed]
-    # Rows viewed as the slot's rows are (`RoutedTensor.device_rows`), so that a gather reads either alike.
-    rows = [t.view(capacity, -1).view(r.device_rows.dtype) for t, r in zip(tensors, routed, strict=True)]
-    return ExpertCache(
-        tensors,
-        rows,
-        slot_of=torch.full((num_experts,), -1, dtype=torch.long, device=device),
-        picks=torch.zeros(num_experts, dtype=torch.long, device=device),
-        experts=list(range(capacity)),
-        scores=[0.0] * num_experts,
-    )
 
 
 def _point_subclass(journal: Journal, param: nn.Parameter, inner: dict[str, torch.Tensor], what: str) -> None:

@@ -11,12 +11,19 @@ forward) and orders the streams around them. Nothing here synchronises with the 
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
-from .ring import ExpertCache, LayerTransfer
+from .config import warn_at_caller
+from .placements import caches_experts
+from .ring import ExpertCache, LayerTransfer, RecentPicks, RoutedTensor
+
+if TYPE_CHECKING:
+    from .placements import LayerPlan, OffloadPlan
 
 __all__ = [
+    "add_lookups",
     "ExpertCaches",
     "copy_routed_rows",
     "gather_looked_up",
@@ -29,6 +36,51 @@ __all__ = [
     "gather_kernel",
     "fetch_kernel",
 ]
+
+
+def add_lookups(transfer: LayerTransfer, layer: LayerPlan, plan: OffloadPlan, device: torch.device) -> None:
+    """What a routing forward looks up on the device for a layer whose slot takes turns and whose routed tensors
+    belong to one experts module (`caches_experts`; one module's picks name no other's experts): its expert cache, and
+    the experts it picked in its latest forward, fetched with its copy. Fetching ahead reads rows through the mapped
+    view from the copy stream: on CUDA only with its Triton kernel."""
+    if not caches_experts(layer):
+        return
+    transfer.cache = _expert_cache(transfer.routed, plan.cached_experts, device)
+    num_experts = transfer.routed[0].num_experts
+    fetches = device.type != "cuda" or fetch_kernel() is not None
+    if getattr(plan.config, "recent_experts", True) and plan.routed_max_tokens > 0 and fetches:
+        transfer.recent = RecentPicks(
+            experts=torch.full((num_experts,), -1, dtype=torch.long, device=device),
+            ready=torch.zeros(num_experts, dtype=torch.int32, device=device),
+            chosen=torch.full((num_experts,), -1, dtype=torch.long, device=device),
+        )
+    if transfer.cache is not None or transfer.recent is not None:
+        transfer.tallies = torch.zeros(4, dtype=torch.long, device=device)
+
+
+def _expert_cache(routed: list[RoutedTensor], cached_experts: int, device: torch.device) -> ExpertCache | None:
+    # As many rows as the plan counted (`placements.caches_experts`, `_cached_rows_bytes`).
+    if cached_experts <= 0:
+        return None
+    if device.type == "cuda" and gather_kernel() is None:
+        warn_at_caller(
+            "The expert cache reads every pick from host memory: its lookup kernel needs Triton, "
+            "which is not installed (`pip install triton`). Results are the same; set expert_cache=0 to save its "
+            "memory."
+        )
+    num_experts = routed[0].num_experts
+    capacity = min(cached_experts, num_experts)
+    tensors = [torch.empty((capacity, *t.host.shape[1:]), dtype=t.host.dtype, device=device) for t in routed]
+    # Rows viewed as the slot's rows are (`RoutedTensor.device_rows`), so that a gather reads either alike.
+    rows = [t.view(capacity, -1).view(r.device_rows.dtype) for t, r in zip(tensors, routed, strict=True)]
+    return ExpertCache(
+        tensors,
+        rows,
+        slot_of=torch.full((num_experts,), -1, dtype=torch.long, device=device),
+        picks=torch.zeros(num_experts, dtype=torch.long, device=device),
+        experts=list(range(capacity)),
+        scores=[0.0] * num_experts,
+    )
 
 
 def copy_routed_rows(layer: LayerTransfer, index: torch.Tensor) -> None:

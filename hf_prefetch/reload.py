@@ -38,6 +38,9 @@ from .state import OffloadState, exclusive, get_state
 __all__ = ["reload_weights", "sync_from_device"]
 
 
+logger = logging.getLogger(__name__)
+
+
 def _exclusive(verb: Callable[..., Any]) -> Callable[..., Any]:
     # The verb runs after any forward under way in another thread, and the forwards that come meanwhile wait for it:
     # a forward must compute with the old weights or the new ones, never a mix (`state.exclusive`).
@@ -47,8 +50,6 @@ def _exclusive(verb: Callable[..., Any]) -> Callable[..., Any]:
             return verb(model, *args, **kwargs)
 
     return run
-
-logger = logging.getLogger(__name__)
 
 
 @_exclusive
