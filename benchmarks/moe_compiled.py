@@ -15,6 +15,7 @@ not count).
 
     python benchmarks/moe_compiled.py [--budget-gib 24] [--layers 48] [--runs 3]
     python benchmarks/moe_compiled.py --cache-shares 0 0.25 0.5 --budget-gib 40
+    python benchmarks/moe_compiled.py --slots 2 3 4 --default-cache --sample
 
 With `--cache-shares`, the rows are routed experts with an expert cache of each share of the experts (the planner
 streams more layers to make room); the bound counts the bytes a token still copies, and the hit rate is the cache's
@@ -102,6 +103,15 @@ def main() -> None:
         help="routed rows with expert_cache=None (what the budget leaves spare) instead of no cache; the whole-tensor "
         "row keeps none",
     )
+    parser.add_argument(
+        "--slots",
+        type=int,
+        nargs="*",
+        default=None,
+        help="routed rows with recent experts at each number of slots (prefetch_step), the budget grown by one "
+        "streamed layer's bytes per slot past 2 (so the cache and the streamed layers stay as they are), and the "
+        "router-only row at 2 slots for the bound",
+    )
     add_offload_params_argument(parser)
     args = parser.parse_args()
     global SAMPLE
@@ -120,26 +130,31 @@ def main() -> None:
     print(f"all on GPU, eager: {eager_resident:.4f} s/token", flush=True)
     torch._dynamo.reset()
 
-    budget = {0: f"{args.budget_gib}GiB", "cpu": "120GiB"}
     systems = {}
-    if args.cache_shares is None:
-        cache = None if args.default_cache else 0
+    cache = None if args.default_cache else 0
+    if args.slots:
+        variants = [("routed, router only", None, cache, False, 2)] + [
+            (f"routed experts, {n} slots", None, cache, True, n) for n in args.slots
+        ]
+    elif args.cache_shares is None:
         variants = [
-            ("routed experts", None, cache, True),
-            ("routed, router only", None, cache, False),
-            ("whole expert tensors", 0, 0, False),
+            ("routed experts", None, cache, True, 2),
+            ("routed, router only", None, cache, False, 2),
+            ("whole expert tensors", 0, 0, False, 2),
         ][: 2 if args.sample else 3]  # whole expert tensors: the bitwise reference of the routed rows
     else:
         experts = model.config.num_experts
         variants = [
-            (f"routed, cache {int(s * experts)}/{experts}{suffix}", None, int(s * experts), recent)
+            (f"routed, cache {int(s * experts)}/{experts}{suffix}", None, int(s * experts), recent, 2)
             for s in args.cache_shares
             for suffix, recent in (("", True), (", router only", False))
         ]
-    for number, (name, limit, cached, recent) in enumerate(variants):
+    layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers[0].mlp.experts.parameters())
+    for number, (name, limit, cached, recent, slots) in enumerate(variants):
         begin = time.perf_counter()
+        budget = {0: f"{args.budget_gib + (slots - 2) * layer_bytes / 2**30:.4f}GiB", "cpu": "120GiB"}
         config = hf_prefetch.PrefetchConfig(
-            prefetch_step=2,
+            prefetch_step=slots,
             expert_cache=cached,
             routed_max_tokens=limit,
             recent_experts=recent,
@@ -210,7 +225,12 @@ def main() -> None:
             f"{'hf_prefetch ' + name:<34} {row['moved'] / 1e9:>9.2f} {seconds:>8.4f} {bound:>8.4f} "
             f"{seconds / bound:>8.3f}  {same}; misses {row['misses']}"
         )
-    if args.cache_shares is None and not args.sample:
+    if args.slots:
+        reference_row = systems["routed, router only"]["tokens"]
+        for name, row in systems.items():
+            verdict = "identical" if torch.equal(row["tokens"], reference_row) else "DIFFER"
+            print(f"{name}: tokens {verdict} to routed, router only")
+    elif args.cache_shares is None and not args.sample:
         whole = systems["whole expert tensors"]
         for name in ("routed experts", "routed, router only"):
             routed = systems[name]

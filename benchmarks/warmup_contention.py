@@ -9,6 +9,8 @@ device, then the warm-up thread started, alone or beside 16 threads (`--threads`
   host reads do; `pread-touched`: the same into memory written once before the warm-up starts; `pread-256MiB`: reads
   of 256 MiB (16x fewer returns to Python);
 - `touch`: the first write of as much fresh host memory as the checkpoint's size (page faults, no file);
+- `populate`: the same memory made present by the kernel instead (`madvise(MADV_POPULATE_WRITE)`, 64 MiB a call,
+  no page fault per page); `populate-pread`: that, then the reads of `pread` into it;
 - `copy`: copies between host buffers written before (memory bandwidth; the GIL released, no page faults);
 - `python`: pure-Python loops (the GIL held), for 2 s.
 
@@ -35,9 +37,31 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import pread_files  # noqa: E402
 
 RESULT_MARK = "RESULT "
-VARIANTS = ["none", "pread", "pread-touched", "pread-256MiB", "touch", "copy", "python"]
+VARIANTS = ["none", "pread", "pread-touched", "pread-256MiB", "touch", "populate", "populate-pread", "copy", "python"]
 _PYTHON_SECONDS = 2.0
 _COPY_BYTES = 2**30  # each thread's buffer of the `copy` variant
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+_POPULATE_BYTES = 64 * 2**20
+
+
+def _populate(buffers, pool: ThreadPoolExecutor) -> None:
+    # The pages of each buffer made present and writable by the kernel, a piece per call, from the pool's threads.
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = os.sysconf("SC_PAGE_SIZE")
+
+    def advise(start: int, length: int) -> None:
+        if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), _MADV_POPULATE_WRITE) != 0:
+            raise OSError(ctypes.get_errno(), "madvise(MADV_POPULATE_WRITE)")
+
+    jobs = []
+    for buffer in buffers:
+        start = -(-buffer.data_ptr() // page) * page
+        end = (buffer.data_ptr() + buffer.numel()) // page * page
+        jobs += [pool.submit(advise, a, min(_POPULATE_BYTES, end - a)) for a in range(start, end, _POPULATE_BYTES)]
+    for job in jobs:
+        job.result()
 
 
 def _files(folder: Path) -> list[Path]:
@@ -48,7 +72,7 @@ def _prepare(variant: str, folder: Path, threads: int):
     # What the variant needs before the warm-up starts (not timed).
     import torch
 
-    if variant in ("pread", "pread-256MiB"):
+    if variant in ("pread", "pread-256MiB", "populate", "populate-pread"):
         return [torch.empty(f.stat().st_size, dtype=torch.uint8) for f in _files(folder)]
     if variant == "pread-touched":
         return [torch.zeros(f.stat().st_size, dtype=torch.uint8) for f in _files(folder)]
@@ -61,7 +85,11 @@ def _prepare(variant: str, folder: Path, threads: int):
 def _beside(variant: str, folder: Path, threads: int, prepared, pool: ThreadPoolExecutor) -> None:
     import torch
 
-    if variant.startswith("pread"):
+    if variant.startswith("populate"):
+        _populate(prepared, pool)
+        if variant == "populate-pread":
+            pread_files(_files(folder), prepared, pool)
+    elif variant.startswith("pread"):
         chunk = 256 * 2**20 if variant == "pread-256MiB" else 16 * 2**20
         pread_files(_files(folder), prepared, pool, chunk=chunk)
     elif variant == "touch":

@@ -121,7 +121,7 @@ def begin(
     """The first change of every dispatch: the model gets its state (lifecycle ATTACHING), so that from here on an
     interrupt leaves something `remove_offload` can finish. `journal`: changes made before (the loader's casts)."""
     state = OffloadState(plan, device, arena, journal if journal is not None else Journal(), timing=timing)
-    gate, hooks = ForwardGate(state, model_lock(model)), state.gate_hooks
+    state.gate = gate = ForwardGate(state, model_lock(model))
     # The state arrives with its forward gate and leaves with it (`_end`), after everything else was undone: from the
     # first change of a dispatch to the last step of its removal, a forward on the half-done model refuses to run.
     with deferred_interrupts():
@@ -130,9 +130,7 @@ def begin(
         # detaches the hooks (an accelerate hook is a reference cycle through its module) and unpins the host
         # storage. See [Note: the journal].
         state.finalizer = weakref.finalize(model, _collected, state)
-        hooks.handle(partial(model.register_forward_pre_hook, gate.before, with_kwargs=True), "forward gate (before)")
-        hooks.handle(partial(model.register_forward_hook, gate.after, always_call=True), "forward gate (after)")
-        hooks.set_attribute(model, "forward", gate.guard(model), "forward gate (interrupts)")
+        state.gate_hooks.set_attribute(model, "forward", gate.guard(model), "forward gate")
     return state
 
 

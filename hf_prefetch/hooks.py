@@ -6,8 +6,8 @@
   are the custom ops of `ops.py`, so the decoder stack compiles into one graph.
 - `RoutedHook` (on the experts module of a layer with routed expert tensors): before it runs, the rows of the experts
   its router picked are copied into the layer's slot (`gather`).
-- `ForwardGate` (the model's own forward pre-hook and forward hook): one forward at a time, and `engine.prepare()`
-  before it and `engine.finish()` after it, outside any compiled graph.
+- `ForwardGate` (the model's own forward, wrapped): one forward at a time, and `engine.prepare()` before it and
+  `engine.finish()` after it, outside any compiled graph.
 - The state-dict hooks: `state_dict()` reports host values, `load_state_dict()` writes through to them.
 Policy lives in the plan and the engine, not here.
 """
@@ -142,66 +142,83 @@ def waits_then_refuses(lock: threading.RLock, owner: int) -> Callable[[nn.Module
 
 
 class ForwardGate:
-    """The model's forward pre-hook and forward hook (registered with `always_call=True`, so the hook runs when the
-    forward raises too), and a `forward` that releases the gate when a KeyboardInterrupt leaves the forward (`guard`).
-    They live as long as the dispatch's state, from its first change to the last step of its removal.
+    """The model's forward, wrapped (`guard`, set on the module's instance dict for as long as the dispatch's state
+    lives, from its first change to the last step of its removal):
 
     - One forward at a time: a second thread's forward waits for the first to end (the slots hold one forward's
       layers at a time, so interleaved forwards would compute with each other's weights). Re-entrant in one thread.
     - A model whose dispatch or removal was interrupted refuses to compute until `remove_offload` finished it.
     - `engine.prepare()` before and `engine.finish()` after each forward, outside any compiled graph (under
-      torch.compile each is a graph break at the model's entry or exit, so that it runs around each CUDA-graph
+      torch.compile each is a graph break at the forward's entry or exit, so that it runs around each CUDA-graph
       replay); pending write-throughs of an interrupted `load_state_dict` are completed first.
+
+    The gate is the forward itself, not a pre-hook and a forward hook: hooks registered after it (or before it) run
+    outside it, so whatever they raise, a KeyboardInterrupt included, cannot leave the gate held (torch runs an
+    `always_call` forward hook for an Exception only, and skips it for an error in a pre-hook after the gate's).
     """
 
     def __init__(self, state: OffloadState, lock: threading.RLock) -> None:
-        self._state = state
+        self._state = weakref.ref(state)  # the state holds the gate (`OffloadState.gate`)
         self._lock = lock  # the model's (`state.model_lock`), shared with the verbs that change the dispatch
         self._depth = threading.local()
 
-    def before(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
-        tokens = _token_count(args, kwargs)
-        _outside_any_graph(lambda: self._enter(module, tokens))
-
-    def after(self, module: nn.Module, args: Any, output: Any) -> None:
-        _outside_any_graph(self._exit)
-
     def guard(self, module: nn.Module) -> Callable[..., Any]:
-        """A `forward` for the module's instance dict that releases the gate when a BaseException that is not an
-        Exception (a KeyboardInterrupt) leaves the forward: torch runs an `always_call` hook for an Exception only, and
-        a gate left held by one thread would block every other thread's forward for good."""
+        """The gated `forward` for the module's instance dict: the forward set on the instance before, else the
+        class's, between `_enter` and `_exit`."""
         inner = module.__dict__.get("forward")  # a forward set on the instance before, else the class's
-        # Weak references: the module holds this function, and so does the journal that removes it (through the state,
-        # which the gate holds): strong ones would be cycles that keep a deleted model alive.
-        module_ref, close = weakref.ref(module), weakref.WeakMethod(self._exit)
+        # Weak references: the module holds this function, and so may a caller (a forward set on top of it) long after
+        # the dispatch left; the state holds the gate.
+        module_ref, gate_ref, lock = weakref.ref(module), weakref.ref(self), self._lock
+        outside_graph = _outside_graph()  # made here, not while dynamo traces the forward
 
         def forward(*args: Any, **kwargs: Any) -> Any:
+            # Entry and exit run in Python, never traced: under torch.compile dynamo runs this function as it is (a
+            # graph break in a `try`) and compiles the inner forward, so they run around each call of the compiled
+            # code (each CUDA-graph replay).
+            owner, gate = module_ref(), gate_ref()
+            if gate is None or not gate.guards(owner):
+                # Kept by a caller (a forward set on top of it) after its dispatch left, or fetched by a call that
+                # started just before: it runs the forward only where no other dispatch's gate is bypassed.
+                with lock:  # a change under way ends first
+                    current = owner.__dict__.get(STATE_ATTR)
+                    if current is not None and current.gate.depth() == 0:
+                        raise RuntimeError(
+                            _REPLACED if current.lifecycle is Lifecycle.ATTACHED else _half_done(current)
+                        )
+                    return _plain(inner, owner, args, kwargs)
+            depth = gate.depth()
             try:
-                if inner is not None:
-                    return inner(*args, **kwargs)
-                owner = module_ref()
-                return type(owner).forward(owner, *args, **kwargs)
-            except Exception:
-                raise  # the forward hook releases the gate
-            except BaseException:
-                if (exit_gate := close()) is not None:  # else the dispatch was removed, with its gate
-                    _outside_any_graph(exit_gate)
-                raise
+                outside_graph(gate._enter, owner, _token_count(args, kwargs))
+                return _plain(inner, owner, args, kwargs)
+            finally:
+                if gate.depth() > depth:  # else `_enter` refused (and left), or raised before taking the lock
+                    outside_graph(gate._exit)
 
         functools.update_wrapper(forward, inner if inner is not None else type(module).forward)
         forward.__signature__ = inspect.signature(module.forward)  # without `self`: generate() reads the arguments
         return forward
 
+    def guards(self, module: nn.Module) -> bool:
+        """Whether the gate's dispatch is `module`'s (half-done or not)."""
+        state = self._state()
+        return state is not None and module.__dict__.get(STATE_ATTR) is state
+
+    def depth(self) -> int:
+        """How many forwards of this thread are inside the gate (nested ones included)."""
+        return getattr(self._depth, "value", 0)
+
     def _enter(self, module: nn.Module, tokens: int | None = None) -> None:
-        state = self._state
         self._lock.acquire()  # after a forward, or a verb changing the dispatch, in another thread
-        if module.__dict__.get(STATE_ATTR) is not state:
-            self._lock.release()
-            raise RuntimeError(_REPLACED)
-        if state.lifecycle is not Lifecycle.ATTACHED:
-            self._lock.release()
-            raise RuntimeError(_half_done(state))
-        self._depth.value = getattr(self._depth, "value", 0) + 1
+        self._depth.value = self.depth() + 1
+        try:
+            state = self._state()
+            if state is None or module.__dict__.get(STATE_ATTR) is not state:
+                raise RuntimeError(_REPLACED)
+            if state.lifecycle is not Lifecycle.ATTACHED:
+                raise RuntimeError(_half_done(state))
+        except BaseException:
+            self._leave(finish=False)  # refused: nothing was prepared
+            raise
         try:
             for write_through in state.write_throughs:
                 write_through.complete()
@@ -212,15 +229,24 @@ class ForwardGate:
             raise
 
     def _exit(self) -> None:
-        depth = getattr(self._depth, "value", 0)
-        if depth == 0:  # `before` refused, or raised before taking the lock
+        self._leave(finish=True)
+
+    def _leave(self, finish: bool) -> None:
+        depth = self.depth()
+        if depth == 0:
             return
         try:
-            if depth == 1 and self._state.engine is not None:
-                self._state.engine.finish()
+            state = self._state()
+            if finish and depth == 1 and state is not None and state.engine is not None:
+                state.engine.finish()
         finally:
             self._depth.value = depth - 1
             self._lock.release()
+
+
+def _plain(inner: Callable[..., Any] | None, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+    # The forward a gate wraps: one set on the instance before it, else the class's.
+    return inner(*args, **kwargs) if inner is not None else type(module).forward(module, *args, **kwargs)
 
 
 def _refuse_backward(output: Any, path: str) -> None:
@@ -234,13 +260,6 @@ def _refuse_backward(output: Any, path: str) -> None:
     for tensor in _tensors(output):
         if tensor.requires_grad:
             tensor.register_hook(refuse)
-
-
-def _outside_any_graph(step: Callable[[], None]) -> None:
-    if torch.compiler.is_compiling():
-        _run_outside_graph(step)
-    else:
-        step()
 
 
 def _eager_step(step, hook: PrefetchHook | RoutedHook, label: str, *extra: Any) -> None:
@@ -260,14 +279,20 @@ def _compiled_step(op, step, hook: PrefetchHook, anchor: torch.Tensor | None) ->
 
 
 def _run_outside_graph(step, *args) -> None:
-    # A graph break. Made on first use: torch.compiler.disable imports dynamo, which `import hf_prefetch` must not.
-    global _outside_graph
-    if _outside_graph is None:
-        _outside_graph = torch.compiler.disable(lambda step, *args: step(*args))
-    _outside_graph(step, *args)
+    # A graph break: the step runs in Python on every call of the compiled code.
+    _outside_graph()(step, *args)
 
 
-_outside_graph = None
+def _outside_graph() -> Callable[..., Any]:
+    # Made on first use: torch.compiler.disable imports dynamo, which `import hf_prefetch` must not. A dispatch makes
+    # it (`ForwardGate.guard`), so that dynamo never traces its making.
+    global _outside
+    if _outside is None:
+        _outside = torch.compiler.disable(lambda step, *args: step(*args))
+    return _outside
+
+
+_outside = None
 
 
 def _token_count(args: tuple, kwargs: dict) -> int | None:

@@ -207,7 +207,7 @@ def test_a_forward_that_raises_does_not_block_another_threads_forward(six, error
     model = _dispatched(copy.deepcopy(model), ONE_SLOT)
     mlp = model.model.layers[3].mlp
     try:
-        assert list(model._forward_hooks_always_called.values()) == [True]  # the gate's forward hook
+        assert "forward" in model.__dict__ and not model._forward_hooks  # the gate is the model's forward
         if error is IndexError:
             with pytest.raises(IndexError):
                 _logits(model, torch.full_like(ids, 10_000))  # a token id outside the vocabulary

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import weakref
 
 import pytest
 import torch
@@ -256,6 +257,47 @@ def test_a_forward_left_by_an_exception_or_a_ctrl_c_opens_the_gate_for_other_thr
     assert not thread.is_alive(), "the gate stayed closed after the interrupted forward"
     assert torch.equal(result["logits"], llama_reference.logits)
     assert torch.equal(forward(model, ids), llama_reference.logits)
+
+
+@pytest.mark.parametrize("where", ["pre-hook registered after the dispatch", "forward hook registered before it"])
+def test_a_ctrl_c_in_a_hook_of_the_model_itself_leaves_the_gate_open(llama_reference, where):
+    # Hooks of the model run outside its gate (the gate is its forward): torch skips the `always_call` forward hooks
+    # for a KeyboardInterrupt, and for any error in a pre-hook after the gate's, so a gate made of hooks stayed held.
+    def interrupt(*args):
+        raise KeyboardInterrupt
+
+    model = copy.deepcopy(llama_reference.model)
+    if where.startswith("forward hook"):
+        handle = model.register_forward_hook(interrupt)
+        hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**EVERY_SECOND), device="cpu")
+    else:
+        hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**EVERY_SECOND), device="cpu")
+        handle = model.register_forward_pre_hook(interrupt)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            forward(model, llama_reference.ids)
+        handle.remove()
+        result = {}
+        thread = threading.Thread(target=lambda: result.update(logits=forward(model, llama_reference.ids)))
+        thread.daemon = True
+        thread.start()
+        thread.join(timeout=30)
+        assert not thread.is_alive(), "the gate stayed closed after the interrupted hook"
+        assert torch.equal(result["logits"], llama_reference.logits)
+    finally:
+        handle.remove()
+        hf_prefetch.remove_offload(model)
+
+
+def test_a_forward_kept_after_the_removal_runs_ungated_and_keeps_nothing_alive(dispatch, llama_reference):
+    model = dispatch(**EVERY_SECOND)
+    kept = model.forward  # the gate, as a forward set on top of it would keep it
+    state = weakref.ref(hf_prefetch.get_state(model))
+    gate = weakref.ref(hf_prefetch.get_state(model).gate)
+    hf_prefetch.remove_offload(model)
+    assert state() is None and gate() is None  # no cycle: freed by reference counting
+    with torch.no_grad():
+        assert torch.equal(kept(llama_reference.ids).logits, llama_reference.logits)
 
 
 def test_prepare_runs_before_every_forward_and_finish_after_the_outermost(dispatch, llama_reference, monkeypatch):

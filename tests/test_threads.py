@@ -245,8 +245,51 @@ def test_a_forward_between_the_old_gate_and_the_new_one_waits_and_computes_nothi
     assert outcome["dispatch"] is model and hf_prefetch.get_state(model).plan.config == OTHER
     assert isinstance(outcome["forward"], RuntimeError)
     assert "Another thread removed or replaced" in str(outcome["forward"])
-    assert len(model._forward_pre_hooks) == 1  # the new gate's only: the hold's hook is gone
+    assert not model._forward_pre_hooks and "forward" in model.__dict__  # the hold's hook gone, the new gate there
     hf_prefetch.remove_offload(model)
+
+
+@pytest.mark.parametrize("then", ["redispatched", "removed"])
+def test_the_old_gate_called_during_a_change_waits_for_it(monkeypatch, then):
+    # A call that fetched the model's forward (the gate) just before another thread began to replace or remove the
+    # dispatch reaches it after that thread took it away: it must wait for the change (never run on weights in
+    # transit), then refuse if another dispatch's gate is now the model's, or run the restored model if none is.
+    from hf_prefetch import attach
+
+    model = tiny_llama(4)
+    want = _logits(model)
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    old_gate = model.forward  # as `_call_impl` fetched it
+    between, go = threading.Event(), threading.Event()
+    end = attach._end
+
+    def paused_end(model_, state):  # the old gate and state are gone at its end; the weights may still move after
+        end(model_, state)
+        between.set()
+        go.wait(30)
+
+    monkeypatch.setattr(attach, "_end", paused_end)
+    outcome = {}
+    run = _recorder(outcome)
+    if then == "redispatched":
+        change = _started(run, "change", lambda: hf_prefetch.dispatch_model(model, OTHER, device="cpu", replace=True))
+    else:
+        change = _started(run, "change", lambda: hf_prefetch.remove_offload(model))
+    assert between.wait(30)
+    forward = _started(run, "forward", lambda: old_gate(IDS).logits)
+    forward.join(timeout=0.5)
+    assert forward.is_alive()  # waiting for the change
+    go.set()
+    for thread in (change, forward):
+        thread.join(timeout=60)
+    assert outcome["change"] is model
+    if then == "redispatched":
+        assert isinstance(outcome["forward"], RuntimeError)
+        assert "Another thread removed or replaced" in str(outcome["forward"])
+        monkeypatch.undo()
+        hf_prefetch.remove_offload(model)
+    else:
+        assert torch.equal(outcome["forward"], want)
 
 
 def test_a_forward_held_by_a_redispatch_that_stops_half_way_says_it_is_half_done(monkeypatch):
