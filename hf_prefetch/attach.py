@@ -31,6 +31,7 @@ from .hooks import (
     Streamed,
     WriteThrough,
     host_values_in_state_dict,
+    one_load_at_a_time,
     refuse_apply,
     refuse_assign,
     waits_then_refuses,
@@ -365,10 +366,15 @@ def _write_through_load_state_dict(model: nn.Module, state: OffloadState) -> lis
     for param_name in dict.fromkeys(o.param_name for o in state.offloaded):
         for path, name in _ancestors(param_name):
             under.setdefault(path, []).append(name)
+    lock = model_lock(model)
     for path, names in under.items():
+        module, where = model.get_submodule(path), path or "model"
         refuse = partial(refuse_assign, names)
-        register = partial(model.get_submodule(path)._register_load_state_dict_pre_hook, refuse, with_module=True)
-        journal.handle(register, f"assign refused on {path or 'model'}")
+        register = partial(module._register_load_state_dict_pre_hook, refuse, with_module=True)
+        journal.handle(register, f"assign refused on {where}")
+        # A load that starts here writes host storage: under the model's lock, as the verbs that rewrite weights do.
+        one_load = one_load_at_a_time(module, lock)
+        journal.set_attribute(module, "load_state_dict", one_load, f"one load at a time on {where}")
     compressed: dict[str, dict[str, OffloadedParam]] = {}  # module path -> compressed parameters under it, by name
     for offloaded in state.offloaded:
         if offloaded.layout is not None:

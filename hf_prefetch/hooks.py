@@ -39,6 +39,7 @@ __all__ = [
     "ForwardGate",
     "waits_then_refuses",
     "WriteThrough",
+    "one_load_at_a_time",
     "refuse_assign",
     "refuse_apply",
     "host_values_in_state_dict",
@@ -413,6 +414,25 @@ class WriteThrough:
             while self.held:  # copy the new values into the slots the layers held
                 self.engine.load(*self.held[-1])
                 self.held.pop()
+
+
+def one_load_at_a_time(module: nn.Module, lock: threading.RLock) -> Callable[..., Any]:
+    """A `load_state_dict` for the instance dict of a module above streamed parameters: the module's own (set on the
+    instance before, else the class's) under the model's `lock`, so that the write-through (`WriteThrough`) never runs
+    beside a forward, a reload or a re-dispatch in another thread, and whatever leaves the load (an error, a Ctrl-C)
+    releases the lock."""
+    inner = module.__dict__.get("load_state_dict")
+    module_ref = weakref.ref(module)  # the module holds this function
+
+    def load_state_dict(*args: Any, **kwargs: Any) -> Any:
+        owner = module_ref()
+        with lock:
+            if inner is not None:
+                return inner(*args, **kwargs)
+            return type(owner).load_state_dict(owner, *args, **kwargs)
+
+    functools.update_wrapper(load_state_dict, inner if inner is not None else type(module).load_state_dict)
+    return load_state_dict
 
 
 def refuse_assign(

@@ -383,3 +383,37 @@ def test_an_interrupt_while_the_hold_is_registered_leaves_no_hook_behind():
     assert torch.equal(_logits(model), want)
     hf_prefetch.remove_offload(model)
     assert not model._forward_pre_hooks
+
+
+@pytest.mark.parametrize("on", ["model", "layer"])
+def test_load_state_dict_waits_for_a_forward_under_way(on):
+    # load_state_dict writes the host storage of streamed parameters (and drops their layers' slots): beside a forward
+    # in another thread it would change weights under it. Called on the model or on a module inside it.
+    model, other, config = _models("llama")
+    old, new = _logits(copy.deepcopy(model)), _logits(other)
+    hf_prefetch.dispatch_model(model, config, device="cpu")
+    try:
+        if on == "model":
+            load = lambda: model.load_state_dict(other.state_dict())  # noqa: E731
+        else:
+            layer = model.model.layers[1]  # streamed
+            layer_weights = other.model.layers[1].state_dict()
+            load = lambda: layer.load_state_dict(layer_weights)  # noqa: E731
+        got, outcome = _in_the_middle_of_a_forward(model, load)
+        assert torch.equal(got, old)  # computed wholly with the old weights
+        assert len(outcome) == 1 and not isinstance(outcome[0], Exception)
+        if on == "model":
+            assert torch.equal(_logits(model), new)
+        else:
+            written = model.model.layers[1].state_dict()["mlp.up_proj.weight"]  # host storage
+            assert torch.equal(written, layer_weights["mlp.up_proj.weight"])
+        # A load that fails (a shape that does not fit) leaves the lock free for the next forward in another thread.
+        with pytest.raises(RuntimeError, match="size mismatch"):
+            model.load_state_dict({"lm_head.weight": torch.zeros(3, 3)}, strict=False)
+        thread = threading.Thread(target=_logits, args=(model,), daemon=True)
+        thread.start()
+        thread.join(timeout=30)
+        assert not thread.is_alive()
+    finally:
+        hf_prefetch.remove_offload(model)
+    assert "load_state_dict" not in model.__dict__ and "load_state_dict" not in model.model.layers[1].__dict__
