@@ -131,7 +131,8 @@ def begin(
         # detaches the hooks (an accelerate hook is a reference cycle through its module) and unpins the host
         # storage. See [Note: the journal].
         state.finalizer = weakref.finalize(model, _collected, state)
-        state.gate_hooks.set_attribute(model, "forward", gate.guard(model), "forward gate")
+        for name in ("_call_impl", "forward"):
+            state.gate_hooks.set_attribute(model, name, gate.guard(model, name), f"forward gate ({name})")
     return state
 
 

@@ -6,8 +6,8 @@
   are the custom ops of `ops.py`, so the decoder stack compiles into one graph.
 - `RoutedHook` (on the experts module of a layer with routed expert tensors): before it runs, the rows of the experts
   its router picked are copied into the layer's slot (`gather`).
-- `ForwardGate` (the model's own forward, wrapped): one forward at a time, and `engine.prepare()` before it and
-  `engine.finish()` after it, outside any compiled graph.
+- `ForwardGate` (the model's own `_call_impl` and `forward`, wrapped): one forward at a time, and `engine.prepare()`
+  before it and `engine.finish()` after it, outside any compiled graph.
 - The state-dict hooks: `state_dict()` reports host values, `load_state_dict()` writes through to them.
 Policy lives in the plan and the engine, not here.
 """
@@ -27,6 +27,7 @@ from torch import nn
 
 from . import ops  # noqa: F401  (registers torch.ops.hf_prefetch)
 from .bnb import host_state_dict, is_int8, is_params4bit
+from .changes import deferred_interrupts
 from .compressed import encode_for, host_value, write_encoded
 from .engine import PrefetchEngine
 from .host import own_storage
@@ -143,61 +144,74 @@ def waits_then_refuses(lock: threading.RLock, owner: int) -> Callable[[nn.Module
 
 
 class ForwardGate:
-    """The model's forward, wrapped (`guard`, set on the module's instance dict for as long as the dispatch's state
-    lives, from its first change to the last step of its removal):
+    """The model's gate: its `_call_impl` and its `forward`, wrapped (`guard`, set on the module's instance dict for as
+    long as the dispatch's state lives, from its first change to the last step of its removal):
 
     - One forward at a time: a second thread's forward waits for the first to end (the slots hold one forward's
       layers at a time, so interleaved forwards would compute with each other's weights). Re-entrant in one thread.
     - A model whose dispatch or removal was interrupted refuses to compute until `remove_offload` finished it.
     - `engine.prepare()` before and `engine.finish()` after each forward, outside any compiled graph (under
-      torch.compile each is a graph break at the forward's entry or exit, so that it runs around each CUDA-graph
-      replay); pending write-throughs of an interrupted `load_state_dict` are completed first.
+      torch.compile dynamo runs the wrappers in Python and compiles what they wrap, so these run around each call of
+      the compiled code, each CUDA-graph replay); pending write-throughs of an interrupted `load_state_dict` are
+      completed first.
 
-    The gate is the forward itself, not a pre-hook and a forward hook: hooks registered after it (or before it) run
-    outside it, so whatever they raise, a KeyboardInterrupt included, cannot leave the gate held (torch runs an
-    `always_call` forward hook for an Exception only, and skips it for an error in a pre-hook after the gate's).
+    A call of the model enters at `_call_impl`, which runs the model's hooks and its forward: whatever they raise, a
+    KeyboardInterrupt included, the wrapper's `finally` leaves the gate (torch runs an `always_call` forward hook for
+    an Exception only, and a gate made of hooks stayed held after a Ctrl-C in a hook). The forward wrapper gates a
+    direct `model.forward(...)`, and a call where the first is bypassed (`model.compile()` before the dispatch); under
+    the first it passes through. If the forward wrapper is taken away (accelerate's `remove_hook_from_module` puts back
+    the forward it had saved), calls of the model stay gated.
     """
 
     def __init__(self, state: OffloadState, lock: threading.RLock) -> None:
         self._state = weakref.ref(state)  # the state holds the gate (`OffloadState.gate`)
         self._lock = lock  # the model's (`state.model_lock`), shared with the verbs that change the dispatch
-        self._depth = threading.local()
+        self._local = threading.local()  # per thread: `depth`, and `called` (the depth a `_call_impl` entered at)
 
-    def guard(self, module: nn.Module) -> Callable[..., Any]:
-        """The gated `forward` for the module's instance dict: the forward set on the instance before, else the
-        class's, between `_enter` and `_exit`."""
-        inner = module.__dict__.get("forward")  # a forward set on the instance before, else the class's
+    def guard(self, module: nn.Module, name: str) -> Callable[..., Any]:
+        """The gated `name` ("_call_impl" or "forward") for the module's instance dict: the one set on the instance
+        before, else the class's, between `_enter` and `_exit`."""
+        inner = module.__dict__.get(name)
         # Weak references: the module holds this function, and so may a caller (a forward set on top of it) long after
         # the dispatch left; the state holds the gate.
-        module_ref, gate_ref, lock = weakref.ref(module), weakref.ref(self), self._lock
-        outside_graph = _outside_graph()  # made here, not while dynamo traces the forward
+        module_ref, gate_ref, lock, calls = weakref.ref(module), weakref.ref(self), self._lock, name == "_call_impl"
+        outside_graph = _outside_graph()  # made here, not while dynamo traces the call
 
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            # Entry and exit run in Python, never traced: under torch.compile dynamo runs this function as it is (a
-            # graph break in a `try`) and compiles the inner forward, so they run around each call of the compiled
-            # code (each CUDA-graph replay).
+        def gated(*args: Any, **kwargs: Any) -> Any:
             owner, gate = module_ref(), gate_ref()
+            if owner is None:
+                raise RuntimeError(f"This {name} belonged to a model that no longer exists.")
+            wrapped = inner if inner is not None else getattr(type(owner), name).__get__(owner)
             if gate is None or not gate.guards(owner):
                 # Kept by a caller (a forward set on top of it) after its dispatch left, or fetched by a call that
-                # started just before: it runs the forward only where no other dispatch's gate is bypassed.
+                # started just before: it runs only where no other dispatch's gate is bypassed.
                 with lock:  # a change under way ends first
                     current = owner.__dict__.get(STATE_ATTR)
                     if current is not None and current.gate.depth() == 0:
                         raise RuntimeError(
                             _REPLACED if current.lifecycle is Lifecycle.ATTACHED else _half_done(current)
                         )
-                    return _plain(inner, owner, args, kwargs)
+                    return wrapped(*args, **kwargs)
             depth = gate.depth()
+            if not calls and gate._local.__dict__.get("called") == depth > 0:
+                gate._local.called = None  # the forward of the call that entered at `_call_impl`: already gated
+                return wrapped(*args, **kwargs)
+            called = gate._local.__dict__.get("called")
             try:
                 outside_graph(gate._enter, owner, _token_count(args, kwargs))
-                return _plain(inner, owner, args, kwargs)
+                if calls:
+                    gate._local.called = gate.depth()
+                return wrapped(*args, **kwargs)
             finally:
-                if gate.depth() > depth:  # else `_enter` refused (and left), or raised before taking the lock
-                    outside_graph(gate._exit)
+                with deferred_interrupts():  # a Ctrl-C here would leave the gate held
+                    gate._local.called = called
+                    if gate.depth() > depth:  # else `_enter` refused (and left), or raised before taking the lock
+                        outside_graph(gate._exit)
 
-        functools.update_wrapper(forward, inner if inner is not None else type(module).forward)
-        forward.__signature__ = inspect.signature(module.forward)  # without `self`: generate() reads the arguments
-        return forward
+        functools.update_wrapper(gated, inner if inner is not None else getattr(type(module), name))
+        if not calls:
+            gated.__signature__ = inspect.signature(module.forward)  # without `self`: generate() reads the arguments
+        return gated
 
     def guards(self, module: nn.Module) -> bool:
         """Whether the gate's dispatch is `module`'s (half-done or not)."""
@@ -206,11 +220,17 @@ class ForwardGate:
 
     def depth(self) -> int:
         """How many forwards of this thread are inside the gate (nested ones included)."""
-        return getattr(self._depth, "value", 0)
+        return self._local.__dict__.get("depth", 0)
 
     def _enter(self, module: nn.Module, tokens: int | None = None) -> None:
-        self._lock.acquire()  # after a forward, or a verb changing the dispatch, in another thread
-        self._depth.value = self.depth() + 1
+        # After a forward, or a verb changing the dispatch, in another thread. A Ctrl-C is held back from the moment
+        # the lock is taken until this thread counts it, in turns of at most 50 ms (a Ctrl-C while waiting is raised
+        # within 50 ms).
+        while True:
+            with deferred_interrupts():
+                if self._lock.acquire(timeout=0.05):
+                    self._local.depth = self.depth() + 1
+                    break
         try:
             state = self._state()
             if state is None or module.__dict__.get(STATE_ATTR) is not state:
@@ -241,13 +261,9 @@ class ForwardGate:
             if finish and depth == 1 and state is not None and state.engine is not None:
                 state.engine.finish()
         finally:
-            self._depth.value = depth - 1
-            self._lock.release()
-
-
-def _plain(inner: Callable[..., Any] | None, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-    # The forward a gate wraps: one set on the instance before it, else the class's.
-    return inner(*args, **kwargs) if inner is not None else type(module).forward(module, *args, **kwargs)
+            with deferred_interrupts():
+                self._local.depth = depth - 1
+                self._lock.release()
 
 
 def _refuse_backward(output: Any, path: str) -> None:

@@ -289,6 +289,124 @@ def test_a_ctrl_c_in_a_hook_of_the_model_itself_leaves_the_gate_open(llama_refer
         hf_prefetch.remove_offload(model)
 
 
+def test_a_ctrl_c_just_after_the_gate_takes_its_lock_leaves_it_open(dispatch, llama_reference):
+    # A Ctrl-C that arrives while a forward waits for the lock is raised as soon as the wait returns: between taking
+    # the lock and counting it, it left the lock held for good. Simulated: the signal arrives as the lock is taken.
+    import _thread
+
+    model = dispatch(**EVERY_SECOND)
+    gate = hf_prefetch.get_state(model).gate
+    lock = gate._lock
+
+    class InterruptedAsTaken:
+        def acquire(self, *args, **kwargs):
+            taken = lock.acquire(*args, **kwargs)
+            if taken:
+                gate._lock = lock  # once
+                _thread.interrupt_main()  # as SIGINT: Python's handler runs at the next bytecode
+            return taken
+
+        def release(self):
+            lock.release()
+
+    gate._lock = InterruptedAsTaken()
+    with pytest.raises(KeyboardInterrupt):
+        forward(model, llama_reference.ids)
+    assert not lock._is_owned()
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(logits=forward(model, llama_reference.ids)))
+    thread.daemon = True
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "the gate stayed closed after the interrupt"
+    assert torch.equal(result["logits"], llama_reference.logits)
+
+
+def test_the_gate_holds_when_accelerate_puts_back_the_forward_it_saved(llama_reference):
+    # accelerate's remove_hook_from_module restores the forward it saved when its hook was added (before the dispatch),
+    # dropping the forward wrapper: calls of the model stay gated (`_call_impl`); a direct forward is then ungated, as
+    # for any hook.
+    from accelerate.hooks import ModelHook
+
+    model = copy.deepcopy(llama_reference.model)
+    add_hook_to_module(model, ModelHook())
+    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**EVERY_SECOND), device="cpu")
+    engine = hf_prefetch.get_state(model).engine
+    prepared = []
+    prepare = engine.prepare
+    engine.prepare = lambda tokens=None: (prepared.append(tokens), prepare(tokens))[1]
+    try:
+        remove_hook_from_module(model)
+        inside, go, results = threading.Event(), threading.Event(), {}
+
+        def pause(module, args):
+            if threading.current_thread().name == "first":
+                inside.set()
+                go.wait(30)
+
+        handle = model.model.layers[5].mlp.register_forward_pre_hook(pause)
+        first = threading.Thread(target=lambda: results.update(first=forward(model, llama_reference.ids)))
+        first.name = "first"
+        first.start()
+        assert inside.wait(30)
+        second = threading.Thread(target=lambda: results.update(second=forward(model, llama_reference.ids)))
+        second.start()
+        second.join(timeout=0.5)
+        waited = second.is_alive()
+        go.set()
+        first.join(timeout=30)
+        second.join(timeout=30)
+        handle.remove()
+        assert waited, "the second thread's forward ran beside the first"
+        assert torch.equal(results["first"], llama_reference.logits)
+        assert torch.equal(results["second"], llama_reference.logits)
+        assert len(prepared) == 2  # once per forward
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_a_direct_forward_call_is_gated(dispatch, llama_reference):
+    model = dispatch(**EVERY_SECOND)
+    inside, go, results = threading.Event(), threading.Event(), {}
+
+    def pause(module, args):
+        if threading.current_thread().name == "first":
+            inside.set()
+            go.wait(30)
+
+    handle = model.model.layers[5].mlp.register_forward_pre_hook(pause)
+    try:
+        first = threading.Thread(target=lambda: results.update(first=forward(model, llama_reference.ids)))
+        first.name = "first"
+        first.start()
+        assert inside.wait(30)
+        def direct():
+            with torch.no_grad():
+                results.update(second=model.forward(llama_reference.ids).logits)
+
+        second = threading.Thread(target=direct)
+        second.start()
+        second.join(timeout=0.5)
+        waited = second.is_alive()
+        go.set()
+        first.join(timeout=30)
+        second.join(timeout=30)
+    finally:
+        handle.remove()
+    assert waited, "a direct forward ran beside another thread's forward"
+    assert torch.equal(results["first"], llama_reference.logits)
+    assert torch.equal(results["second"], llama_reference.logits)
+
+
+def test_a_kept_forward_of_a_deleted_model_says_so(llama_reference):
+    model = copy.deepcopy(llama_reference.model)
+    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**EVERY_SECOND), device="cpu")
+    kept = model.forward
+    del model
+    with pytest.raises(RuntimeError, match="belonged to a model that no longer exists"):
+        kept(llama_reference.ids)
+
+
 def test_a_forward_kept_after_the_removal_runs_ungated_and_keeps_nothing_alive(dispatch, llama_reference):
     model = dispatch(**EVERY_SECOND)
     kept = model.forward  # the gate, as a forward set on top of it would keep it
