@@ -277,13 +277,7 @@ def test_a_ctrl_c_in_a_hook_of_the_model_itself_leaves_the_gate_open(llama_refer
         with pytest.raises(KeyboardInterrupt):
             forward(model, llama_reference.ids)
         handle.remove()
-        result = {}
-        thread = threading.Thread(target=lambda: result.update(logits=forward(model, llama_reference.ids)))
-        thread.daemon = True
-        thread.start()
-        thread.join(timeout=30)
-        assert not thread.is_alive(), "the gate stayed closed after the interrupted hook"
-        assert torch.equal(result["logits"], llama_reference.logits)
+        assert torch.equal(_in_another_thread(model, llama_reference.ids), llama_reference.logits)
     finally:
         handle.remove()
         hf_prefetch.remove_offload(model)
@@ -313,13 +307,48 @@ def test_a_ctrl_c_just_after_the_gate_takes_its_lock_leaves_it_open(dispatch, ll
     with pytest.raises(KeyboardInterrupt):
         forward(model, llama_reference.ids)
     assert not lock._is_owned()
+    assert torch.equal(_in_another_thread(model, llama_reference.ids), llama_reference.logits)
+
+
+def _in_another_thread(model, ids) -> torch.Tensor:
+    # A forward's logits from a new thread, which must not wait for good at the gate.
     result = {}
-    thread = threading.Thread(target=lambda: result.update(logits=forward(model, llama_reference.ids)))
-    thread.daemon = True
+    thread = threading.Thread(target=lambda: result.update(logits=forward(model, ids)), daemon=True)
     thread.start()
     thread.join(timeout=30)
-    assert not thread.is_alive(), "the gate stayed closed after the interrupt"
-    assert torch.equal(result["logits"], llama_reference.logits)
+    assert not thread.is_alive(), "the gate stayed closed"
+    return result["logits"]
+
+
+def _beside_a_paused_forward(model, ids, second_call) -> tuple[bool, dict]:
+    # Thread "first" runs a forward of `model` and pauses inside it (before layer 5's MLP); meanwhile `second_call()`
+    # runs in another thread. Returns whether that call was still waiting after 0.5 s, and both results.
+    inside, go, results = threading.Event(), threading.Event(), {}
+
+    def pause(module, args):
+        if threading.current_thread().name == "first":
+            inside.set()
+            go.wait(30)
+
+    def second():
+        with torch.no_grad():
+            results["second"] = second_call()
+
+    handle = model.model.layers[5].mlp.register_forward_pre_hook(pause)
+    try:
+        first = threading.Thread(target=lambda: results.update(first=forward(model, ids)), name="first")
+        first.start()
+        assert inside.wait(30)
+        other = threading.Thread(target=second)
+        other.start()
+        other.join(timeout=0.5)
+        waited = other.is_alive()
+        go.set()
+        first.join(timeout=30)
+        other.join(timeout=30)
+    finally:
+        handle.remove()
+    return waited, results
 
 
 def test_the_gate_holds_when_accelerate_puts_back_the_forward_it_saved(llama_reference):
@@ -337,26 +366,8 @@ def test_the_gate_holds_when_accelerate_puts_back_the_forward_it_saved(llama_ref
     engine.prepare = lambda tokens=None: (prepared.append(tokens), prepare(tokens))[1]
     try:
         remove_hook_from_module(model)
-        inside, go, results = threading.Event(), threading.Event(), {}
-
-        def pause(module, args):
-            if threading.current_thread().name == "first":
-                inside.set()
-                go.wait(30)
-
-        handle = model.model.layers[5].mlp.register_forward_pre_hook(pause)
-        first = threading.Thread(target=lambda: results.update(first=forward(model, llama_reference.ids)))
-        first.name = "first"
-        first.start()
-        assert inside.wait(30)
-        second = threading.Thread(target=lambda: results.update(second=forward(model, llama_reference.ids)))
-        second.start()
-        second.join(timeout=0.5)
-        waited = second.is_alive()
-        go.set()
-        first.join(timeout=30)
-        second.join(timeout=30)
-        handle.remove()
+        ids = llama_reference.ids
+        waited, results = _beside_a_paused_forward(model, ids, lambda: model(ids).logits)
         assert waited, "the second thread's forward ran beside the first"
         assert torch.equal(results["first"], llama_reference.logits)
         assert torch.equal(results["second"], llama_reference.logits)
@@ -367,32 +378,8 @@ def test_the_gate_holds_when_accelerate_puts_back_the_forward_it_saved(llama_ref
 
 def test_a_direct_forward_call_is_gated(dispatch, llama_reference):
     model = dispatch(**EVERY_SECOND)
-    inside, go, results = threading.Event(), threading.Event(), {}
-
-    def pause(module, args):
-        if threading.current_thread().name == "first":
-            inside.set()
-            go.wait(30)
-
-    handle = model.model.layers[5].mlp.register_forward_pre_hook(pause)
-    try:
-        first = threading.Thread(target=lambda: results.update(first=forward(model, llama_reference.ids)))
-        first.name = "first"
-        first.start()
-        assert inside.wait(30)
-        def direct():
-            with torch.no_grad():
-                results.update(second=model.forward(llama_reference.ids).logits)
-
-        second = threading.Thread(target=direct)
-        second.start()
-        second.join(timeout=0.5)
-        waited = second.is_alive()
-        go.set()
-        first.join(timeout=30)
-        second.join(timeout=30)
-    finally:
-        handle.remove()
+    ids = llama_reference.ids
+    waited, results = _beside_a_paused_forward(model, ids, lambda: model.forward(ids).logits)
     assert waited, "a direct forward ran beside another thread's forward"
     assert torch.equal(results["first"], llama_reference.logits)
     assert torch.equal(results["second"], llama_reference.logits)
