@@ -131,7 +131,10 @@ def begin(
         # detaches the hooks (an accelerate hook is a reference cycle through its module) and unpins the host
         # storage. See [Note: the journal].
         state.finalizer = weakref.finalize(model, _collected, state)
-        for name in ("_call_impl", "forward"):
+        # `_compiled_call_impl`: what `model.compile()` before the dispatch made of the class's `_call_impl`, which
+        # torch then calls instead.
+        names = ["_call_impl", "forward"] + (["_compiled_call_impl"] if model._compiled_call_impl is not None else [])
+        for name in names:
             state.gate_hooks.set_attribute(model, name, gate.guard(model, name), f"forward gate ({name})")
     return state
 

@@ -255,8 +255,10 @@ def move_tensors(model: nn.Module, device: torch.device) -> None:
 
 @contextmanager
 def deferred_interrupts() -> Iterator[None]:
-    """Hold a Ctrl-C (SIGINT) back until the block ends, then raise it. In the main thread only (signal handlers can
-    be set nowhere else); elsewhere, and when SIGINT is not Python's default handler, the block runs as it is."""
+    """Hold a Ctrl-C (SIGINT) back until the block ends, then hand it to the handler that was installed: Python's
+    default raises KeyboardInterrupt, a program's own handler is called with it, the system default ends the process,
+    an ignored signal stays ignored. In the main thread only (signal handlers can be set nowhere else); elsewhere, and
+    where the handler was not installed from Python, the block runs as it is."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -265,7 +267,7 @@ def deferred_interrupts() -> Iterator[None]:
     except ValueError:  # no signal support in this interpreter
         yield
         return
-    if previous is not signal.default_int_handler:
+    if previous is None:  # installed from outside Python: it could not be put back
         yield
         return
     received: list[Any] = []
@@ -275,4 +277,9 @@ def deferred_interrupts() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGINT, previous)
         if received:
-            raise KeyboardInterrupt
+            if previous is signal.default_int_handler:
+                raise KeyboardInterrupt
+            if callable(previous):
+                previous(signal.SIGINT, received[0])
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)

@@ -169,12 +169,13 @@ class ForwardGate:
         self._local = threading.local()  # per thread: `depth`, and `called` (the depth a `_call_impl` entered at)
 
     def guard(self, module: nn.Module, name: str) -> Callable[..., Any]:
-        """The gated `name` ("_call_impl" or "forward") for the module's instance dict: the one set on the instance
-        before, else the class's, between `_enter` and `_exit`."""
+        """The gated `name` ("_call_impl" or "_compiled_call_impl": a call of the module; "forward") for the module's
+        instance dict: the one set on the instance before, else the class's, between `_enter` and `_exit`."""
         inner = module.__dict__.get(name)
-        # Weak references: the module holds this function, and so may a caller (a forward set on top of it) long after
-        # the dispatch left; the state holds the gate.
-        module_ref, gate_ref, lock, calls = weakref.ref(module), weakref.ref(self), self._lock, name == "_call_impl"
+        # Weak references: the module holds this function, and so may a caller (`model.compile()`, a forward set on top
+        # of it) long after the dispatch left; the state holds the gate.
+        module_ref, gate_ref, lock = weakref.ref(module), weakref.ref(self), self._lock
+        calls = name != "forward"
         outside_graph = _outside_graph()  # made here, not while dynamo traces the call
 
         def gated(*args: Any, **kwargs: Any) -> Any:
@@ -183,28 +184,31 @@ class ForwardGate:
                 raise RuntimeError(f"This {name} belonged to a model that no longer exists.")
             wrapped = inner if inner is not None else getattr(type(owner), name).__get__(owner)
             if gate is None or not gate.guards(owner):
-                # Kept by a caller (a forward set on top of it) after its dispatch left, or fetched by a call that
-                # started just before: it runs only where no other dispatch's gate is bypassed.
-                with lock:  # a change under way ends first
+                # Kept by a caller after its dispatch left (`model.compile()` captured it, a forward set on top of
+                # it), or fetched by a call that started just before: a change under way ends first, then it runs
+                # under the model's dispatch now, if any (whose `_enter` refuses if it changes again meanwhile).
+                with lock:
                     current = owner.__dict__.get(STATE_ATTR)
-                    if current is not None and current.gate.depth() == 0:
-                        raise RuntimeError(
-                            _REPLACED if current.lifecycle is Lifecycle.ATTACHED else _half_done(current)
-                        )
-                    return wrapped(*args, **kwargs)
-            depth = gate.depth()
-            if not calls and gate._local.__dict__.get("called") == depth > 0:
-                gate._local.called = None  # the forward of the call that entered at `_call_impl`: already gated
+                    if current is None:
+                        return wrapped(*args, **kwargs)
+                    gate = current.gate
+            # A call of the module enters; what runs under it for the same call (another call wrapper kept by
+            # `model.compile()`, then the forward) passes through, the forward marking the call as done; a forward
+            # called on its own (directly, or where the call's wrappers were bypassed) enters.
+            depth, local = gate.depth(), gate._local.__dict__
+            if local.get("called") == depth > 0:  # inside the call that entered at this depth
+                if not calls:
+                    local["called"] = None  # its forward: a call of the model from inside it enters again
                 return wrapped(*args, **kwargs)
-            called = gate._local.__dict__.get("called")
+            called = local.get("called")
             try:
                 outside_graph(gate._enter, owner, _token_count(args, kwargs))
                 if calls:
-                    gate._local.called = gate.depth()
+                    local["called"] = gate.depth()
                 return wrapped(*args, **kwargs)
             finally:
                 with deferred_interrupts():  # a Ctrl-C here would leave the gate held
-                    gate._local.called = called
+                    local["called"] = called
                     if gate.depth() > depth:  # else `_enter` refused (and left), or raised before taking the lock
                         outside_graph(gate._exit)
 
@@ -228,7 +232,7 @@ class ForwardGate:
         # within 50 ms).
         while True:
             with deferred_interrupts():
-                if self._lock.acquire(timeout=0.05):
+                if self._lock.acquire(timeout=_TURN_SECONDS):
                     self._local.depth = self.depth() + 1
                     break
         try:
@@ -293,6 +297,11 @@ def _compiled_step(op, step, hook: PrefetchHook, anchor: torch.Tensor | None) ->
         op(anchor, hook.engine_id, hook.ring, hook.position)
     else:  # nothing to order the op by (a layer called without tensor inputs): the engine's step, outside the graph
         _run_outside_graph(step, hook.ring, hook.position)
+
+
+# How long a wait for the model's lock runs with a Ctrl-C held back, in turns: a Ctrl-C the operating system gave
+# another thread only wakes this one when a turn ends.
+_TURN_SECONDS = 0.05
 
 
 def _run_outside_graph(step, *args) -> None:
@@ -441,11 +450,18 @@ def one_load_at_a_time(module: nn.Module, lock: threading.RLock) -> Callable[...
     module_ref = weakref.ref(module)  # the module holds this function
 
     def load_state_dict(*args: Any, **kwargs: Any) -> Any:
-        owner = module_ref()
-        with lock:
+        owner, taken = module_ref(), False
+        try:
+            while not taken:  # as the forward gate takes it (`ForwardGate._enter`)
+                with deferred_interrupts():
+                    taken = lock.acquire(timeout=_TURN_SECONDS)
             if inner is not None:
                 return inner(*args, **kwargs)
             return type(owner).load_state_dict(owner, *args, **kwargs)
+        finally:
+            if taken:
+                with deferred_interrupts():
+                    lock.release()
 
     functools.update_wrapper(load_state_dict, inner if inner is not None else type(module).load_state_dict)
     return load_state_dict

@@ -616,3 +616,52 @@ def test_conversions_are_refused_where_a_streamed_parameter_lives(dispatch, llam
         assert {p.dtype for p in module.parameters()} == {torch.float64}
         module.float()
         assert torch.equal(forward(model, llama_reference.ids), llama_reference.logits)
+
+
+@pytest.mark.parametrize("then", ["replace", "remove and dispatch"])
+def test_a_model_compiled_after_the_dispatch_survives_a_redispatch(llama_reference, then):
+    # nn.Module.compile() captures the gate's `_call_impl`; after the dispatch changes, that kept wrapper runs under
+    # the model's new gate (it refused every call before).
+    model = copy.deepcopy(llama_reference.model)
+    config = hf_prefetch.PrefetchConfig(**EVERY_SECOND)
+    hf_prefetch.dispatch_model(model, config, device="cpu")
+    model.compile(backend="eager")
+    try:
+        assert torch.equal(forward(model, llama_reference.ids), llama_reference.logits)
+        other = hf_prefetch.PrefetchConfig(group_size=4, num_in_group=2, prefetch_step=2)
+        if then == "replace":
+            hf_prefetch.dispatch_model(model, other, device="cpu", replace=True)
+        else:
+            hf_prefetch.remove_offload(model)
+            assert torch.equal(forward(model, llama_reference.ids), llama_reference.logits)
+            hf_prefetch.dispatch_model(model, other, device="cpu")
+        engine, calls = hf_prefetch.get_state(model).engine, []
+        prepare = engine.prepare
+        engine.prepare = lambda tokens=None: (calls.append(tokens), prepare(tokens))[1]
+        assert torch.equal(forward(model, llama_reference.ids), llama_reference.logits)
+        assert len(calls) == 1  # gated once
+    finally:
+        if hf_prefetch.get_state(model) is not None:
+            hf_prefetch.remove_offload(model)
+        torch._dynamo.reset()
+
+
+def test_a_model_compiled_before_the_dispatch_stays_gated_without_its_forward_wrapper(llama_reference):
+    # model.compile() before the dispatch: torch calls its compiled `_call_impl`, not the instance's; and accelerate
+    # then puts back the forward it saved. The compiled call is gated too.
+    from accelerate.hooks import ModelHook
+
+    model = copy.deepcopy(llama_reference.model)
+    model.compile(backend="eager")
+    add_hook_to_module(model, ModelHook())
+    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**EVERY_SECOND), device="cpu")
+    try:
+        remove_hook_from_module(model)
+        lock, held = hf_prefetch.get_state(model).gate._lock, []
+        handle = model.model.layers[0].register_forward_hook(lambda *args: held.append(lock._is_owned()))
+        assert torch.equal(forward(model, llama_reference.ids), llama_reference.logits)
+        handle.remove()
+        assert held == [True]
+    finally:
+        hf_prefetch.remove_offload(model)
+        torch._dynamo.reset()

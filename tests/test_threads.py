@@ -253,7 +253,7 @@ def test_a_forward_between_the_old_gate_and_the_new_one_waits_and_computes_nothi
 def test_the_old_gate_called_during_a_change_waits_for_it(monkeypatch, then):
     # A call that fetched the model's forward (the gate) just before another thread began to replace or remove the
     # dispatch reaches it after that thread took it away: it must wait for the change (never run on weights in
-    # transit), then refuse if another dispatch's gate is now the model's, or run the restored model if none is.
+    # transit), then run under the model's new dispatch, or run the restored model if none is.
     from hf_prefetch import attach
 
     model = tiny_llama(4)
@@ -283,13 +283,10 @@ def test_the_old_gate_called_during_a_change_waits_for_it(monkeypatch, then):
     for thread in (change, forward):
         thread.join(timeout=60)
     assert outcome["change"] is model
+    assert torch.equal(outcome["forward"], want)
     if then == "redispatched":
-        assert isinstance(outcome["forward"], RuntimeError)
-        assert "Another thread removed or replaced" in str(outcome["forward"])
         monkeypatch.undo()
         hf_prefetch.remove_offload(model)
-    else:
-        assert torch.equal(outcome["forward"], want)
 
 
 def test_a_forward_held_by_a_redispatch_that_stops_half_way_says_it_is_half_done(monkeypatch):
