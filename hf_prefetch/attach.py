@@ -133,7 +133,8 @@ def begin(
         state.finalizer = weakref.finalize(model, _collected, state)
         # `_compiled_call_impl`: what `model.compile()` before the dispatch made of the class's `_call_impl`, which
         # torch then calls instead.
-        names = ["_call_impl", "forward"] + (["_compiled_call_impl"] if model._compiled_call_impl is not None else [])
+        compiled = getattr(model, "_compiled_call_impl", None) is not None
+        names = ["_call_impl", "forward"] + (["_compiled_call_impl"] if compiled else [])
         for name in names:
             state.gate_hooks.set_attribute(model, name, gate.guard(model, name), f"forward gate ({name})")
     return state

@@ -91,10 +91,10 @@ class OffloadState:
     lifecycle: Lifecycle = Lifecycle.ATTACHING
     target: torch.device | None = None  # where a removal moves the weights (kept while it is DETACHING)
     finalizer: Any = None  # weakref.finalize that replays the journal when the model is collected (set by `begin`)
-    # The forward gate (hooks.ForwardGate, the model's forward wrapped) and the journal of its arrival: they arrive
-    # with the state and leave with it, after everything else was undone (see `attach.begin`), so that a half-done
-    # model refuses to compute until the end of its removal. The state holds the gate; the gate and the model's
-    # forward hold the state and the gate only weakly.
+    # The forward gate (hooks.ForwardGate: the model's `_call_impl` and `forward` wrapped) and the journal of its
+    # arrival: they arrive with the state and leave with it, after everything else was undone (see `attach.begin`), so
+    # that a half-done model refuses to compute until the end of its removal. The state holds the gate; the gate and
+    # its wrappers hold the state and the gate only weakly.
     gate: Any = None
     gate_hooks: Journal = field(default_factory=Journal)
     write_throughs: list[WriteThrough] = field(default_factory=list)  # completed by the gate before each forward
