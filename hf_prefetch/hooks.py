@@ -14,11 +14,12 @@ Policy lives in the plan and the engine, not here.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
@@ -170,7 +171,7 @@ class ForwardGate:
 
     def guard(self, module: nn.Module, name: str) -> Callable[..., Any]:
         """The gated `name` ("_call_impl" or "_compiled_call_impl": a call of the module; "forward") for the module's
-        instance dict: the one set on the instance before, else the class's, between `_enter` and `_exit`."""
+        instance dict: the one set on the instance before, else the class's, between `_enter` and `_leave`."""
         inner = module.__dict__.get(name)
         # Weak references: the module holds this function, and so may a caller (`model.compile()`, a forward set on top
         # of it) long after the dispatch left; the state holds the gate.
@@ -187,7 +188,7 @@ class ForwardGate:
                 # Kept by a caller after its dispatch left (`model.compile()` captured it, a forward set on top of
                 # it), or fetched by a call that started just before: a change under way ends first, then it runs
                 # under the model's dispatch now, if any (whose `_enter` refuses if it changes again meanwhile).
-                with lock:
+                with _held(lock):
                     current = owner.__dict__.get(STATE_ATTR)
                     if current is None:
                         return wrapped(*args, **kwargs)
@@ -210,7 +211,7 @@ class ForwardGate:
                 with deferred_interrupts():  # a Ctrl-C here would leave the gate held
                     local["called"] = called
                     if gate.depth() > depth:  # else `_enter` refused (and left), or raised before taking the lock
-                        outside_graph(gate._exit)
+                        outside_graph(gate._leave, True)
 
         functools.update_wrapper(gated, inner if inner is not None else getattr(type(module), name))
         if not calls:
@@ -227,14 +228,8 @@ class ForwardGate:
         return self._local.__dict__.get("depth", 0)
 
     def _enter(self, module: nn.Module, tokens: int | None = None) -> None:
-        # After a forward, or a verb changing the dispatch, in another thread. A Ctrl-C is held back from the moment
-        # the lock is taken until this thread counts it, in turns of at most 50 ms (a Ctrl-C while waiting is raised
-        # within 50 ms).
-        while True:
-            with deferred_interrupts():
-                if self._lock.acquire(timeout=_TURN_SECONDS):
-                    self._local.depth = self.depth() + 1
-                    break
+        # After a forward, or a verb changing the dispatch, in another thread; counted before a Ctrl-C can land.
+        _take(self._lock, lambda: setattr(self._local, "depth", self.depth() + 1))
         try:
             state = self._state()
             if state is None or module.__dict__.get(STATE_ATTR) is not state:
@@ -250,11 +245,8 @@ class ForwardGate:
             if state.engine is not None:
                 state.engine.prepare(tokens)
         except BaseException:
-            self._exit()
+            self._leave(finish=True)
             raise
-
-    def _exit(self) -> None:
-        self._leave(finish=True)
 
     def _leave(self, finish: bool) -> None:
         depth = self.depth()
@@ -302,6 +294,30 @@ def _compiled_step(op, step, hook: PrefetchHook, anchor: torch.Tensor | None) ->
 # How long a wait for the model's lock runs with a Ctrl-C held back, in turns: a Ctrl-C the operating system gave
 # another thread only wakes this one when a turn ends.
 _TURN_SECONDS = 0.05
+
+
+def _take(lock: threading.RLock, counted: Callable[[], None]) -> None:
+    """Wait for `lock` in turns of `_TURN_SECONDS`, each with a Ctrl-C held back, and once it is taken call `counted`
+    (which records that this thread holds it) before a Ctrl-C can land: one raised then leaves a lock its owner
+    knows to release."""
+    while True:
+        with deferred_interrupts():
+            if lock.acquire(timeout=_TURN_SECONDS):
+                counted()
+                return
+
+
+@contextlib.contextmanager
+def _held(lock: threading.RLock) -> Iterator[None]:
+    # `lock` held for the block, taken as `_take` takes it and released with a Ctrl-C held back.
+    taken: list[bool] = []
+    try:
+        _take(lock, lambda: taken.append(True))
+        yield
+    finally:
+        if taken:
+            with deferred_interrupts():
+                lock.release()
 
 
 def _run_outside_graph(step, *args) -> None:
@@ -450,18 +466,11 @@ def one_load_at_a_time(module: nn.Module, lock: threading.RLock) -> Callable[...
     module_ref = weakref.ref(module)  # the module holds this function
 
     def load_state_dict(*args: Any, **kwargs: Any) -> Any:
-        owner, taken = module_ref(), False
-        try:
-            while not taken:  # as the forward gate takes it (`ForwardGate._enter`)
-                with deferred_interrupts():
-                    taken = lock.acquire(timeout=_TURN_SECONDS)
+        owner = module_ref()
+        with _held(lock):
             if inner is not None:
                 return inner(*args, **kwargs)
             return type(owner).load_state_dict(owner, *args, **kwargs)
-        finally:
-            if taken:
-                with deferred_interrupts():
-                    lock.release()
 
     functools.update_wrapper(load_state_dict, inner if inner is not None else type(module).load_state_dict)
     return load_state_dict
