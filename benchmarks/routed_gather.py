@@ -84,7 +84,7 @@ def main() -> None:
     # The expert cache's gather (`hf_prefetch.experts.gather_looked_up`): one Triton kernel per tensor reads each
     # picked row from the cache when the lookup table has it, else from the mapped view. With no row cached it moves
     # the same bytes as index_select; with half the picks cached, half of them cross the bus.
-    from hf_prefetch.experts import gather_kernel
+    from hf_prefetch.expert_kernels import gather_kernel
 
     launch = gather_kernel()
     capacity = args.picks
@@ -110,7 +110,7 @@ def main() -> None:
 
     # Fetching a layer's recent picks ahead (`hf_prefetch.experts.fetch_recent`): a kernel of few programs on the
     # copy stream, each taking turns over the rows' blocks, so that the compute stream's kernels find SMs meanwhile.
-    from hf_prefetch.experts import fetch_kernel
+    from hf_prefetch.expert_kernels import fetch_kernel
 
     fetch = fetch_kernel()
     ready = torch.zeros(EXPERTS, dtype=torch.int32, device=device)

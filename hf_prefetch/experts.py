@@ -10,12 +10,12 @@ forward) and orders the streams around them. Nothing here synchronises with the 
 
 from __future__ import annotations
 
-import functools
 from typing import TYPE_CHECKING
 
 import torch
 
 from .config import warn_at_caller
+from .expert_kernels import FETCHED, FOUND_CACHED, FOUND_RECENT, FROM_HOST, fetch_kernel, gather_kernel
 from .placements import caches_experts
 from .ring import ExpertCache, LayerTransfer, RecentPicks, RoutedTensor
 
@@ -33,8 +33,6 @@ __all__ = [
     "refresh_caches",
     "collect_tallies",
     "forget_cache",
-    "gather_kernel",
-    "fetch_kernel",
 ]
 
 
@@ -108,14 +106,6 @@ def _picked(layer: LayerTransfer, index: torch.Tensor) -> torch.Tensor:
     return index.reshape(-1).to(device=layer.tallies.device, dtype=torch.long).clamp(0, num_experts - 1)
 
 
-# How many programs `fetch_kernel` runs: enough loads in flight to keep the link busy, few enough SMs that the
-# compute stream's kernels, which run meanwhile, find theirs free (benchmarks/routed_gather.py: 64 read the most).
-FETCH_PROGRAMS = 64
-
-# Kinds of pick in a layer's `tallies`, and its count of rows fetched ahead.
-_FOUND_RECENT, _FOUND_CACHED, _FROM_HOST, _FETCHED = range(4)
-
-
 def gather_looked_up(layer: LayerTransfer, index: torch.Tensor) -> None:
     """The rows of every expert `index` names, for a layer with an expert cache or recent picks (its `tallies`):
     nothing for a pick already in the slot (`recent.ready`), from the cache's row where `slot_of` says it holds it,
@@ -139,7 +129,7 @@ def gather_looked_up(layer: LayerTransfer, index: torch.Tensor) -> None:
             tensor.device_rows.index_copy_(0, experts, torch.where(ready[:, None], kept, values))
         if cache is not None:
             _count(cache, experts)
-        kinds = torch.where(ready, _FOUND_RECENT, torch.where(found, _FOUND_CACHED, _FROM_HOST))
+        kinds = torch.where(ready, FOUND_RECENT, torch.where(found, FOUND_CACHED, FROM_HOST))
         layer.tallies.index_add_(0, kinds, torch.ones_like(kinds))
         return
     with torch.cuda.device(experts.device):  # Triton launches on the current device's current stream
@@ -191,7 +181,7 @@ def fetch_recent(layer: LayerTransfer, tokens: int | None = None) -> None:
             values = tensor.source_rows.to(tensor.device.device)
             tensor.device_rows.copy_(torch.where(wanted[:, None], values, tensor.device_rows))
         recent.ready.copy_(marks[:num_experts])
-        layer.tallies[_FETCHED] += take.sum()
+        layer.tallies[FETCHED] += take.sum()
         return
     slot_of = layer.cache.slot_of if layer.cache is not None else None
     pairs = [(tensor.source_rows, tensor.device_rows) for tensor in layer.routed]
@@ -329,180 +319,3 @@ def forget_cache(layer: LayerTransfer) -> None:
     if layer.cache is not None:
         layer.cache.valid = False
         layer.cache.slot_of.fill_(-1)
-
-
-@functools.cache
-def gather_kernel():
-    """The gather at the router (`gather_looked_up`) as one Triton kernel per routed tensor, or None where Triton is
-    missing. Built on first use, so that importing hf_prefetch imports no Triton."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
-    @triton.jit
-    def gather_rows(
-        experts,
-        ready,
-        slot_of,
-        source,
-        cache,
-        out,
-        picks,
-        tallies,
-        row_len,
-        RECENT: tl.constexpr,
-        CACHED: tl.constexpr,
-        COUNT: tl.constexpr,
-        BLOCK: tl.constexpr,
-    ):
-        # Program (block, pick): one BLOCK of one picked expert's row, left alone if the slot holds it (fetched
-        # ahead), else read from its cache row if it has one, else from the host (through the mapped view). The first
-        # block of each pick counts it.
-        block = tl.program_id(0)
-        pick = tl.program_id(1)
-        expert = tl.load(experts + pick)
-        in_slot = tl.full([], 0, tl.int32)
-        if RECENT:
-            in_slot = tl.load(ready + expert)
-        slot = tl.full([], -1, tl.int64)
-        if CACHED:
-            slot = tl.load(slot_of + expert)
-        offsets = block * BLOCK + tl.arange(0, BLOCK)
-        inside = offsets < row_len
-        if in_slot == 0:
-            if slot >= 0:
-                values = tl.load(cache + slot * row_len + offsets, mask=inside)
-            else:
-                values = tl.load(source + expert * row_len + offsets, mask=inside)
-            tl.store(out + expert * row_len + offsets, values, mask=inside)
-        if COUNT:
-            if block == 0:
-                if CACHED:
-                    tl.atomic_add(picks + expert, 1)
-                kind = tl.where(in_slot != 0, 0, tl.where(slot >= 0, 1, 2))
-                tl.atomic_add(tallies + kind, 1)
-
-    block = 2048
-
-    def launch(experts, ready, slot_of, source, cache, out, picks, tallies, count):
-        row_len = out.shape[1]
-        grid = (triton.cdiv(row_len, block), experts.numel())
-        gather_rows[grid](
-            experts,
-            out if ready is None else ready,  # unused pointers: any tensor
-            out if slot_of is None else slot_of,
-            source,
-            out if cache is None else cache,
-            out,
-            out if picks is None else picks,
-            tallies,
-            row_len,
-            RECENT=ready is not None,
-            CACHED=slot_of is not None,
-            COUNT=count,
-            BLOCK=block,
-            num_warps=8,
-        )
-
-    return launch
-
-
-@functools.cache
-def fetch_kernel():
-    """`fetch_recent`'s work on CUDA as two Triton kernels, or None where Triton is missing. `launch(experts, slot_of,
-    chosen, ready, pairs, tallies)`: one program clears `ready` and writes into `chosen` each entry of `experts` to
-    fetch (an expert of the layer that `slot_of`, when given, says the cache does not hold) or -1; then few programs
-    copy the rows of every chosen expert of each `(source, out)` pair (2-D, a row per expert), marking each ready and
-    counting it in `tallies` as they go."""
-    try:
-        import triton
-        import triton.language as tl
-    except ImportError:
-        return None
-
-    @triton.jit
-    def choose(experts, slot_of, chosen, ready, entries, num_experts, CACHED: tl.constexpr, BLOCK: tl.constexpr):
-        every = tl.arange(0, BLOCK)
-        tl.store(ready + every, 0, mask=every < num_experts)
-        inside = every < entries
-        expert = tl.load(experts + every, mask=inside, other=-1)
-        take = inside & (expert >= 0) & (expert < num_experts)
-        if CACHED:
-            take = take & (tl.load(slot_of + expert, mask=take, other=-1) < 0)
-        tl.store(chosen + every, tl.where(take, expert, -1), mask=inside)
-
-    @triton.jit
-    def fetch_rows(
-        chosen,
-        first_source,
-        first_out,
-        first_len,
-        second_source,
-        second_out,
-        second_len,
-        ready,
-        tallies,
-        entries,
-        MARK: tl.constexpr,
-        FETCHED: tl.constexpr,
-        BLOCK: tl.constexpr,
-        PROGRAMS: tl.constexpr,
-    ):
-        # PROGRAMS programs take turns over (entry, block): one BLOCK of the row of one chosen expert (-1: none) in
-        # one of two tensors, from the host (through the mapped view). The first block of each marks it ready and
-        # counts it. Few programs: the kernel runs beside the compute stream's, which need SMs too.
-        first_blocks = tl.cdiv(first_len, BLOCK)
-        blocks = first_blocks + tl.cdiv(second_len, BLOCK)
-        for item in range(tl.program_id(0), entries * blocks, PROGRAMS):
-            entry = item // blocks
-            block = item % blocks
-            expert = tl.load(chosen + entry)
-            if expert >= 0:
-                if block < first_blocks:
-                    offsets = block * BLOCK + tl.arange(0, BLOCK)
-                    inside = offsets < first_len
-                    values = tl.load(first_source + expert * first_len + offsets, mask=inside)
-                    tl.store(first_out + expert * first_len + offsets, values, mask=inside)
-                    if MARK:
-                        if block == 0:
-                            tl.store(ready + expert, 1)
-                            tl.atomic_add(tallies + FETCHED, 1)
-                else:
-                    offsets = (block - first_blocks) * BLOCK + tl.arange(0, BLOCK)
-                    inside = offsets < second_len
-                    values = tl.load(second_source + expert * second_len + offsets, mask=inside)
-                    tl.store(second_out + expert * second_len + offsets, values, mask=inside)
-
-    block = 2048
-
-    def launch(experts, slot_of, chosen, ready, pairs, tallies, programs=None):
-        programs = programs or FETCH_PROGRAMS
-        num_experts = ready.numel()
-        cached = slot_of is not None
-        chooser_block = triton.next_power_of_2(num_experts)
-        choose[(1,)](experts, slot_of if cached else experts, chosen, ready, experts.numel(), num_experts,
-                     CACHED=cached, BLOCK=chooser_block)  # fmt: skip
-        for start in range(0, len(pairs), 2):  # two tensors a launch (an experts module has two, or four with biases)
-            (first_source, first_out), *rest = pairs[start : start + 2]
-            second_source, second_out = rest[0] if rest else (first_source, first_out)
-            fetch_rows[(programs,)](
-                chosen,
-                first_source,
-                first_out,
-                first_out.shape[1],
-                second_source,
-                second_out,
-                second_out.shape[1] if rest else 0,
-                ready,
-                tallies,
-                experts.numel(),
-                MARK=start == 0,
-                FETCHED=_FETCHED,
-                BLOCK=block,
-                PROGRAMS=programs,
-                num_warps=8,
-            )
-
-    return launch
