@@ -35,6 +35,7 @@ from .hooks import (
     refuse_apply,
     refuse_assign,
     waits_then_refuses,
+    writable_host_storage,
 )
 from .host import HostArena
 from .layers import with_inner
@@ -325,11 +326,12 @@ def _report_host_values(model: nn.Module, state: OffloadState) -> None:
     # A `state_dict()` hook on each module that owns a streamed parameter, so that the module's own `state_dict()`
     # (and every module's above it) reports the host value, not the slot (which holds whichever layer ran last).
     owned: dict[str, dict[str, list[OffloadedParam]]] = {}  # module path -> parameter name -> its tensors
+    writable = partial(writable_host_storage, weakref.ref(state), model_lock(model))
     for offloaded in state.offloaded:
         module_path, _, name = offloaded.param_name.rpartition(".")
         owned.setdefault(module_path, {}).setdefault(name, []).append(offloaded)
     for module_path, hosts in owned.items():
-        module, hook = model.get_submodule(module_path), partial(host_values_in_state_dict, hosts)
+        module, hook = model.get_submodule(module_path), partial(host_values_in_state_dict, hosts, writable)
         if any(is_params4bit(tensors[0].param) for tensors in hosts.values()):
             state.journal.set_attribute(module, "_save_to_state_dict", plain_save(module), f"save of {module_path}")
         state.journal.handle(partial(module._register_state_dict_hook, hook), f"state_dict of {module_path}")
@@ -402,7 +404,7 @@ def _write_through_load_state_dict(model: nn.Module, state: OffloadState) -> lis
                 owned.setdefault(model.get_submodule(module_path), []).append(streamed)
     write_throughs = []
     for module, streamed in owned.items():
-        write_through = WriteThrough(state.engine, streamed)
+        write_through = WriteThrough(state.engine, partial(_private_host_storage, weakref.ref(state)), streamed)
         register = partial(module._register_load_state_dict_pre_hook, write_through.before, with_module=True)
         journal.handle(register, "write")
         journal.handle(partial(module.register_load_state_dict_post_hook, write_through.after), "write-through done")
@@ -413,6 +415,11 @@ def _write_through_load_state_dict(model: nn.Module, state: OffloadState) -> lis
 def detach(model: nn.Module, state: OffloadState, target: torch.device | None) -> None:
     """Undo the ATTACH steps (the weights keep their values where they are), move everything to `target` (None: leave
     streamed weights in host memory, for a re-dispatch) and release the host storage. Resumable."""
+    if target is None or target.type != "cuda":
+        # The weights stay in host storage, now the model's: a file's pages become private memory first, before
+        # anything is undone (a file changed on disk refuses the removal and leaves the model as it was).
+        _quiesce(state)
+        state.arena.make_writable()
     state.lifecycle, state.target = Lifecycle.DETACHING, target
     _quiesce(state)
     state.journal.unwind(Phase.ATTACH)
@@ -457,6 +464,13 @@ def _end(model: nn.Module, state: OffloadState) -> None:
         state.gate_hooks.unwind(Phase.ATTACH)
         if model.__dict__.get(STATE_ATTR) is state:
             del model.__dict__[STATE_ATTR]
+
+
+def _private_host_storage(state_ref: weakref.ref) -> None:
+    # The state's write-throughs hold this, not the state: no reference cycle keeps a deleted model alive.
+    state = state_ref()
+    if state is not None:
+        state.private_host_storage()
 
 
 def _ancestors(param_name: str) -> list[tuple[str, str]]:

@@ -168,6 +168,7 @@ class PrefetchEngine:
         self.routed_max_tokens = routed_max_tokens if has_routed and (pinned or not self._cuda) else 0
         self.routing = False
         self._tokens: int | None = None  # of the latest forward `prepare`d outside a capture
+        self.compiled = False  # compiled code has called the engine (through ops.py)
         self._caches = ExpertCaches([layer for ring in self.rings for layer in ring.layers])
         # copy_stream: runs every host-to-device weight copy. Ordered after the compute stream by a wait before each
         # copy (the slot may still be read by queued kernels); the compute stream is ordered after it by each layer's

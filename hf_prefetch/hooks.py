@@ -236,6 +236,8 @@ class ForwardGate:
                 raise RuntimeError(_REPLACED)
             if state.lifecycle is not Lifecycle.ATTACHED:
                 raise RuntimeError(_half_done(state))
+            if state.arena.file_bytes:  # [Note: mapped host storage]: never compute with a changed file's pages
+                state.arena.check_files()
         except BaseException:
             self._leave(finish=False)  # refused: nothing was prepared
             raise
@@ -256,6 +258,10 @@ class ForwardGate:
             state = self._state()
             if finish and depth == 1 and state is not None and state.engine is not None:
                 state.engine.finish()
+                if state.engine.compiled and not state.engine.graphs and state.arena.file_bytes:
+                    # Compiled code may capture CUDA graphs from the next call on: their copies must read private
+                    # pages, never a file's (see OffloadState.private_host_storage).
+                    state.private_host_storage()
         finally:
             with deferred_interrupts():
                 self._local.depth = depth - 1
@@ -374,11 +380,19 @@ def _tensors(value):
 
 
 def host_values_in_state_dict(
-    hosts: dict[str, list[OffloadedParam]], module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any
+    hosts: dict[str, list[OffloadedParam]],
+    writable: Callable[[], None],
+    module: nn.Module,
+    state_dict: dict,
+    prefix: str,
+    local_metadata: Any,
 ) -> None:
     """`state_dict()` hook of a module that owns streamed parameters (`hosts`: their names in it, each with its
     tensors): a streamed parameter's slot holds whichever layer ran last; its value is in host storage (decoded where
-    compressed; a tensor subclass rebuilt around its inner tensors' host storage)."""
+    compressed; a tensor subclass rebuilt around its inner tensors' host storage). `writable()` first: host storage
+    that is a file's pages becomes private memory before it is handed out ([Note: mapped host storage])."""
+    if any(prefix + name in state_dict for name in hosts):
+        writable()
     for name, tensors in hosts.items():
         if prefix + name not in state_dict:
             continue
@@ -413,8 +427,9 @@ class WriteThrough:
     (`complete`). See [Note: rewriting weights] in reload.py.
     """
 
-    def __init__(self, engine: PrefetchEngine, streamed: list[Streamed]) -> None:
+    def __init__(self, engine: PrefetchEngine, private_host: Callable[[], None], streamed: list[Streamed]) -> None:
         self.engine = engine
+        self.private_host = private_host  # `OffloadState.private_host_storage`
         self.streamed = streamed
         self.loading: list[Streamed] = []  # pointed at host storage by `before`, until `complete`
         self.held: list[tuple[int, int]] = []  # (ring, position) of the layers that held their slot before
@@ -423,6 +438,7 @@ class WriteThrough:
         loading = [s for s in self.streamed if prefix + s.name in state_dict]
         if not loading:
             return
+        self.private_host()  # host storage that is a file's pages: private memory first
         self.engine.drain()  # no copy may still read the host storage about to be written
         layers = list(dict.fromkeys((s.ring, s.position) for s in loading))
         self.held += [layer for layer in layers if self.engine.holds(*layer)]
@@ -455,6 +471,17 @@ class WriteThrough:
             while self.held:  # copy the new values into the slots the layers held
                 self.engine.load(*self.held[-1])
                 self.held.pop()
+
+
+def writable_host_storage(state_ref: weakref.ref, lock: threading.RLock) -> None:
+    """[Note: mapped host storage] Before host storage is handed out (`state_dict`): if any of it is still a
+    checkpoint file's pages, turn it into private memory (`OffloadState.private_host_storage`), under the model's
+    `lock`. A no-op once done, and for a state that has ended."""
+    state = state_ref()
+    if state is None or not state.arena.file_bytes:
+        return
+    with _held(lock):
+        state.private_host_storage()
 
 
 def one_load_at_a_time(module: nn.Module, lock: threading.RLock) -> Callable[..., Any]:

@@ -18,15 +18,56 @@ an illegal-address fault that poisons the CUDA context, not a stale value. So th
 arena, and with it the registration (its finalizer unregisters) lives as long as any view, including one a user took
 from `param.data`; `release()` on an arena whose views are alive does nothing; and a removal first synchronizes the
 device, points the parameters back at their host tensors, then releases the arena.
+
+[Note: mapped host storage]
+The loader can leave a streamed weight where it already is: in the page cache's pages of its checkpoint shard. Such an
+arena entry (`files[i]`) is the shard's pages mapped read-only and shared (`MAP_SHARED`, `MAP_FIXED`) into the
+arena's range, at the entry's offset within its page, so the tensor's bytes are the file's with no copy, no fresh
+memory and no second copy in the page cache; `pin` page-locks the range for reading only (`cudaHostRegister` with
+`ReadOnly | Portable`). The rules:
+- *Nothing writes a file-backed entry, and nothing hands one out while the model is dispatched.* Its pages are
+  read-only (a write faults) and are the file's (a write over the file would change the weights). Every path that
+  writes host storage or gives it to the caller first calls `OffloadState.private_host_storage` (`make_writable`
+  after every queued copy, under the model's lock): `state_dict()`, `load_state_dict`, `reload_weights`,
+  `sync_from_device`, and a removal that leaves the weights in host memory (before anything is undone).
+  `make_writable` reads each region's bytes into private memory and moves that memory over the region (`mremap`,
+  atomic per region) at the same addresses, then page-locks the range again. Views and engine transfers keep their
+  addresses and read the private pages.
+- *No CUDA graph records a copy from a file's pages that will be replaced.* A graph's recorded copy of page-locked
+  memory fails at its replay once the range was unregistered and registered again (`benchmarks/graph_mapped_host.py`).
+  So the forward gate turns the pages private at the end of the first forward that ran compiled code (torch.compile
+  warms a function up before its CUDA graphs record it), and `private_host_storage` refuses (RuntimeError, nothing
+  changed) once a graph recorded copies from them (a bare `torch.cuda.graph` capture of the eager model).
+- *An interrupted move leaves the truth.* An error or Ctrl-C before the moves leaves every region as it was; the
+  moves run with Ctrl-C deferred, and after any other exception (a signal handler's) the regions still mapped from a
+  file are read back from the kernel (`/proc/self/maps`).
+- *The file must stay as it was mapped.* The arena keeps a descriptor of each file and its size and modification
+  time. Every forward (`ForwardGate`, one `fstat` per file) and `make_writable` refuse a changed file (RuntimeError
+  naming it) rather than compute with or copy other weights. Writing over a shard while a model maps it changes or
+  removes (`SIGBUS` on touch) its pages, as it does for transformers' own memory-mapped safetensors;
+  `save_pretrained` over the loaded folder is safe because it calls `state_dict()` first and writes new files.
+  Replacing or deleting the files (what the Hub's cache does) is safe: the mapping holds the old inode.
+- *What outlives the arena is private.* `release` maps a region the arena still holds from a file again, copy-on-write
+  (`MAP_PRIVATE`, writable, no copy), after unpinning: a module kept after its model was collected may be written,
+  and the file never changes.
+- Only entries stored exactly as loaded are mapped (one checkpoint tensor, same dtype and size, dense, at an offset
+  aligned to its dtype), from shards the page cache holds (`reader.MAPPED_FROM`), on a driver that page-locks
+  read-only file mappings; never for compressed plans (their host bytes are encoded), UVA or routed experts (kernels
+  read host storage in place). The rest of the arena is private memory filled by the loader's reads.
 """
 
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import logging
+import mmap
+import os
 import warnings
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -34,6 +75,7 @@ from . import host_memory
 
 __all__ = [
     "HostArena",
+    "FilePiece",
     "ALIGN_BYTES",
     "padded_bytes",
     "span_bytes",
@@ -113,6 +155,48 @@ def own_storage(tensor: torch.Tensor) -> torch.Tensor:
     return own.view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
 
 
+@dataclass(frozen=True)
+class FilePiece:
+    """Where an arena entry's bytes already are: `offset` in the file `path`, open read-only as `fd` (a checkpoint
+    shard). The arena keeps a duplicate of `fd` for as long as it maps the file."""
+
+    path: str
+    fd: int
+    offset: int
+
+
+class _Region(NamedTuple):
+    start: int  # in the arena, page-aligned
+    length: int  # whole pages
+    file: _File
+    offset: int  # in the file, page-aligned
+
+
+class _File:
+    """A mapped file: the arena's own descriptor of it, and what `fstat` said when it was mapped."""
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path = path
+        self.fd = os.dup(fd)
+        status = os.fstat(self.fd)
+        self.stamp = (status.st_size, status.st_mtime_ns)
+
+    def check_unchanged(self) -> None:
+        status = os.fstat(self.fd)
+        if (status.st_size, status.st_mtime_ns) != self.stamp:
+            raise RuntimeError(
+                f"{self.path} changed on disk since it was loaded (size {self.stamp[0]} -> {status.st_size} bytes, "
+                "or its modification time): the streamed weights are that file's own pages, so the loaded values "
+                "are gone. Load the model again (write a changed checkpoint to a new folder, not over the one a model "
+                "was loaded from; or load with map_files=False)."
+            )
+
+    def close(self) -> None:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
+            os.close(fd)
+
+
 class HostArena:
     """`sizes[i]` bytes at `offsets[i]` of one host buffer, page-locked with `cudaHostRegister` by `pin()`.
 
@@ -120,27 +204,83 @@ class HostArena:
     registering fresh memory (the kernel then only locks pages instead of also allocating them). Views stay valid
     after `release()` (the memory is then ordinary pageable memory, freed with the last view).
 
-    Before allocating, `host_memory.check_host_memory` refuses an arena the container's memory cgroup cannot hold (ValueError).
-    `freed_bytes`: host memory released while the arena fills (weights that move into it from the CPU).
+    `files[i]`, where given, says that entry i's bytes are already in a file: that entry is the file's own pages,
+    mapped read-only into the arena's range ([Note: mapped host storage]); the others are private memory to fill.
+    Before allocating, `host_memory.check_host_memory` refuses private memory the container's memory cgroup cannot
+    hold (ValueError). `freed_bytes`: host memory released while the arena fills (weights that move into it from the
+    CPU). Raises OSError where a file cannot be mapped (nothing is left mapped then).
     """
 
-    def __init__(self, sizes: Sequence[int], *, freed_bytes: int = 0) -> None:
+    def __init__(
+        self, sizes: Sequence[int], *, freed_bytes: int = 0, files: Sequence[FilePiece | None] | None = None
+    ) -> None:
+        files = list(files) if files is not None else [None] * len(sizes)
+        if len(files) != len(sizes):
+            raise ValueError(f"HostArena: {len(files)} file pieces for {len(sizes)} sizes.")
         self.offsets: list[int] = []
-        total = 0
-        for size in sizes:
-            self.offsets.append(total)
-            total += padded_bytes(size)
-        self.nbytes = _round_up(total, _PAGE_BYTES)
-        if self.nbytes > 0:
-            host_memory.check_host_memory(self.nbytes, host_memory.host_limits(), freed_bytes=freed_bytes)
-        # Over-allocate one page so that the registered range starts on a page boundary and shares no page with
-        # another allocation (two registrations of one page fail).
-        raw = torch.empty(self.nbytes + _PAGE_BYTES, dtype=torch.uint8)
-        start = (-raw.data_ptr()) % _PAGE_BYTES
-        self._buffer = raw[start : start + self.nbytes]
+        # Each file-backed entry's pages, page-aligned; the entry starts at its region's start + its page offset.
+        regions: list[tuple[int, int, FilePiece]] = []  # (start, length, piece)
+        total = private = 0
+        for size, piece in zip(sizes, files, strict=True):
+            if piece is None:
+                self.offsets.append(total)
+                total += padded_bytes(size)
+                private += padded_bytes(size)
+                continue
+            total = _round_up(total, mmap.PAGESIZE)
+            within = piece.offset % mmap.PAGESIZE
+            regions.append((total, _round_up(within + size, mmap.PAGESIZE), piece))
+            self.offsets.append(total + within)
+            total += regions[-1][1]
+        self.nbytes = _round_up(total, max(_PAGE_BYTES, mmap.PAGESIZE))
+        if private > 0:
+            host_memory.check_host_memory(private, host_memory.host_limits(), freed_bytes=freed_bytes)
         self.pinned = False
         self._unpin: weakref.finalize | None = None
         self._mapping: weakref.ref[_DeviceArray] | None = None  # alive while a device view from `map` is
+        self._mapped_at = 0  # that view's device address
+        self._files: list[_Region] = []  # the file-backed regions still mapped
+        self._close_files: weakref.finalize | None = None
+        self._opened = {}
+        if not regions:
+            # Over-allocate one page so that the registered range starts on a page boundary and shares no page with
+            # another allocation (two registrations of one page fail).
+            raw = torch.empty(self.nbytes + _PAGE_BYTES, dtype=torch.uint8)
+            start = (-raw.data_ptr()) % _PAGE_BYTES
+            self._buffer = raw[start : start + self.nbytes]
+            return
+        # One private anonymous mapping (page-aligned, never shared with another allocation), freed by the mmap
+        # object when the last view of it dies; each file-backed region is then mapped over its part of it.
+        reserved = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE)
+        self._buffer = torch.frombuffer(reserved, dtype=torch.uint8)
+        del reserved  # the buffer's storage holds it
+        base, libc, opened = self._buffer.data_ptr(), _libc(), {}
+        self._opened: dict[int, _File] = opened  # each mapped file, once
+        self._close_files = weakref.finalize(self, _close_all, opened)
+        self._close_files.atexit = False
+        try:
+            for start, length, piece in regions:
+                if piece.fd not in opened:
+                    opened[piece.fd] = _File(piece.path, piece.fd)
+                offset = piece.offset - piece.offset % mmap.PAGESIZE
+                flags = mmap.MAP_SHARED | _MAP_FIXED
+                where = libc.mmap(base + start, length, mmap.PROT_READ, flags, opened[piece.fd].fd, offset)
+                if where != base + start:
+                    err = ctypes.get_errno()
+                    raise OSError(
+                        err, f"mapping {length} bytes of {piece.path} into host storage failed: {os.strerror(err)}"
+                    )
+                self._files.append(_Region(start, length, opened[piece.fd], offset))
+        except BaseException:
+            self._buffer = torch.empty(0, dtype=torch.uint8)  # unmaps everything (no other view exists yet)
+            self._files = []
+            self._close_files()
+            raise
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the arena that are still a file's own pages (0 once `make_writable` ran)."""
+        return sum(region.length for region in self._files)
 
     @staticmethod
     def bytes_for(sizes: Sequence[int]) -> int:
@@ -150,13 +290,80 @@ class HostArena:
     def pin(self) -> bool:
         """Page-lock the arena (once); False, with one warning, where the platform refuses."""
         if not self.pinned and self.nbytes > 0:
-            self.pinned = _register(self._buffer)
+            # A file's pages are locked for reading only (the mapping is read-only); the device only reads them.
+            flags = _REGISTER_PORTABLE | _REGISTER_READ_ONLY if self._files else 0
+            self.pinned = _register(self._buffer, flags)
             if self.pinned:
                 # Unregister when the arena dies even without release() (a dispatched model that is simply
                 # dropped): freed memory that stays registered makes the next registration of it fail.
                 self._unpin = weakref.finalize(self, _unregister, self._buffer.data_ptr())
                 self._unpin.atexit = False
         return self.pinned
+
+    def check_files(self) -> None:
+        """Raise RuntimeError if a file the arena still maps changed on disk since it was mapped (its size or
+        modification time): its pages may no longer hold the weights that were loaded. One `fstat` per file."""
+        if self._files:  # the descriptors are closed only once no region is a file's
+            for file in self._opened.values():
+                file.check_unchanged()
+
+    def make_writable(self) -> None:
+        """Turn every file-backed entry into private memory at the same addresses, with the same bytes; then the
+        arena may be written and handed out like any. Views, the device's copies (CUDA-graph ones included) and a
+        `map`'s device view keep their addresses. Call only while no copy reads the arena. Idempotent; once done it
+        is a no-op. See [Note: mapped host storage].
+
+        The file's bytes are read with positional reads (a file cut short since it was mapped raises OSError here
+        instead of SIGBUS at the first touch). Private memory for them is checked against the host's limits first.
+        """
+        if not self._files:
+            return
+        from .changes import deferred_interrupts  # changes imports placements, which imports this module
+
+        if self._mapping is not None and self._mapping() is not None and self._mapped_at != self._buffer.data_ptr():
+            raise RuntimeError(
+                "Host storage mapped from checkpoint files has a device view at another address than its host one; "
+                "its pages cannot be replaced under that view. Load with map_files=False."
+            )
+        self.check_files()
+        host_memory.check_host_memory(self.file_bytes, host_memory.host_limits())
+        libc, base = _libc(), self._buffer.data_ptr()
+        copies: list[tuple[int, int, int]] = []  # (start, length, address of its private copy)
+        try:
+            for region in self._files:
+                protection, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | _MAP_ANONYMOUS
+                copy = libc.mmap(None, region.length, protection, flags, -1, 0)
+                if copy in (None, _MAP_FAILED):
+                    raise MemoryError(f"No private memory for {region.length} bytes of host storage.")
+                copies.append((region.start, region.length, copy))
+                _read_into(region.file, region.offset, copy, region.length)
+            # From here on nothing may stop half-way: the registration is dropped, every region replaced by its
+            # copy (mremap: atomic per region, the same addresses), and the whole range registered again.
+            with deferred_interrupts():
+                pinned = self.pinned
+                if pinned and self._unpin is not None:
+                    self._unpin()
+                    self.pinned = False
+                try:
+                    for start, length, copy in list(copies):
+                        moved = libc.mremap(copy, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, base + start)
+                        if moved != base + start:  # not expected: the range is ours and page-aligned
+                            raise OSError(ctypes.get_errno(), "mremap of host storage failed")
+                        self._files = [region for region in self._files if region.start != start]
+                        copies = [c for c in copies if c[0] != start]
+                finally:
+                    # An exception other than a Ctrl-C (a signal handler's) may have landed between a move and its
+                    # bookkeeping: ask the kernel which regions are still the file's.
+                    moved_starts = {start for start, _, _ in copies if not _file_backed(base + start)}
+                    self._files = [region for region in self._files if region.start not in moved_starts]
+                    copies = [c for c in copies if c[0] not in moved_starts]
+                    if pinned:  # the same range again, read-only while any region is still a file's
+                        self.pin()
+                    if not self._files:
+                        self._close_files()
+        finally:
+            for _, length, copy in copies:  # those not moved into the arena
+                libc.munmap(copy, length)
 
     def view(
         self,
@@ -196,7 +403,7 @@ class HostArena:
                 f"{device} at {pointer:#x}: the arena was registered under another device. Pin it under "
                 "torch.cuda.device(device)."
             )
-        self._mapping = weakref.ref(holder)
+        self._mapping, self._mapped_at = weakref.ref(holder), pointer
         return mapped
 
     def mapped_like(self, host: torch.Tensor, mapped: torch.Tensor) -> torch.Tensor:
@@ -221,7 +428,76 @@ class HostArena:
         if self._unpin is not None:
             self._unpin()
         self.pinned = False
+        # A view that outlives the arena (a module kept after its model was dropped) may be written: its file's pages
+        # are mapped again copy-on-write (MAP_PRIVATE, writable) at the same addresses, with no copy; the file never
+        # changes. Done after the unpinning: a page the device had locked is not copied on a write.
+        libc, base = _libc(), self._buffer.data_ptr()
+        for region in self._files:
+            protection, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | _MAP_FIXED
+            where = libc.mmap(base + region.start, region.length, protection, flags, region.file.fd, region.offset)
+            if where != base + region.start:
+                logger.warning("Could not map %s copy-on-write: %s", region.file.path, os.strerror(ctypes.get_errno()))
         self._buffer = torch.empty(0, dtype=torch.uint8)
+        self._files = []
+        if self._close_files is not None:
+            self._close_files()
+
+
+# mmap and mremap flags Python's mmap module does not name (Linux values).
+_MAP_FIXED = 0x10
+_MAP_ANONYMOUS = 0x20
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_MREMAP_MAYMOVE = 1
+_MREMAP_FIXED = 2
+_libc_handle: ctypes.CDLL | None = None
+
+
+def _libc() -> ctypes.CDLL:
+    global _libc_handle
+    if _libc_handle is None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        size_t, c_int, void_p = ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p
+        libc.mmap.restype = void_p
+        libc.mmap.argtypes = [void_p, size_t, c_int, c_int, c_int, ctypes.c_long]
+        libc.mremap.restype = void_p
+        libc.mremap.argtypes = [void_p, size_t, size_t, c_int, void_p]
+        libc.munmap.argtypes = [void_p, size_t]
+        _libc_handle = libc
+    return _libc_handle
+
+
+def _read_into(file: _File, offset: int, address: int, nbytes: int) -> None:
+    # Positional reads of a file's bytes [offset, offset + nbytes) into memory at `address`; the last page may run
+    # past the file's end (zeros there, as in its mapping), anything shorter raises.
+    view = memoryview((ctypes.c_uint8 * nbytes).from_address(address)).cast("B")
+    size, done = os.fstat(file.fd).st_size, 0
+    while done < nbytes:
+        count = os.preadv(file.fd, [view[done : min(nbytes, done + _READ_BYTES)]], offset + done)
+        if count == 0:
+            if offset + done >= size and offset + nbytes - size < mmap.PAGESIZE:
+                return  # the mapping's tail past the file's end
+            raise OSError(f"{file.path} ended at byte {offset + done} while reading host storage back from it.")
+        done += count
+
+
+_READ_BYTES = 64 << 20
+
+
+def _file_backed(address: int) -> bool:
+    # Whether the mapping holding `address` is a file's (its inode field is not 0), from /proc/self/maps.
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            low, high = (int(bound, 16) for bound in fields[0].split("-"))
+            if low <= address < high:
+                return fields[4] != "0"
+    return False
+
+
+def _close_all(files: dict[int, _File]) -> None:
+    for file in files.values():
+        file.close()
+    files.clear()
 
 
 class _DeviceArray:
@@ -271,9 +547,9 @@ def _unregister(pointer: int) -> None:
         logger.warning("cudaHostUnregister failed with CUDA error %s", int(err))
 
 
-def _register(buffer: torch.Tensor) -> bool:
+def _register(buffer: torch.Tensor, flags: int = 0) -> bool:
     global _warned_unpinned
-    err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+    err = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), flags)
     if int(err) == 0:
         _registered_bytes[buffer.data_ptr()] = buffer.numel()
         return True

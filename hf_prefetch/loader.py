@@ -14,6 +14,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,15 +27,16 @@ from .changes import Journal, Phase, deferred_interrupts
 from .checkpoint import Checkpoint
 from .compressed import compress_arena
 from .config import PrefetchConfig
-from .host import HostArena
+from .diskio import cached_fraction
+from .host import FilePiece, HostArena
 from .keymap import KeyMap, cast_source, convert, filled_names, map_keys, region_view
 from .layers import get_part
 from .links import resolve_links
 from .memory_budget import MaxMemory, device_argument, parse_max_memory
 from .pipeline import home_of
-from .placements import INNER_SEP
+from .placements import INNER_SEP, OffloadPlan, ParamSpec
 from .prequantized import quant_method
-from .reader import TensorReader
+from .reader import MAPPED_FROM, TensorReader, driver_maps_files
 from .skeleton import FLOAT8, build_skeleton, checkpoint_folder, set_dtypes
 from .state import (
     OffloadedParam,
@@ -66,6 +68,7 @@ def from_pretrained(
     reserve_bytes: int | str | None = None,
     links: str | Sequence[int | str | torch.device] | None = None,
     direct_io: bool | None = None,
+    map_files: bool | None = None,
     **unknown: Any,
 ) -> nn.Module:
     """Load a local transformers checkpoint straight into a dispatched model, without a full copy in host memory.
@@ -89,6 +92,14 @@ def from_pretrained(
             default each shard the page cache holds less than half of is read directly (a checkpoint fresh from the
             disk: large reads, and no second copy of the weights in the cache) and the others through the cache.
             `True` reads every shard directly where the file system allows it, `False` none.
+        map_files (`bool`, *optional*): Keep streamed weights in the page cache's own pages (the shards mapped
+            read-only and page-locked in place) instead of copying them into host memory: no copy and no fresh memory
+            at load, and no second copy of them in the page cache. By default, a weight stored as it is loaded (same
+            dtype, one tensor) in a shard the page cache holds is mapped; `True` maps such weights of every shard
+            (the pages the cache lacks are read as they are locked), `False` none. The first `state_dict()`,
+            `load_state_dict`, `reload_weights`, `sync_from_device` or `remove_offload(model, "cpu")` copies them
+            into private memory first. Do not write over a shard a model was loaded from while it lives (see
+            docs/design.md, [Note: mapped host storage]).
 
     Returns:
         The model, dispatched and in eval mode.
@@ -118,7 +129,7 @@ def from_pretrained(
     max_memory = parse_max_memory(max_memory, reserve_bytes, config)
     exec_device = resolve_device(device_argument(max_memory, device))
     link_indices = resolve_links(links, exec_device)
-    _check_direct_io(direct_io)
+    _check_direct_io(direct_io, map_files)
     folder = checkpoint_folder(path)
     warmup = None
     try:
@@ -143,6 +154,7 @@ def from_pretrained(
                 links=link_indices,
                 timeline=timeline,
                 direct_io=direct_io,
+                map_files=map_files,
                 warmup=warmup,
             )
     finally:
@@ -170,6 +182,7 @@ def load_checkpoint_and_dispatch(
     reserve_bytes: int | str | None = None,
     links: str | Sequence[int | str | torch.device] | None = None,
     direct_io: bool | None = None,
+    map_files: bool | None = None,
     **unknown: Any,
 ) -> nn.Module:
     """Load a checkpoint into a model built on the meta device and dispatch it, like `from_pretrained`.
@@ -180,7 +193,8 @@ def load_checkpoint_and_dispatch(
     Args:
         model (`nn.Module`): The model skeleton, parameters on the meta device.
         checkpoint (`str` or `os.PathLike`): A folder, a `.safetensors` file or a `model.safetensors.index.json`.
-        offload, device, layers, progress, max_memory, reserve_bytes, links, direct_io: As in `from_pretrained`.
+        offload, device, layers, progress, max_memory, reserve_bytes, links, direct_io, map_files: As in
+            `from_pretrained`.
         dtype (`torch.dtype`, *optional*): Cast floating-point parameters to this dtype; by default each parameter
             keeps the model's dtype (the checkpoint's values are cast to it).
 
@@ -212,7 +226,7 @@ def load_checkpoint_and_dispatch(
     max_memory = parse_max_memory(max_memory, reserve_bytes, config)
     exec_device = resolve_device(device_argument(max_memory, device))
     link_indices = resolve_links(links, exec_device)
-    _check_direct_io(direct_io)
+    _check_direct_io(direct_io, map_files)
     _refuse_dispatched(model)
     refuse_other_offload(model)
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype not in FLOAT8):
@@ -234,6 +248,7 @@ def load_checkpoint_and_dispatch(
             max_memory=max_memory,
             links=link_indices,
             direct_io=direct_io,
+            map_files=map_files,
         )
     return model
 
@@ -268,6 +283,7 @@ def _load_unlocked(
     links: tuple[int, ...] = (),
     timeline: LoadTimeline | None = None,
     direct_io: bool | None = None,
+    map_files: bool | None = None,
     warmup: Warmup | None = None,
 ) -> None:
     from transformers import PreTrainedModel
@@ -290,7 +306,10 @@ def _load_unlocked(
         warmup.run(model, spare_bytes=plan.gpu_bytes(device.index)[1] if device.type == "cuda" else 0)
         # Everything is validated: allocate the host arena exactly as dispatch_model does, then the resident tensors.
         layout = attach.host_layout(plan)
-        arena = HostArena([spec.nbytes for _, spec in layout])
+        # A plan with compressed parameters pins the arena their encoded bytes move into instead (`compress_arena`).
+        compressing = plan.compressed_bytes[0] > 0
+        files = _file_pieces(layout, keymap, checkpoint, device, plan, map_files, direct_io, compressing)
+        arena = _arena(layout, files)
         state = attach.begin(model, plan, device, arena, timing, journal)
         state.load_timeline = timeline.phases
         dests = {}
@@ -303,14 +322,17 @@ def _load_unlocked(
                 tensor = keymap.model_tensors[name]
                 dests[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device=home(name))
         timeline.mark("allocate", device)
-        # A plan with compressed parameters pins the arena their encoded bytes move into instead (`compress_arena`).
-        compressing = plan.compressed_bytes[0] > 0
-        seconds, read = _read_all(checkpoint, keymap, dests, model, progress, direct_io, timeline)
         # The arena's page-locking (CUDA only), in a thread while the tensors are installed and the warm-up ends: the
-        # reads touched every page (page-locking touched memory is ~10x faster than fresh). Writes meanwhile (the
-        # install's parts no tensor filled) do not disturb it; `compress_arena` and `attach`'s copies come after the
-        # join, and so does any release of the arena (the error path joins first).
-        if device.type == "cuda" and not compressing:
+        # reads touched every page (page-locking touched memory is ~10x faster than fresh); an arena that is all
+        # file pages is locked while the reads run. Writes meanwhile (the install's parts no tensor filled) do not
+        # disturb it; `compress_arena` and `attach`'s copies come after the join, and so does any release of the
+        # arena (the error path joins first).
+        if device.type == "cuda" and not compressing and arena.file_bytes == arena.nbytes > 0:
+            pinning = _Background(lambda: _pin_on(arena, device))
+            pinning.start()
+        mapped = {f"{path}.{spec.name}" for (path, spec), piece in zip(layout, files, strict=True) if piece}
+        seconds, read = _read_all(checkpoint, keymap, dests, model, progress, direct_io, timeline, skip=mapped)
+        if device.type == "cuda" and not compressing and pinning is None:
             pinning = _Background(lambda: _pin_on(arena, device))
             pinning.start()
         _install(model, keymap, dests, journal)
@@ -358,12 +380,83 @@ def _load_unlocked(
     logger.info(message, checkpoint.folder, gb, direct_gb, mapped_gb, seconds, rate, pinned_gib, gpu_gib)
 
 
-def _check_direct_io(direct_io: object) -> None:
+def _check_direct_io(direct_io: object, map_files: object) -> None:
     if direct_io is not None and not isinstance(direct_io, bool):
         raise ValueError(
             f"direct_io={direct_io!r} must be True (read every shard around the page cache), False (through it) or "
             "None (directly only the shards the page cache does not hold)."
         )
+    if map_files is not None and not isinstance(map_files, bool):
+        raise ValueError(
+            f"map_files={map_files!r} must be True (streamed weights stay in the page cache's pages of every shard), "
+            "False (copied into host memory) or None (mapped from the shards the page cache holds)."
+        )
+    if direct_io and map_files:
+        raise ValueError(
+            "direct_io=True reads around the page cache, and map_files=True keeps streamed weights in it: pass one "
+            "of them (map_files=None maps nothing when direct_io=True)."
+        )
+
+
+def _file_pieces(
+    layout: list[tuple[str, ParamSpec]],
+    keymap: KeyMap,
+    checkpoint: Checkpoint,
+    device: torch.device,
+    plan: OffloadPlan,
+    map_files: bool | None,
+    direct_io: bool | None,
+    compressing: bool,
+) -> list[FilePiece | None]:
+    # [Note: mapped host storage] Which arena entries are their file's own pages: a tensor stored as it is loaded
+    # (one checkpoint tensor of the same dtype and size, laid out densely), in a shard the page cache holds (or any
+    # shard with map_files=True) that the driver page-locks read-only mappings of. Not for compressed plans (the
+    # encoded bytes are new), nor UVA or routed experts (kernels read the arena in place).
+    pieces: list[FilePiece | None] = [None] * len(layout)
+    # Routed experts' rows are read in place by kernels (through the arena's device view), as UVA's weights are.
+    routed = any(spec.routing is not None for _, spec in layout)
+    if map_files is False or (map_files is None and direct_io) or compressing or plan.backend == "uva" or routed:
+        return pieces
+    mappable: dict[Path, bool] = {}
+    for i, (path, spec) in enumerate(layout):
+        sources = keymap.streamed.get(f"{path}.{spec.name}", [])
+        if len(sources) != 1 or sources[0][1] is not None:
+            continue
+        entry = sources[0][0]
+        dense = spec.stride == _contiguous_strides(spec.shape)
+        if entry.dtype != spec.dtype or entry.nbytes != spec.nbytes or not dense or entry.nbytes == 0:
+            continue
+        if entry.offset % entry.dtype.itemsize:  # a file whose data is not aligned to its dtype: a view cannot be
+            continue
+        if entry.path not in mappable:
+            fraction = cached_fraction(entry.path) if map_files is None else 1.0
+            mappable[entry.path] = (
+                fraction is not None
+                and fraction >= MAPPED_FROM
+                and (device.type != "cuda" or driver_maps_files(checkpoint, device, entry.path))
+            )
+        if mappable[entry.path]:
+            pieces[i] = FilePiece(str(entry.path), checkpoint.fd(entry.path), entry.offset)
+    return pieces
+
+
+def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def _arena(layout: list[tuple[str, ParamSpec]], files: list[FilePiece | None]) -> HostArena:
+    sizes = [spec.nbytes for _, spec in layout]
+    if any(files):
+        try:
+            return HostArena(sizes, files=files)
+        except OSError as err:  # a file system that cannot map files: the arena is filled by reads instead
+            logger.info("Streamed weights are copied into host memory: %s", err)
+            files[:] = [None] * len(files)
+    return HostArena(sizes)
 
 
 def _check_fp8_matmuls(model: nn.Module, device: torch.device) -> None:
@@ -398,10 +491,18 @@ class LoadTimeline:
         self._last = now
 
 
-def _read_all(checkpoint, keymap, dests, model, progress, direct_io, timeline) -> tuple[float, TensorReader]:
+def _read_all(
+    checkpoint, keymap, dests, model, progress, direct_io, timeline, skip: set[str]
+) -> tuple[float, TensorReader]:
     # Host destinations (the arena) and device destinations in one load: the host's are CPU copies, the device's
-    # (mapped reads) mostly the copy engine's, so they overlap.
-    reads = [(e, region_view(dests[name], region)) for name, pieces in keymap.streamed.items() for e, region in pieces]
+    # (mapped reads) mostly the copy engine's, so they overlap. `skip`: the arena's entries that are their file's
+    # pages already (and must not be written).
+    reads = [
+        (e, region_view(dests[name], region))
+        for name, pieces in keymap.streamed.items()
+        if name not in skip
+        for e, region in pieces
+    ]
     total = sum(e.nbytes for e, _ in reads) + sum(e.nbytes for e, _ in keymap.duplicates)
     total += sum(e.nbytes for _, _, sources, _ in keymap.converted for _, e in sources)
     from tqdm.auto import tqdm  # imported here: importing it in Jupyter without ipywidgets warns

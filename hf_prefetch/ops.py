@@ -36,7 +36,9 @@ def register_engine(engine: PrefetchEngine) -> int:
 @torch.library.custom_op("hf_prefetch::wait", mutates_args=("anchor",))
 def wait(anchor: torch.Tensor, engine: int, ring: int, position: int) -> None:
     """Order the compute stream after layer `position`'s copy (see `PrefetchEngine.wait`); `anchor` is its input."""
-    _engines[engine].wait(ring, position)
+    running = _engines[engine]
+    running.compiled = True  # compiled code calls the engine: CUDA graphs may record it from now on
+    running.wait(ring, position)
 
 
 @wait.register_fake

@@ -243,6 +243,10 @@ class DeviceEngines:
         return any(engine.graphs for engine in self.engines)
 
     @property
+    def compiled(self) -> bool:
+        return any(engine.compiled for engine in self.engines)
+
+    @property
     def routing(self) -> bool:
         return self.engines[0].routing
 

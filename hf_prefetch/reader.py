@@ -29,14 +29,14 @@ from .checkpoint import Checkpoint, TensorEntry
 from .diskio import FileMapping, Window, cached_fraction, open_direct, plan_windows, pread
 from .host import HostArena, lock_read_only, unlock
 
-__all__ = ["TensorReader"]
+__all__ = ["TensorReader", "MAPPED_FROM", "driver_maps_files"]
 
 _CHUNK_BYTES = 16 * 2**20  # one positional read; big tensors are split so that every reader thread has work
 _READERS = min(16, os.cpu_count() or 4)
 _WINDOW_BYTES = 8 * 2**20  # one windowed read (a multiple of diskio.DIRECT_ALIGN_BYTES)
 _BOUNCE_BUFFERS = 2 * _READERS  # windows being read or copied out
 _DIRECT_BELOW = 0.5  # `direct=None`: a file is read directly when the page cache holds less than this share of it
-_MAPPED_FROM = 0.9  # CUDA destinations of a file the page cache holds at least this share of are mapped reads
+MAPPED_FROM = 0.9  # a file the page cache holds at least this share of is mapped (reads onto CUDA, host storage)
 _SPAN_BYTES = 64 * 2**20  # one mapped read: at most _READERS spans are mapped (and page-locked) at once
 
 # Whether the driver page-locks read-only mappings of a file system's files for a device, by (device index, st_dev):
@@ -198,30 +198,10 @@ class TensorReader:
             self._mapped_files[key] = (
                 self._direct_fd(entry.path) is None
                 and fraction is not None
-                and fraction >= _MAPPED_FROM
-                and self._maps_files(out.device, entry.path)
+                and fraction >= MAPPED_FROM
+                and driver_maps_files(self.checkpoint, out.device, entry.path)
             )
         return self._mapped_files[key]
-
-    def _maps_files(self, device: torch.device, path: Path) -> bool:
-        # Asks the driver once per device and file system: page-lock the first bytes of a read-only mapping of `path`.
-        fd = self.checkpoint.fd(path)
-        key = _maps_key(device, fd)
-        with _maps_files_lock:
-            if key not in _maps_files:
-                try:
-                    mapping = FileMapping(fd, 0, min(os.fstat(fd).st_size, 4096))
-                except OSError:  # a file system that cannot map files: windows, and ask again next time
-                    return False
-                try:
-                    with torch.cuda.device(key[0]):
-                        locked = lock_read_only(mapping.address, mapping.nbytes)
-                        if locked:
-                            unlock(mapping.address)
-                    _maps_files[key] = locked
-                finally:
-                    mapping.close()
-            return _maps_files[key]
 
     def _cached(self, path: Path) -> float | None:
         with self._lock:
@@ -342,7 +322,7 @@ class _Mapped:
     event behind them, and only then unlocks and unmaps the span: no copy may read a page after it was unlocked. No
     CPU copies a byte, and no bounce buffer is needed; at most one span per reader thread is mapped at once, which
     bounds what the mappings add to the process's resident memory. A span that cannot be mapped or that the driver
-    refuses to lock (possible for a single span of a device that passed `TensorReader._maps_files`) is read with
+    refuses to lock (possible for a single span of a device that passed `driver_maps_files`) is read with
     positional reads into pageable memory and copied from there, synchronously."""
 
     def __init__(self, reader: TensorReader, reads: list[tuple[TensorEntry, torch.Tensor]]) -> None:
@@ -418,6 +398,28 @@ class _Mapped:
             event.record(self.streams[device])
             events.append(event)
         return events
+
+
+def driver_maps_files(checkpoint: Checkpoint, device: torch.device, path: Path) -> bool:
+    """Whether the driver page-locks read-only mappings of `path`'s file system for the CUDA `device`. Asked once per
+    device and file system: it page-locks the first bytes of a read-only mapping of the file."""
+    fd = checkpoint.fd(path)
+    key = _maps_key(device, fd)
+    with _maps_files_lock:
+        if key not in _maps_files:
+            try:
+                mapping = FileMapping(fd, 0, min(os.fstat(fd).st_size, 4096))
+            except OSError:  # a file system that cannot map files: windows, and ask again next time
+                return False
+            try:
+                with torch.cuda.device(key[0]):
+                    locked = lock_read_only(mapping.address, mapping.nbytes)
+                    if locked:
+                        unlock(mapping.address)
+                _maps_files[key] = locked
+            finally:
+                mapping.close()
+        return _maps_files[key]
 
 
 def _maps_key(device: torch.device, fd: int) -> tuple[int, int]:

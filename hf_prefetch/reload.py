@@ -163,6 +163,7 @@ def reload_weights(
     with values:  # validated: from here on values are written
         layers = _layers(state.plan)
         names_of = _names_by_layer(values.names, layers)
+        state.private_host_storage()  # host storage that is a file's pages: private memory first
         state.engine.drain()  # no copy may still read host storage, and no kernel a tensor, that is rewritten now
         # Every slot forgotten before the first write: an interrupt anywhere after this leaves layers that load their
         # (new or old, never mixed) values from host storage when they run, never a slot with stale bytes.
@@ -248,6 +249,7 @@ def sync_from_device(model: nn.Module, layers: str | Sequence[str] | None = None
                 "layer's weights, so nothing of its is on the device to sync. Change a streamed layer's weights with "
                 "hf_prefetch.reload_weights(model, source, process=fn) or model.load_state_dict(...) instead."
             )
+    state.private_host_storage()  # host storage that is a file's pages: private memory first
     state.engine.drain()
     # Compressed layers are encoded, all of them, before the first write: values that do not fit leave every layer
     # unwritten.

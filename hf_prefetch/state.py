@@ -101,6 +101,26 @@ class OffloadState:
     # Seconds per phase of the load that built this dispatch (`loader.LoadTimeline`; empty after dispatch_model).
     load_timeline: dict[str, float] = field(default_factory=dict)
 
+    def private_host_storage(self) -> None:
+        """[Note: mapped host storage] Before host storage is written or handed out: streamed weights that are still
+        a checkpoint file's pages become private memory (`HostArena.make_writable`), after every copy and kernel
+        queued so far. Call under the model's lock. A no-op once done. Refused (RuntimeError, nothing changed) once a
+        CUDA graph recorded copies from those pages: page-locking the private pages again would leave the graph's
+        copies reading an address the device no longer maps."""
+        if not self.arena.file_bytes:
+            return
+        if self.engine is not None and self.engine.graphs:
+            raise RuntimeError(
+                "CUDA graphs recorded copies of the streamed weights while they were the checkpoint's own pages "
+                "(from_pretrained's map_files), so they cannot become private memory now: writing weights "
+                "(load_state_dict, reload_weights, sync_from_device) and state_dict() need that. Capture graphs "
+                "through torch.compile (a compiled forward turns the pages private before any capture), call "
+                "model.state_dict() once before capturing, or load with map_files=False."
+            )
+        if self.engine is not None:
+            self.engine.drain()
+        self.arena.make_writable()
+
     def __deepcopy__(self, memo: dict) -> Any:
         refuse_deepcopy(memo)
 

@@ -345,6 +345,62 @@ def test_reload_between_graph_replays_on_cuda(cuda_reference):
         hf_prefetch.remove_offload(model, device="cpu")
 
 
+@pytest.mark.gpu
+def test_compiled_graphs_of_a_model_loaded_with_mapped_host_storage_on_cuda(cuda_reference, tmp_path):
+    # [Note: mapped host storage]: the first compiled forward (a warm-up: nothing captured yet) turns the checkpoint's
+    # pages into private memory, so CUDA graphs record copies from private pages only, and `state_dict()` and reloads
+    # between replays work as with an arena the loader filled.
+    model, ids, eager, _ = cuda_reference
+    model.save_pretrained(tmp_path)
+    other = _gpu_model()
+    with torch.no_grad():
+        for param in other.parameters():
+            param.mul_(-1.0)
+    expected = _generate(copy.deepcopy(other).cuda(), ids, new_tokens=64)
+    config = hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2)
+    loaded = hf_prefetch.from_pretrained(tmp_path, config, device="cuda", map_files=True)
+    arena = hf_prefetch.get_state(loaded).arena
+    assert arena.file_bytes == arena.nbytes > 0 and arena.pinned
+    try:
+        compile_config = _compile_config("inductor", "reduce-overhead")
+        for _ in range(3):
+            assert torch.equal(_generate(loaded, ids, compile_config, new_tokens=64).sequences, eager.sequences)
+        assert arena.file_bytes == 0 and arena.pinned and hf_prefetch.get_state(loaded).engine.graphs
+        state_dict = loaded.state_dict()
+        assert all(torch.equal(state_dict[k].cpu(), v.cpu()) for k, v in model.state_dict().items())
+        hf_prefetch.reload_weights(loaded, other.state_dict())
+        assert torch.equal(_generate(loaded, ids, compile_config, new_tokens=64).sequences, expected.sequences)
+    finally:
+        hf_prefetch.remove_offload(loaded, device="cpu")
+        torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_a_graph_captured_from_mapped_host_storage_refuses_to_make_it_private_on_cuda(cuda_reference, tmp_path):
+    # A capture of the eager model (torch.cuda.graph) records copies from the checkpoint's pages: replacing them
+    # would leave the graph reading an address the device no longer maps, so writes and state_dict() are refused.
+    model, ids, _, _ = cuda_reference
+    model.save_pretrained(tmp_path)
+    config = hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2)
+    loaded = hf_prefetch.from_pretrained(tmp_path, config, device="cuda", map_files=True)
+    arena = hf_prefetch.get_state(loaded).arena
+    try:
+        with torch.no_grad():
+            graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                loaded(ids)  # warm-up on the capture's stream
+            torch.cuda.current_stream().wait_stream(stream)
+            with torch.cuda.graph(graph, stream=stream):
+                loaded(ids)
+        assert hf_prefetch.get_state(loaded).engine.graphs
+        with pytest.raises(RuntimeError, match="CUDA graphs recorded copies of the streamed weights"):
+            loaded.state_dict()
+        assert arena.file_bytes > 0  # the graph's copies still read the checkpoint's pages
+    finally:
+        hf_prefetch.remove_offload(loaded, device="cpu")
+
+
 @pytest.mark.parametrize(
     "make, dense",
     [

@@ -110,7 +110,7 @@ def test_real_direct_io_where_the_file_system_allows_it(shards):
 def test_windowed_reads_onto_cuda(shards, monkeypatch, direct):
     folder, tensors = shards
     monkeypatch.setattr(reader_module, "_WINDOW_BYTES", 4096)
-    monkeypatch.setattr(reader_module, "_MAPPED_FROM", 2.0)  # no mapped reads: windows through the page cache
+    monkeypatch.setattr(reader_module, "MAPPED_FROM", 2.0)  # no mapped reads: windows through the page cache
     outs = {k: torch.empty_like(t, device="cuda") for k, t in tensors.items()}
     with _checkpoint(folder) as checkpoint, TensorReader(checkpoint, direct=direct) as reader:
         reader.load([(checkpoint[k], outs[k]) for k in tensors])

@@ -314,7 +314,7 @@ def test_device_array_describes_the_bytes_and_holds_its_owner():
 def test_release_leaves_a_mapped_arena_registered_until_the_last_view_dies(monkeypatch):
     # [Note: UVA lifetime]: unregistering while a device view lives would make its next read fault.
     unregistered = []
-    monkeypatch.setattr(host, "_register", lambda buffer: True)
+    monkeypatch.setattr(host, "_register", lambda buffer, flags=0: True)
     monkeypatch.setattr(host, "_unregister", unregistered.append)
     arena = HostArena([4096, 4096])
     assert arena.pin()
@@ -332,7 +332,7 @@ def test_release_leaves_a_mapped_arena_registered_until_the_last_view_dies(monke
 
 def test_release_of_an_unmapped_arena_unregisters_at_once(monkeypatch):
     unregistered = []
-    monkeypatch.setattr(host, "_register", lambda buffer: True)
+    monkeypatch.setattr(host, "_register", lambda buffer, flags=0: True)
     monkeypatch.setattr(host, "_unregister", unregistered.append)
     arena = HostArena([4096])
     arena.pin()

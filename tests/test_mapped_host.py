@@ -1,0 +1,381 @@
+"""Mapped host storage ([Note: mapped host storage]): streamed weights stored as they are loaded stay in the page
+cache's own pages, mapped read-only into the host arena, until something writes or hands out host storage; then they
+become private memory at the same addresses, and the checkpoint's files never change."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+import threading
+
+import pytest
+import torch
+from models import prompt
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+import hf_prefetch
+from hf_prefetch import host
+from hf_prefetch.engine import PrefetchEngine
+from hf_prefetch.host import FilePiece, HostArena
+from hf_prefetch.state import Lifecycle
+
+CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=128)  # fmt: skip
+EVERY_SECOND = hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1)
+
+
+def _save(folder, seed: int = 0, shard: str = "200KB"):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG)).eval()
+    model.save_pretrained(folder, max_shard_size=shard)
+    return model
+
+
+def _digest(folder) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.safetensors"))}
+
+
+def _logits(model) -> torch.Tensor:
+    with torch.no_grad():
+        return model(prompt(vocab=128)).logits
+
+
+@pytest.fixture
+def saved(tmp_path):
+    return tmp_path, _save(tmp_path)
+
+
+# --- the arena --------------------------------------------------------------------------------------------------
+
+
+def _file(tmp_path, nbytes: int = 5 * 4096 + 123):
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    path = tmp_path / "weights.bin"
+    path.write_bytes(data.numpy().tobytes())
+    return path, data
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_file_entries_are_the_files_bytes_and_stay_so_at_the_same_addresses_once_writable(tmp_path):
+    path, data = _file(tmp_path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        # unaligned offsets, a private entry between two file ones, an entry ending in the file's last page
+        pieces = [
+            FilePiece(str(path), fd, 7),
+            None,
+            FilePiece(str(path), fd, 3 * 4096 - 10),
+            FilePiece(str(path), fd, 20000),
+        ]
+        sizes = [1000, 5000, 4200, len(data) - 20000]
+        arena = HostArena(sizes, files=pieces)
+    finally:
+        os.close(fd)  # the arena keeps its own descriptor
+    views = [arena.view(i, (n,), (1,), torch.uint8) for i, n in enumerate(sizes)]
+    addresses = [v.data_ptr() for v in views]
+    assert arena.file_bytes == 4096 * (1 + 3 + 2) and arena.nbytes >= arena.file_bytes + 5000
+    for view, piece, size in zip(views, pieces, sizes, strict=True):
+        if piece is not None:
+            assert view.data_ptr() % 4096 == piece.offset % 4096
+            assert torch.equal(view, data[piece.offset : piece.offset + size])
+    views[1].fill_(3)
+    arena.make_writable()
+    assert arena.file_bytes == 0
+    assert [v.data_ptr() for v in views] == addresses
+    for view, piece, size in zip(views, pieces, sizes, strict=True):
+        expected = data[piece.offset : piece.offset + size] if piece is not None else torch.full((size,), 3)
+        assert torch.equal(view, expected.to(torch.uint8))
+    for view in views:
+        view.fill_(9)  # private now: writable, and the file stays as it was
+    assert path.read_bytes() == data.numpy().tobytes()
+    arena.make_writable()  # idempotent
+    arena.release()
+    assert (views[0] == 9).all()  # views outlive the arena
+
+
+def test_the_arena_keeps_one_descriptor_per_file_until_it_is_writable_or_released(tmp_path):
+    path, data = _file(tmp_path)
+    fd = os.open(path, os.O_RDONLY)
+    before = _open_fds()
+    arena = HostArena([100, 100], files=[FilePiece(str(path), fd, 0), FilePiece(str(path), fd, 9000)])
+    assert _open_fds() == before + 1
+    arena.make_writable()
+    assert _open_fds() == before
+    second = HostArena([100], files=[FilePiece(str(path), fd, 0)])
+    assert _open_fds() == before + 1
+    second.release()
+    assert _open_fds() == before
+    third = HostArena([100], files=[FilePiece(str(path), fd, 0)])
+    del third  # dropped without release: its finalizer closes it
+    assert _open_fds() == before
+    os.close(fd)
+
+
+def test_a_file_changed_since_it_was_mapped_is_reported_and_nothing_is_copied(tmp_path):
+    path, data = _file(tmp_path)
+    fd = os.open(path, os.O_RDONLY)
+    arena = HostArena([2000], files=[FilePiece(str(path), fd, 100)])
+    os.close(fd)
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten in place, say
+    with pytest.raises(RuntimeError, match=r"weights\.bin changed on disk since it was loaded.*map_files=False"):
+        arena.make_writable()
+    assert arena.file_bytes == 4096
+
+
+def test_a_copy_that_fails_half_way_leaves_every_entry_as_it_was(tmp_path, monkeypatch):
+    path, data = _file(tmp_path)
+    fd = os.open(path, os.O_RDONLY)
+    pieces = [FilePiece(str(path), fd, 0), FilePiece(str(path), fd, 8192 + 5)]
+    arena = HostArena([4000, 4000], files=pieces)
+    os.close(fd)
+    read_into, calls = host._read_into, []
+
+    def fail_second(*args):
+        calls.append(args)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        read_into(*args)
+
+    monkeypatch.setattr(host, "_read_into", fail_second)
+    with pytest.raises(KeyboardInterrupt):
+        arena.make_writable()
+    assert arena.file_bytes == 2 * 4096  # neither region replaced
+    assert torch.equal(arena.view(1, (4000,), (1,), torch.uint8), data[8197:12197])
+    monkeypatch.setattr(host, "_read_into", read_into)
+    arena.make_writable()
+    assert arena.file_bytes == 0 and torch.equal(arena.view(1, (4000,), (1,), torch.uint8), data[8197:12197])
+
+
+def test_a_file_cut_short_since_it_was_mapped_raises_instead_of_faulting(tmp_path):
+    path, data = _file(tmp_path)
+    fd = os.open(path, os.O_RDONLY)
+    arena = HostArena([3000], files=[FilePiece(str(path), fd, 4096)])
+    os.close(fd)
+    stamp = path.stat()
+    os.truncate(path, 5000)
+    os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))  # the same modification time: only the size differs
+    with pytest.raises(RuntimeError, match="size 20603 -> 5000 bytes"):
+        arena.make_writable()
+
+
+# --- the loader -------------------------------------------------------------------------------------------------
+
+
+def test_streamed_weights_stored_as_loaded_are_mapped_and_compute_bitwise(saved):
+    folder, reference = saved
+    expected = _logits(reference)
+    mapped = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
+    copied = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu", map_files=False)
+    arena, plain = hf_prefetch.get_state(mapped).arena, hf_prefetch.get_state(copied).arena
+    assert arena.file_bytes == arena.nbytes > 0 and plain.file_bytes == 0
+    assert torch.equal(_logits(mapped), expected) and torch.equal(_logits(copied), expected)
+    cast = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu", dtype=torch.bfloat16)
+    assert hf_prefetch.get_state(cast).arena.file_bytes == 0  # cast on the way in: nothing to map
+
+
+def test_map_files_arguments(saved):
+    folder, _ = saved
+    with pytest.raises(ValueError, match="map_files='yes' must be True"):
+        hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu", map_files="yes")
+    with pytest.raises(ValueError, match="direct_io=True reads around the page cache, and map_files=True"):
+        hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu", direct_io=True, map_files=True)
+    direct = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu", direct_io=True)
+    assert hf_prefetch.get_state(direct).arena.file_bytes == 0
+
+
+def test_a_file_system_that_cannot_map_falls_back_to_reads(saved, monkeypatch, caplog):
+    folder, reference = saved
+
+    def refuse(*args, **kwargs):
+        raise OSError(19, "mapping refused")
+
+    monkeypatch.setattr(host._File, "__init__", refuse)
+    with caplog.at_level("INFO", logger="hf_prefetch.loader"):
+        model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
+    assert hf_prefetch.get_state(model).arena.file_bytes == 0
+    assert "Streamed weights are copied into host memory" in caplog.text
+    assert torch.equal(_logits(model), _logits(reference))
+
+
+def test_state_dict_makes_storage_private_and_a_save_over_the_loaded_folder_round_trips(saved):
+    folder, reference = saved
+    expected = _logits(reference)
+    model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
+    arena = hf_prefetch.get_state(model).arena
+    state_dict = model.state_dict()
+    assert arena.file_bytes == 0
+    assert all(torch.equal(state_dict[k], v) for k, v in reference.state_dict().items())
+    model.save_pretrained(folder, max_shard_size="200KB")  # truncates and rewrites the files it was loaded from
+    assert torch.equal(_logits(model), expected)
+    assert torch.equal(_logits(hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")), expected)
+
+
+@pytest.mark.parametrize("how", ["load_state_dict", "reload_weights", "sync_from_device", "remove_offload"])
+def test_writes_go_to_private_memory_never_to_the_checkpoint(saved, tmp_path_factory, how):
+    folder, _ = saved
+    other = _save(tmp_path_factory.mktemp("other"), seed=1)
+    before = _digest(folder)
+    model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
+    arena = hf_prefetch.get_state(model).arena
+    assert arena.file_bytes > 0
+    if how == "load_state_dict":
+        model.load_state_dict(other.state_dict())
+    elif how == "reload_weights":
+        hf_prefetch.reload_weights(model, other.state_dict())
+    elif how == "sync_from_device":
+        hf_prefetch.sync_from_device(model)
+    else:
+        hf_prefetch.remove_offload(model, "cpu")
+        with torch.no_grad():
+            for param in model.parameters():
+                param.mul_(-1)
+    assert arena.file_bytes == 0
+    assert _digest(folder) == before
+    if how in ("load_state_dict", "reload_weights"):
+        assert torch.equal(_logits(model), _logits(other))
+
+
+def test_state_dict_beside_another_threads_forwards(saved):
+    folder, reference = saved
+    expected = _logits(reference)
+    model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
+    results, stop = [], threading.Event()
+
+    def forwards():
+        while not stop.is_set():
+            results.append(torch.equal(_logits(model), expected))
+
+    thread = threading.Thread(target=forwards)
+    thread.start()
+    try:
+        while len(results) < 3:
+            pass
+        state_dict = model.state_dict()
+        count = len(results)
+        while len(results) < count + 3:
+            pass
+    finally:
+        stop.set()
+        thread.join()
+    assert hf_prefetch.get_state(model).arena.file_bytes == 0
+    assert all(results) and len(results) >= 6
+    assert all(torch.equal(state_dict[k], v) for k, v in reference.state_dict().items())
+
+
+def test_page_locking_is_read_only_for_file_pages_and_redone_for_the_private_copy(tmp_path, monkeypatch):
+    # No CUDA here: the registrations are recorded, in order, instead of made.
+    calls = []
+    monkeypatch.setattr(host, "_register", lambda buffer, flags=0: calls.append(("lock", flags)) or True)
+    monkeypatch.setattr(host, "_unregister", lambda pointer: calls.append(("unlock", pointer)))
+    path, data = _file(tmp_path)
+    fd = os.open(path, os.O_RDONLY)
+    arena = HostArena([3000, 500], files=[FilePiece(str(path), fd, 10), None])
+    os.close(fd)
+    assert arena.pin()
+    base = arena.view(0, (1,), (1,), torch.uint8).data_ptr() - 10
+    arena.make_writable()
+    assert calls == [("lock", host._REGISTER_PORTABLE | host._REGISTER_READ_ONLY), ("unlock", base), ("lock", 0)]
+    assert arena.pinned
+
+
+def test_a_compiled_forward_turns_mapped_storage_private_before_any_capture(saved):
+    # Compiled code may record CUDA graphs from its next call on; they must never read a file's pages.
+    folder, reference = saved
+    model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
+    arena = hf_prefetch.get_state(model).arena
+    _logits(model)
+    assert arena.file_bytes > 0  # eager forwards leave the pages mapped
+    torch._dynamo.reset()  # no earlier test's compiled code or recompilation limit in the way
+    try:
+        with torch.no_grad():
+            out = torch.compile(model, backend="eager")(prompt(vocab=128)).logits
+    finally:
+        torch._dynamo.reset()  # nor this one's in a later test's
+    assert arena.file_bytes == 0
+    assert torch.equal(out, _logits(reference))
+
+
+def test_state_dict_and_writes_are_refused_once_graphs_recorded_copies_from_the_files(saved, monkeypatch):
+    folder, reference = saved
+    model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
+    arena = hf_prefetch.get_state(model).arena
+    monkeypatch.setattr(PrefetchEngine, "graphs", property(lambda self: True))  # as after a capture on CUDA
+    for attempt in (model.state_dict, lambda: hf_prefetch.reload_weights(model, reference.state_dict())):
+        with pytest.raises(RuntimeError, match="CUDA graphs recorded copies of the streamed weights"):
+            attempt()
+        assert arena.file_bytes > 0
+    monkeypatch.undo()
+    assert torch.equal(_logits(model), _logits(reference))
+
+
+def test_a_module_kept_after_its_model_was_dropped_can_be_written_without_touching_the_file(saved):
+    folder, reference = saved
+    before = _digest(folder)
+    decoder = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu").model  # the model itself is dropped
+    weight = decoder.layers[1].mlp.up_proj.weight  # streamed: back in host storage, once the model's pages
+    assert torch.equal(weight, reference.model.layers[1].mlp.up_proj.weight)
+    with torch.no_grad():
+        weight.mul_(-1)  # copy-on-write now: this process's page, not the file's
+    assert torch.equal(weight, -reference.model.layers[1].mlp.up_proj.weight)
+    assert _digest(folder) == before
+
+
+def test_a_shard_whose_data_is_not_aligned_to_its_dtype_is_read_not_mapped(tmp_path):
+    reference = _save(tmp_path, shard="10GB")
+    path = tmp_path / "model.safetensors"
+    raw = path.read_bytes()
+    length = struct.unpack("<Q", raw[:8])[0]
+    header = json.dumps(json.loads(raw[8 : 8 + length]), separators=(",", ":")).encode()
+    header += b" " * ((1 - 8 - len(header)) % 8)  # the data starts at an odd byte: float32 views cannot start there
+    path.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + length :])
+    model = hf_prefetch.from_pretrained(tmp_path, EVERY_SECOND, device="cpu")
+    assert hf_prefetch.get_state(model).arena.file_bytes == 0
+    assert torch.equal(_logits(model), _logits(reference))
+
+
+def test_a_shard_changed_on_disk_stops_forwards_and_a_removal_to_the_cpu_before_anything_changes(saved):
+    folder, reference = saved
+    model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
+    shard = sorted(folder.glob("*.safetensors"))[1]
+    stat = shard.stat()
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # as a write over it would
+    for attempt in (lambda: _logits(model), lambda: hf_prefetch.remove_offload(model, "cpu")):
+        with pytest.raises(RuntimeError, match=f"{shard.name} changed on disk since it was loaded"):
+            attempt()
+    state = hf_prefetch.get_state(model)
+    assert state.lifecycle is Lifecycle.ATTACHED and state.arena.file_bytes > 0
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert torch.equal(_logits(model), _logits(reference))
+
+
+def test_an_exception_between_a_move_and_its_bookkeeping_leaves_the_arena_true_to_the_kernel(tmp_path, monkeypatch):
+    # A signal handler's exception (SystemExit, say) is not held back like a Ctrl-C: it may land right after mremap.
+    path, data = _file(tmp_path)
+    fd = os.open(path, os.O_RDONLY)
+    arena = HostArena([3000, 3000], files=[FilePiece(str(path), fd, 0), FilePiece(str(path), fd, 9000)])
+    os.close(fd)
+    libc, calls = host._libc(), []
+    mremap = libc.mremap
+
+    def moves_then_raises(*args):
+        calls.append(args)
+        moved = mremap(*args)
+        if len(calls) == 1:
+            raise SystemExit
+        return moved
+
+    monkeypatch.setattr(libc, "mremap", moves_then_raises)
+    with pytest.raises(SystemExit):
+        arena.make_writable()
+    assert arena.file_bytes == 4096  # the first region moved, the second did not
+    monkeypatch.setattr(libc, "mremap", mremap)
+    arena.make_writable()
+    assert arena.file_bytes == 0
+    assert torch.equal(arena.view(0, (3000,), (1,), torch.uint8), data[:3000])
+    assert torch.equal(arena.view(1, (3000,), (1,), torch.uint8), data[9000:12000])
