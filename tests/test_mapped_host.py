@@ -57,38 +57,39 @@ def _file(tmp_path, nbytes: int = 5 * 4096 + 123):
     return path, data
 
 
+def _mapped(tmp_path, sizes: list[int], offsets: list[int | None]):
+    """An arena whose entry i is the file's bytes at offsets[i] (None: private memory), the file and its bytes."""
+    path, data = _file(tmp_path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        pieces = [None if offset is None else FilePiece(str(path), fd, offset) for offset in offsets]
+        return HostArena(sizes, files=pieces), path, data
+    finally:
+        os.close(fd)  # the arena keeps its own descriptor
+
+
 def _open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
 def test_file_entries_are_the_files_bytes_and_stay_so_at_the_same_addresses_once_writable(tmp_path):
-    path, data = _file(tmp_path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        # unaligned offsets, a private entry between two file ones, an entry ending in the file's last page
-        pieces = [
-            FilePiece(str(path), fd, 7),
-            None,
-            FilePiece(str(path), fd, 3 * 4096 - 10),
-            FilePiece(str(path), fd, 20000),
-        ]
-        sizes = [1000, 5000, 4200, len(data) - 20000]
-        arena = HostArena(sizes, files=pieces)
-    finally:
-        os.close(fd)  # the arena keeps its own descriptor
+    # unaligned offsets, a private entry between two file ones, an entry ending in the file's last page
+    offsets = [7, None, 3 * 4096 - 10, 20000]
+    sizes = [1000, 5000, 4200, 5 * 4096 + 123 - 20000]
+    arena, path, data = _mapped(tmp_path, sizes, offsets)
     views = [arena.view(i, (n,), (1,), torch.uint8) for i, n in enumerate(sizes)]
     addresses = [v.data_ptr() for v in views]
     assert arena.file_bytes == 4096 * (1 + 3 + 2) and arena.nbytes >= arena.file_bytes + 5000
-    for view, piece, size in zip(views, pieces, sizes, strict=True):
-        if piece is not None:
-            assert view.data_ptr() % 4096 == piece.offset % 4096
-            assert torch.equal(view, data[piece.offset : piece.offset + size])
+    for view, offset, size in zip(views, offsets, sizes, strict=True):
+        if offset is not None:
+            assert view.data_ptr() % 4096 == offset % 4096
+            assert torch.equal(view, data[offset : offset + size])
     views[1].fill_(3)
     arena.make_writable()
     assert arena.file_bytes == 0
     assert [v.data_ptr() for v in views] == addresses
-    for view, piece, size in zip(views, pieces, sizes, strict=True):
-        expected = data[piece.offset : piece.offset + size] if piece is not None else torch.full((size,), 3)
+    for view, offset, size in zip(views, offsets, sizes, strict=True):
+        expected = data[offset : offset + size] if offset is not None else torch.full((size,), 3)
         assert torch.equal(view, expected.to(torch.uint8))
     for view in views:
         view.fill_(9)  # private now: writable, and the file stays as it was
@@ -117,10 +118,7 @@ def test_the_arena_keeps_one_descriptor_per_file_until_it_is_writable_or_release
 
 
 def test_a_file_changed_since_it_was_mapped_is_reported_and_nothing_is_copied(tmp_path):
-    path, data = _file(tmp_path)
-    fd = os.open(path, os.O_RDONLY)
-    arena = HostArena([2000], files=[FilePiece(str(path), fd, 100)])
-    os.close(fd)
+    arena, path, _ = _mapped(tmp_path, [2000], [100])
     stat = path.stat()
     os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # rewritten in place, say
     with pytest.raises(RuntimeError, match=r"weights\.bin changed on disk since it was loaded.*map_files=False"):
@@ -129,11 +127,7 @@ def test_a_file_changed_since_it_was_mapped_is_reported_and_nothing_is_copied(tm
 
 
 def test_a_copy_that_fails_half_way_leaves_every_entry_as_it_was(tmp_path, monkeypatch):
-    path, data = _file(tmp_path)
-    fd = os.open(path, os.O_RDONLY)
-    pieces = [FilePiece(str(path), fd, 0), FilePiece(str(path), fd, 8192 + 5)]
-    arena = HostArena([4000, 4000], files=pieces)
-    os.close(fd)
+    arena, _, data = _mapped(tmp_path, [4000, 4000], [0, 8192 + 5])
     read_into, calls = host._read_into, []
 
     def fail_second(*args):
@@ -153,10 +147,7 @@ def test_a_copy_that_fails_half_way_leaves_every_entry_as_it_was(tmp_path, monke
 
 
 def test_a_file_cut_short_since_it_was_mapped_raises_instead_of_faulting(tmp_path):
-    path, data = _file(tmp_path)
-    fd = os.open(path, os.O_RDONLY)
-    arena = HostArena([3000], files=[FilePiece(str(path), fd, 4096)])
-    os.close(fd)
+    arena, path, _ = _mapped(tmp_path, [3000], [4096])
     stamp = path.stat()
     os.truncate(path, 5000)
     os.utime(path, ns=(stamp.st_atime_ns, stamp.st_mtime_ns))  # the same modification time: only the size differs
@@ -273,10 +264,7 @@ def test_page_locking_is_read_only_for_file_pages_and_redone_for_the_private_cop
     calls = []
     monkeypatch.setattr(host, "_register", lambda buffer, flags=0: calls.append(("lock", flags)) or True)
     monkeypatch.setattr(host, "_unregister", lambda pointer: calls.append(("unlock", pointer)))
-    path, data = _file(tmp_path)
-    fd = os.open(path, os.O_RDONLY)
-    arena = HostArena([3000, 500], files=[FilePiece(str(path), fd, 10), None])
-    os.close(fd)
+    arena, _, _ = _mapped(tmp_path, [3000, 500], [10, None])
     assert arena.pin()
     base = arena.view(0, (1,), (1,), torch.uint8).data_ptr() - 10
     arena.make_writable()
@@ -356,10 +344,7 @@ def test_a_shard_changed_on_disk_stops_forwards_and_a_removal_to_the_cpu_before_
 
 def test_an_exception_between_a_move_and_its_bookkeeping_leaves_the_arena_true_to_the_kernel(tmp_path, monkeypatch):
     # A signal handler's exception (SystemExit, say) is not held back like a Ctrl-C: it may land right after mremap.
-    path, data = _file(tmp_path)
-    fd = os.open(path, os.O_RDONLY)
-    arena = HostArena([3000, 3000], files=[FilePiece(str(path), fd, 0), FilePiece(str(path), fd, 9000)])
-    os.close(fd)
+    arena, _, data = _mapped(tmp_path, [3000, 3000], [0, 9000])
     libc, calls = host._libc(), []
     mremap = libc.mremap
 
