@@ -35,9 +35,10 @@ memory and no second copy in the page cache; `pin` page-locks the range for read
   addresses and read the private pages.
 - *No CUDA graph records a copy from a file's pages that will be replaced.* A graph's recorded copy of page-locked
   memory fails at its replay once the range was unregistered and registered again (`benchmarks/graph_mapped_host.py`).
-  So the forward gate turns the pages private at the end of the first forward that ran compiled code (torch.compile
-  warms a function up before its CUDA graphs record it), and `private_host_storage` refuses (RuntimeError, nothing
-  changed) once a graph recorded copies from them (a bare `torch.cuda.graph` capture of the eager model).
+  So on CUDA the forward gate turns the pages private at the start of the first call after compiled code ran
+  (torch.compile warms a function up before its CUDA graphs record it), before that call computes; where that copy
+  is refused (the host's memory) it warns once and the pages stay. `private_host_storage` refuses (RuntimeError,
+  nothing changed) once a graph recorded copies from them (a bare `torch.cuda.graph` capture of the eager model).
 - *An interrupted move leaves the truth.* An error or Ctrl-C before the moves leaves every region as it was; the
   moves run with Ctrl-C deferred, and after any other exception (a signal handler's) the regions still mapped from a
   file are read back from the kernel (`/proc/self/maps`).
@@ -47,9 +48,13 @@ memory and no second copy in the page cache; `pin` page-locks the range for read
   removes (`SIGBUS` on touch) its pages, as it does for transformers' own memory-mapped safetensors;
   `save_pretrained` over the loaded folder is safe because it calls `state_dict()` first and writes new files.
   Replacing or deleting the files (what the Hub's cache does) is safe: the mapping holds the old inode.
-- *What outlives the arena is private.* `release` maps a region the arena still holds from a file again, copy-on-write
-  (`MAP_PRIVATE`, writable, no copy), after unpinning: a module kept after its model was collected may be written,
-  and the file never changes.
+- *What outlives the arena may be written.* `release` maps a region the arena still holds from a file again,
+  copy-on-write (`MAP_PRIVATE`, writable, no copy), after unpinning: a module kept after its model was collected
+  may be written, and the file never changes. Its unwritten pages stay the file's, as with transformers' memory-mapped
+  loading (a shard written over in place changes them). `remove_offload(model, "cpu")` gives private copies.
+- Not detected: a write over a shard in place that keeps its size and modification time (`cp --preserve`,
+  `rsync -t --inplace`). After a detected change the model refuses to compute and to be removed to the CPU; drop it
+  and load again.
 - Only entries stored exactly as loaded are mapped (one checkpoint tensor, same dtype and size, dense, at an offset
   aligned to its dtype), from shards the page cache holds (`reader.MAPPED_FROM`), on a driver that page-locks
   read-only file mappings; never for compressed plans (their host bytes are encoded), UVA or routed experts (kernels
@@ -58,6 +63,7 @@ memory and no second copy in the page cache; `pin` page-locks the range for read
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import ctypes.util
 import logging
@@ -65,7 +71,7 @@ import mmap
 import os
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -240,8 +246,9 @@ class HostArena:
         self._mapping: weakref.ref[_DeviceArray] | None = None  # alive while a device view from `map` is
         self._mapped_at = 0  # that view's device address
         self._files: list[_Region] = []  # the file-backed regions still mapped
+        self.file_bytes = 0  # their bytes: 0 once `make_writable` ran (read by every forward's gate)
         self._close_files: weakref.finalize | None = None
-        self._opened = {}
+        self._opened: dict[int, _File] = {}  # each mapped file, once
         if not regions:
             # Over-allocate one page so that the registered range starts on a page boundary and shares no page with
             # another allocation (two registrations of one page fail).
@@ -255,7 +262,7 @@ class HostArena:
         self._buffer = torch.frombuffer(reserved, dtype=torch.uint8)
         del reserved  # the buffer's storage holds it
         base, libc, opened = self._buffer.data_ptr(), _libc(), {}
-        self._opened: dict[int, _File] = opened  # each mapped file, once
+        self._opened = opened
         self._close_files = weakref.finalize(self, _close_all, opened)
         self._close_files.atexit = False
         try:
@@ -271,16 +278,12 @@ class HostArena:
                         err, f"mapping {length} bytes of {piece.path} into host storage failed: {os.strerror(err)}"
                     )
                 self._files.append(_Region(start, length, opened[piece.fd], offset))
+                self.file_bytes += length
         except BaseException:
             self._buffer = torch.empty(0, dtype=torch.uint8)  # unmaps everything (no other view exists yet)
-            self._files = []
+            self._files, self.file_bytes = [], 0
             self._close_files()
             raise
-
-    @property
-    def file_bytes(self) -> int:
-        """Bytes of the arena that are still a file's own pages (0 once `make_writable` ran)."""
-        return sum(region.length for region in self._files)
 
     @staticmethod
     def bytes_for(sizes: Sequence[int]) -> int:
@@ -344,19 +347,22 @@ class HostArena:
                 if pinned and self._unpin is not None:
                     self._unpin()
                     self.pinned = False
+                moved: set[int] = set()
                 try:
-                    for start, length, copy in list(copies):
-                        moved = libc.mremap(copy, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, base + start)
-                        if moved != base + start:  # not expected: the range is ours and page-aligned
+                    for start, length, copy in copies:
+                        where = libc.mremap(copy, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, base + start)
+                        if where != base + start:  # not expected: the range is ours and page-aligned
                             raise OSError(ctypes.get_errno(), "mremap of host storage failed")
-                        self._files = [region for region in self._files if region.start != start]
-                        copies = [c for c in copies if c[0] != start]
+                        moved.add(start)
                 finally:
                     # An exception other than a Ctrl-C (a signal handler's) may have landed between a move and its
-                    # bookkeeping: ask the kernel which regions are still the file's.
-                    moved_starts = {start for start, _, _ in copies if not _file_backed(base + start)}
-                    self._files = [region for region in self._files if region.start not in moved_starts]
-                    copies = [c for c in copies if c[0] not in moved_starts]
+                    # bookkeeping: the kernel says which regions are still the file's.
+                    if len(moved) < len(copies):
+                        still = _file_backed(base + start for start, _, _ in copies)
+                        moved |= {start for start, _, _ in copies if base + start not in still}
+                    copies = [c for c in copies if c[0] not in moved]
+                    self._files = [region for region in self._files if region.start not in moved]
+                    self.file_bytes = sum(region.length for region in self._files)
                     if pinned:  # the same range again, read-only while any region is still a file's
                         self.pin()
                     if not self._files:
@@ -438,7 +444,7 @@ class HostArena:
             if where != base + region.start:
                 logger.warning("Could not map %s copy-on-write: %s", region.file.path, os.strerror(ctypes.get_errno()))
         self._buffer = torch.empty(0, dtype=torch.uint8)
-        self._files = []
+        self._files, self.file_bytes = [], 0
         if self._close_files is not None:
             self._close_files()
 
@@ -483,15 +489,17 @@ def _read_into(file: _File, offset: int, address: int, nbytes: int) -> None:
 _READ_BYTES = 64 << 20
 
 
-def _file_backed(address: int) -> bool:
-    # Whether the mapping holding `address` is a file's (its inode field is not 0), from /proc/self/maps.
+def _file_backed(addresses: Iterable[int]) -> set[int]:
+    # Which of `addresses` lie in a file's mapping (its inode field is not 0), from one read of /proc/self/maps.
+    wanted = sorted(addresses)
+    found: set[int] = set()
     with open("/proc/self/maps") as maps:
         for line in maps:
             fields = line.split()
             low, high = (int(bound, 16) for bound in fields[0].split("-"))
-            if low <= address < high:
-                return fields[4] != "0"
-    return False
+            if fields[4] != "0":
+                found.update(a for a in wanted[bisect.bisect_left(wanted, low) : bisect.bisect_left(wanted, high)])
+    return found
 
 
 def _close_all(files: dict[int, _File]) -> None:

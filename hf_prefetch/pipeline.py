@@ -246,6 +246,11 @@ class DeviceEngines:
     def compiled(self) -> bool:
         return any(engine.compiled for engine in self.engines)
 
+    @compiled.setter
+    def compiled(self, value: bool) -> None:  # set by the ops of compiled code (ops.wait)
+        for engine in self.engines:
+            engine.compiled = value
+
     @property
     def routing(self) -> bool:
         return self.engines[0].routing

@@ -306,8 +306,7 @@ def _process(model: nn.Module, state: OffloadState, layer: _Layer, process: Call
         state.engine.load(layer.ring, layer.position)  # its new values into its slot, where its parameters point
     before = _Snapshot(module)
     try:
-        with torch.no_grad():
-            process(module)
+        torch.no_grad()(process)(module)  # not a `with` block: see reload_sources.StateDictValues.write
         problems = before.changes()
         if problems:
             raise ValueError(

@@ -190,11 +190,13 @@ class StateDictValues:
         self.names = list(self.values)
         self.nbytes = 0
 
+    # Autograd off through torch's decorator, not a `with` block here: a Ctrl-C landing on the line that ends a `with`
+    # block skips its exit, which would leave autograd off for the whole process.
+    @torch.no_grad()
     def write(self, names: list[str]) -> None:
-        with torch.no_grad():
-            for name in names:
-                self.destinations[name].copy_(self.values[name])
-                self.nbytes += self.values[name].nbytes
+        for name in names:
+            self.destinations[name].copy_(self.values[name])
+            self.nbytes += self.values[name].nbytes
 
     def __enter__(self) -> StateDictValues:
         return self
@@ -262,9 +264,7 @@ class CheckpointValues:
             converted = convert(
                 self.model, converter, target_key, sources, lambda e, d=dtype: cast_source(self.reader, e, d)
             )
-            with torch.no_grad():
-                for out_key, value in converted.items():
-                    self.destinations[outputs[out_key]].copy_(value)
+            _copy_values([self.destinations[outputs[key]] for key in converted], list(converted.values()))
 
     def __enter__(self) -> CheckpointValues:
         return self
@@ -342,3 +342,9 @@ def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.shape == b.shape
         and a.stride() == b.stride()
     )
+
+
+@torch.no_grad()  # see `StateDictValues.write`
+def _copy_values(destinations: list[torch.Tensor], values: list[torch.Tensor]) -> None:
+    for destination, value in zip(destinations, values, strict=True):
+        destination.copy_(value)

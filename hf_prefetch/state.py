@@ -100,6 +100,8 @@ class OffloadState:
     write_throughs: list[WriteThrough] = field(default_factory=list)  # completed by the gate before each forward
     # Seconds per phase of the load that built this dispatch (`loader.LoadTimeline`; empty after dispatch_model).
     load_timeline: dict[str, float] = field(default_factory=dict)
+    # Mapped host storage stays a file's pages: its copy into private memory before CUDA graphs failed (hooks.py).
+    private_refused: bool = False
 
     def private_host_storage(self) -> None:
         """[Note: mapped host storage] Before host storage is written or handed out: streamed weights that are still

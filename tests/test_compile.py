@@ -347,9 +347,9 @@ def test_reload_between_graph_replays_on_cuda(cuda_reference):
 
 @pytest.mark.gpu
 def test_compiled_graphs_of_a_model_loaded_with_mapped_host_storage_on_cuda(cuda_reference, tmp_path):
-    # [Note: mapped host storage]: the first compiled forward (a warm-up: nothing captured yet) turns the checkpoint's
-    # pages into private memory, so CUDA graphs record copies from private pages only, and `state_dict()` and reloads
-    # between replays work as with an arena the loader filled.
+    # [Note: mapped host storage]: the call after the first compiled one (a warm-up: nothing captured yet) turns the
+    # checkpoint's pages into private memory before it computes, so CUDA graphs record copies from private pages only,
+    # and `state_dict()` and reloads between replays work as with an arena the loader filled.
     model, ids, eager, _ = cuda_reference
     model.save_pretrained(tmp_path)
     other = _gpu_model()

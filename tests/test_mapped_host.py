@@ -272,21 +272,63 @@ def test_page_locking_is_read_only_for_file_pages_and_redone_for_the_private_cop
     assert arena.pinned
 
 
-def test_a_compiled_forward_turns_mapped_storage_private_before_any_capture(saved):
-    # Compiled code may record CUDA graphs from its next call on; they must never read a file's pages.
-    folder, reference = saved
-    model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
-    arena = hf_prefetch.get_state(model).arena
-    _logits(model)
-    assert arena.file_bytes > 0  # eager forwards leave the pages mapped
+def _compiled_forwards(model, calls: int) -> list[torch.Tensor]:
     torch._dynamo.reset()  # no earlier test's compiled code or recompilation limit in the way
     try:
+        compiled = torch.compile(model, backend="eager")
         with torch.no_grad():
-            out = torch.compile(model, backend="eager")(prompt(vocab=128)).logits
+            return [compiled(prompt(vocab=128)).logits for _ in range(calls)]
     finally:
         torch._dynamo.reset()  # nor this one's in a later test's
-    assert arena.file_bytes == 0
-    assert torch.equal(out, _logits(reference))
+
+
+def test_a_cuda_model_running_compiled_code_turns_mapped_storage_private_before_its_next_call(saved, monkeypatch):
+    # torch.compile warms a function up before its CUDA graphs record it: the gate's next call makes the pages
+    # private first. The state's device is faked to take the CUDA path on the CPU.
+    folder, reference = saved
+    expected = _logits(reference)
+    model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
+    state = hf_prefetch.get_state(model)
+    monkeypatch.setattr(state, "device", torch.device("cuda"))
+    outs = _compiled_forwards(model, 1)
+    assert state.arena.file_bytes > 0  # the first compiled call: compiled code ran only inside it
+    outs.append(_logits(model))
+    assert state.arena.file_bytes == 0  # made private at the next call's start, before it computed
+    assert all(torch.equal(out, expected) for out in outs)
+
+
+def test_the_cpu_keeps_mapped_storage_under_compiled_code(saved):
+    folder, reference = saved
+    model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
+    assert all(torch.equal(out, _logits(reference)) for out in _compiled_forwards(model, 2))
+    assert hf_prefetch.get_state(model).arena.file_bytes > 0  # no CUDA graphs to record: nothing copied
+
+
+def test_a_refused_copy_before_graphs_warns_once_and_computes(saved, monkeypatch):
+    folder, reference = saved
+    model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
+    state = hf_prefetch.get_state(model)
+    monkeypatch.setattr(state, "device", torch.device("cuda"))
+
+    def refuse(nbytes, *args, **kwargs):
+        raise ValueError(f"The host arena for offloaded weights needs {nbytes} bytes, but only 0 are left.")
+
+    monkeypatch.setattr(host.host_memory, "check_host_memory", refuse)
+    with pytest.warns(UserWarning, match="stay the checkpoint's pages.*needs 368640 bytes.*map_files=False"):
+        outs = _compiled_forwards(model, 2)
+    assert state.private_refused and state.arena.file_bytes > 0
+    assert all(torch.equal(out, _logits(reference)) for out in outs)
+
+
+def test_compiled_forwards_of_a_pipeline_placement(saved):
+    # Its engine is one per "GPU" behind one interface, which the compiled ops mark too.
+    folder, reference = saved
+    two = {0: 360_000, 1: 360_000, "cpu": "1GiB"}  # two "GPUs" on the CPU, three layers streamed
+    model = hf_prefetch.from_pretrained(folder, max_memory=two, reserve_bytes=0, device="cpu")
+    state = hf_prefetch.get_state(model)
+    assert type(state.engine).__name__ == "DeviceEngines" and state.arena.file_bytes > 0
+    assert all(torch.equal(out, _logits(reference)) for out in _compiled_forwards(model, 2))
+    assert state.engine.compiled
 
 
 def test_state_dict_and_writes_are_refused_once_graphs_recorded_copies_from_the_files(saved, monkeypatch):
