@@ -220,12 +220,19 @@ def _factors(value: Any) -> Any:
 _PACKAGE = os.path.dirname(os.path.abspath(__file__))
 
 
-def warn_at_caller(message: str, category: type[Warning] = UserWarning) -> None:
-    """Warn with the location of the first caller outside hf_prefetch (and outside generated dataclass code)."""
+def warn_at_caller(message: str, category: type[Warning] = UserWarning, past_torch: bool = False) -> None:
+    """Warn with the location of the first caller outside hf_prefetch (and outside generated dataclass code; with
+    `past_torch`, outside torch too: a warning from inside a model's call)."""
+    torch_dir = None
+    if past_torch:
+        import torch  # already imported by the caller; config.py itself needs no torch
+
+        torch_dir = os.path.dirname(os.path.abspath(torch.__file__)) + os.sep
     level, frame = 1, sys._getframe(1)
     while frame is not None and (
         os.path.dirname(os.path.abspath(frame.f_code.co_filename)) == _PACKAGE
         or frame.f_code.co_filename == "<string>"
+        or (torch_dir is not None and os.path.abspath(frame.f_code.co_filename).startswith(torch_dir))
     ):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level + 1)

@@ -278,9 +278,10 @@ def _private_before_graphs(state: OffloadState) -> None:
     except (MemoryError, ValueError, OSError) as err:
         state.private_refused = True
         warn_at_caller(
-            f"The streamed weights stay the checkpoint's pages (from_pretrained's map_files): {err} CUDA graphs "
-            "will read them there, and state_dict(), load_state_dict, reload_weights and sync_from_device will be "
-            "refused. Load with map_files=False to avoid this."
+            f"The streamed weights stay the checkpoint's pages (from_pretrained's map_files): {err} Once CUDA graphs "
+            "recorded copies from them, state_dict(), load_state_dict, reload_weights and sync_from_device are "
+            "refused. Load with map_files=False to avoid this.",
+            past_torch=True,
         )
 
 

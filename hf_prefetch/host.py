@@ -40,8 +40,9 @@ memory and no second copy in the page cache; `pin` page-locks the range for read
   is refused (the host's memory) it warns once and the pages stay. `private_host_storage` refuses (RuntimeError,
   nothing changed) once a graph recorded copies from them (a bare `torch.cuda.graph` capture of the eager model).
 - *An interrupted move leaves the truth.* An error or Ctrl-C before the moves leaves every region as it was; the
-  moves run with Ctrl-C deferred, and after any other exception (a signal handler's) the regions still mapped from a
-  file are read back from the kernel (`/proc/self/maps`).
+  moves run with Ctrl-C deferred, and after any other exception (a signal handler's, or a failed `mremap`) what maps
+  each region is read back from the kernel (`/proc/self/maps`): anonymous memory is a completed move, nothing (a
+  failed move that unmapped its target) gets the file's pages mapped back.
 - *The file must stay as it was mapped.* The arena keeps a descriptor of each file and its size and modification
   time. Every forward (`ForwardGate`, one `fstat` per file) and `make_writable` refuse a changed file (RuntimeError
   naming it) rather than compute with or copy other weights. Writing over a shard while a model maps it changes or
@@ -356,10 +357,18 @@ class HostArena:
                         moved.add(start)
                 finally:
                     # An exception other than a Ctrl-C (a signal handler's) may have landed between a move and its
-                    # bookkeeping: the kernel says which regions are still the file's.
+                    # bookkeeping, and a failed mremap may have unmapped its target first: the kernel says what each
+                    # region is now. Anonymous: our copy moved there. Nothing: the file is mapped back.
                     if len(moved) < len(copies):
-                        still = _file_backed(base + start for start, _, _ in copies)
-                        moved |= {start for start, _, _ in copies if base + start not in still}
+                        kinds = _mapping_kinds(base + start for start, _, _ in copies)
+                        for region in self._files:
+                            kind = kinds.get(base + region.start, "file")
+                            if kind == "anonymous":
+                                moved.add(region.start)
+                            elif kind is None:
+                                flags = mmap.MAP_SHARED | _MAP_FIXED
+                                fd, offset = region.file.fd, region.offset
+                                libc.mmap(base + region.start, region.length, mmap.PROT_READ, flags, fd, offset)
                     copies = [c for c in copies if c[0] not in moved]
                     self._files = [region for region in self._files if region.start not in moved]
                     self.file_bytes = sum(region.length for region in self._files)
@@ -489,17 +498,18 @@ def _read_into(file: _File, offset: int, address: int, nbytes: int) -> None:
 _READ_BYTES = 64 << 20
 
 
-def _file_backed(addresses: Iterable[int]) -> set[int]:
-    # Which of `addresses` lie in a file's mapping (its inode field is not 0), from one read of /proc/self/maps.
+def _mapping_kinds(addresses: Iterable[int]) -> dict[int, str | None]:
+    # What maps each of `addresses` now, from one read of /proc/self/maps: "file" (its inode field is not 0),
+    # "anonymous", or None (nothing).
     wanted = sorted(addresses)
-    found: set[int] = set()
+    kinds: dict[int, str | None] = dict.fromkeys(wanted)
     with open("/proc/self/maps") as maps:
         for line in maps:
             fields = line.split()
             low, high = (int(bound, 16) for bound in fields[0].split("-"))
-            if fields[4] != "0":
-                found.update(a for a in wanted[bisect.bisect_left(wanted, low) : bisect.bisect_left(wanted, high)])
-    return found
+            for address in wanted[bisect.bisect_left(wanted, low) : bisect.bisect_left(wanted, high)]:
+                kinds[address] = "file" if fields[4] != "0" else "anonymous"
+    return kinds
 
 
 def _close_all(files: dict[int, _File]) -> None:

@@ -44,10 +44,16 @@ logger = logging.getLogger(__name__)
 def _exclusive(verb: Callable[..., Any]) -> Callable[..., Any]:
     # The verb runs after any forward under way in another thread, and the forwards that come meanwhile wait for it:
     # a forward must compute with the old weights or the new ones, never a mix (`state.exclusive`).
+    # The autograd mode is put back whatever leaves the verb: a Ctrl-C landing where a `with torch.no_grad()` block
+    # ends (CPython runs its normal exit outside the block's handler) would leave autograd off for the process.
     @functools.wraps(verb)
     def run(model: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        with exclusive(model):
-            return verb(model, *args, **kwargs)
+        enabled = torch.is_grad_enabled()
+        try:
+            with exclusive(model):
+                return verb(model, *args, **kwargs)
+        finally:
+            torch.set_grad_enabled(enabled)
 
     return run
 
@@ -306,7 +312,8 @@ def _process(model: nn.Module, state: OffloadState, layer: _Layer, process: Call
         state.engine.load(layer.ring, layer.position)  # its new values into its slot, where its parameters point
     before = _Snapshot(module)
     try:
-        torch.no_grad()(process)(module)  # not a `with` block: see reload_sources.StateDictValues.write
+        with torch.no_grad():
+            process(module)
         problems = before.changes()
         if problems:
             raise ValueError(

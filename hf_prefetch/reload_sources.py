@@ -190,13 +190,11 @@ class StateDictValues:
         self.names = list(self.values)
         self.nbytes = 0
 
-    # Autograd off through torch's decorator, not a `with` block here: a Ctrl-C landing on the line that ends a `with`
-    # block skips its exit, which would leave autograd off for the whole process.
-    @torch.no_grad()
     def write(self, names: list[str]) -> None:
-        for name in names:
-            self.destinations[name].copy_(self.values[name])
-            self.nbytes += self.values[name].nbytes
+        with torch.no_grad():
+            for name in names:
+                self.destinations[name].copy_(self.values[name])
+                self.nbytes += self.values[name].nbytes
 
     def __enter__(self) -> StateDictValues:
         return self
@@ -264,7 +262,9 @@ class CheckpointValues:
             converted = convert(
                 self.model, converter, target_key, sources, lambda e, d=dtype: cast_source(self.reader, e, d)
             )
-            _copy_values([self.destinations[outputs[key]] for key in converted], list(converted.values()))
+            with torch.no_grad():
+                for out_key, value in converted.items():
+                    self.destinations[outputs[out_key]].copy_(value)
 
     def __enter__(self) -> CheckpointValues:
         return self
@@ -342,9 +342,3 @@ def same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
         and a.shape == b.shape
         and a.stride() == b.stride()
     )
-
-
-@torch.no_grad()  # see `StateDictValues.write`
-def _copy_values(destinations: list[torch.Tensor], values: list[torch.Tensor]) -> None:
-    for destination, value in zip(destinations, values, strict=True):
-        destination.copy_(value)

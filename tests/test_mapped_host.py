@@ -314,8 +314,9 @@ def test_a_refused_copy_before_graphs_warns_once_and_computes(saved, monkeypatch
         raise ValueError(f"The host arena for offloaded weights needs {nbytes} bytes, but only 0 are left.")
 
     monkeypatch.setattr(host.host_memory, "check_host_memory", refuse)
-    with pytest.warns(UserWarning, match="stay the checkpoint's pages.*needs 368640 bytes.*map_files=False"):
+    with pytest.warns(UserWarning, match="stay the checkpoint's pages.*needs 368640 bytes.*map_files=False") as record:
         outs = _compiled_forwards(model, 2)
+    assert record[0].filename == __file__  # the caller's line, past hf_prefetch's and torch's frames
     assert state.private_refused and state.arena.file_bytes > 0
     assert all(torch.equal(out, _logits(reference)) for out in outs)
 
@@ -406,3 +407,23 @@ def test_an_exception_between_a_move_and_its_bookkeeping_leaves_the_arena_true_t
     assert arena.file_bytes == 0
     assert torch.equal(arena.view(0, (3000,), (1,), torch.uint8), data[:3000])
     assert torch.equal(arena.view(1, (3000,), (1,), torch.uint8), data[9000:12000])
+
+
+def test_an_mremap_that_fails_after_unmapping_its_target_maps_the_file_back(tmp_path, monkeypatch):
+    # The kernel may unmap the target range before a move fails (ENOMEM): no hole is left in the arena.
+    arena, _, data = _mapped(tmp_path, [3000, 3000], [0, 9000])
+    libc = host._libc()
+    mremap = libc.mremap
+
+    def unmaps_then_fails(copy, old, new, flags, target):
+        libc.munmap(target, new)
+        return host._MAP_FAILED
+
+    monkeypatch.setattr(libc, "mremap", unmaps_then_fails)
+    with pytest.raises(OSError, match="mremap of host storage failed"):
+        arena.make_writable()
+    assert arena.file_bytes == 2 * 4096
+    assert torch.equal(arena.view(0, (3000,), (1,), torch.uint8), data[:3000])  # the file's pages again
+    monkeypatch.setattr(libc, "mremap", mremap)
+    arena.make_writable()
+    assert arena.file_bytes == 0 and torch.equal(arena.view(1, (3000,), (1,), torch.uint8), data[9000:12000])
