@@ -116,7 +116,7 @@ class OffloadState:
                 "CUDA graphs recorded copies of the streamed weights while they were the checkpoint's own pages "
                 "(from_pretrained's map_files), so they cannot become private memory now: writing weights "
                 "(load_state_dict, reload_weights, sync_from_device) and state_dict() need that. Capture graphs "
-                "through torch.compile (a compiled forward turns the pages private before any capture), call "
+                "through torch.compile (the pages turn private before its graphs record), call "
                 "model.state_dict() once before capturing, or load with map_files=False."
             )
         if self.engine is not None:
