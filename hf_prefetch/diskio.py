@@ -121,7 +121,7 @@ _libc: ctypes.CDLL | None = None
 
 
 def _c() -> ctypes.CDLL | None:
-    # The C library, with mmap, munmap and mincore typed; None where there is none to load.
+    # The C library, with mmap, munmap, mremap and mincore typed; None where there is none to load.
     global _libc
     if _libc is None:
         name = ctypes.util.find_library("c")
@@ -132,6 +132,9 @@ def _c() -> ctypes.CDLL | None:
         size_t, c_int = ctypes.c_size_t, ctypes.c_int
         libc.mmap.argtypes = [ctypes.c_void_p, size_t, c_int, c_int, c_int, ctypes.c_long]
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        if hasattr(libc, "mremap"):  # Linux
+            libc.mremap.restype = ctypes.c_void_p
+            libc.mremap.argtypes = [ctypes.c_void_p, size_t, size_t, c_int, ctypes.c_void_p]
         if hasattr(libc, "mincore"):
             libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         _libc = libc

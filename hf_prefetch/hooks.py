@@ -30,7 +30,6 @@ from . import ops  # noqa: F401  (registers torch.ops.hf_prefetch)
 from .bnb import host_state_dict, is_int8, is_params4bit
 from .changes import deferred_interrupts
 from .compressed import encode_for, host_value, write_encoded
-from .config import warn_at_caller
 from .engine import PrefetchEngine
 from .host import own_storage
 from .layers import set_part, with_inner
@@ -239,7 +238,7 @@ class ForwardGate:
                 raise RuntimeError(_half_done(state))
             if state.arena.file_bytes:  # [Note: mapped host storage]: never compute with a changed file's pages
                 state.arena.check_files()
-                _private_before_graphs(state)
+                state.private_before_graphs()
         except BaseException:
             self._leave(finish=False)  # refused: nothing was prepared
             raise
@@ -264,25 +263,6 @@ class ForwardGate:
             with deferred_interrupts():
                 self._local.depth = depth - 1
                 self._lock.release()
-
-
-def _private_before_graphs(state: OffloadState) -> None:
-    # [Note: mapped host storage] A CUDA model that ran compiled code may record CUDA graphs from this call on (torch
-    # warms a compiled function up before recording it): their copies must read private pages, never a file's, which
-    # could not be replaced under them. Where that copy fails (the host's memory), it warns once and the pages stay.
-    engine = state.engine
-    if engine is None or not engine.compiled or engine.graphs or state.device.type != "cuda" or state.private_refused:
-        return
-    try:
-        state.private_host_storage()
-    except (MemoryError, ValueError, OSError) as err:
-        state.private_refused = True
-        warn_at_caller(
-            f"The streamed weights stay the checkpoint's pages (from_pretrained's map_files): {err} Once CUDA graphs "
-            "recorded copies from them, state_dict(), load_state_dict, reload_weights and sync_from_device are "
-            "refused. Load with map_files=False to avoid this.",
-            past_torch=True,
-        )
 
 
 def _refuse_backward(output: Any, path: str) -> None:

@@ -64,25 +64,21 @@ memory and no second copy in the page cache; `pin` page-locks the range for read
 
 from __future__ import annotations
 
-import bisect
+import contextlib
 import ctypes
-import ctypes.util
 import logging
 import mmap
-import os
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import NamedTuple
+from collections.abc import Iterator, Sequence
 
 import torch
 
 from . import host_memory
+from .host_files import FilePiece, MappedFiles
 
 __all__ = [
     "HostArena",
-    "FilePiece",
     "ALIGN_BYTES",
     "padded_bytes",
     "span_bytes",
@@ -162,48 +158,6 @@ def own_storage(tensor: torch.Tensor) -> torch.Tensor:
     return own.view(tensor.dtype).as_strided(tensor.shape, tensor.stride())
 
 
-@dataclass(frozen=True)
-class FilePiece:
-    """Where an arena entry's bytes already are: `offset` in the file `path`, open read-only as `fd` (a checkpoint
-    shard). The arena keeps a duplicate of `fd` for as long as it maps the file."""
-
-    path: str
-    fd: int
-    offset: int
-
-
-class _Region(NamedTuple):
-    start: int  # in the arena, page-aligned
-    length: int  # whole pages
-    file: _File
-    offset: int  # in the file, page-aligned
-
-
-class _File:
-    """A mapped file: the arena's own descriptor of it, and what `fstat` said when it was mapped."""
-
-    def __init__(self, path: str, fd: int) -> None:
-        self.path = path
-        self.fd = os.dup(fd)
-        status = os.fstat(self.fd)
-        self.stamp = (status.st_size, status.st_mtime_ns)
-
-    def check_unchanged(self) -> None:
-        status = os.fstat(self.fd)
-        if (status.st_size, status.st_mtime_ns) != self.stamp:
-            raise RuntimeError(
-                f"{self.path} changed on disk since it was loaded (size {self.stamp[0]} -> {status.st_size} bytes, "
-                "or its modification time): the streamed weights are that file's own pages, so the loaded values "
-                "are gone. Load the model again (write a changed checkpoint to a new folder, not over the one a model "
-                "was loaded from; or load with map_files=False)."
-            )
-
-    def close(self) -> None:
-        fd, self.fd = self.fd, -1
-        if fd >= 0:
-            os.close(fd)
-
-
 class HostArena:
     """`sizes[i]` bytes at `offsets[i]` of one host buffer, page-locked with `cudaHostRegister` by `pin()`.
 
@@ -246,45 +200,29 @@ class HostArena:
         self._unpin: weakref.finalize | None = None
         self._mapping: weakref.ref[_DeviceArray] | None = None  # alive while a device view from `map` is
         self._mapped_at = 0  # that view's device address
-        self._files: list[_Region] = []  # the file-backed regions still mapped
-        self.file_bytes = 0  # their bytes: 0 once `make_writable` ran (read by every forward's gate)
-        self._close_files: weakref.finalize | None = None
-        self._opened: dict[int, _File] = {}  # each mapped file, once
         if not regions:
             # Over-allocate one page so that the registered range starts on a page boundary and shares no page with
             # another allocation (two registrations of one page fail).
             raw = torch.empty(self.nbytes + _PAGE_BYTES, dtype=torch.uint8)
             start = (-raw.data_ptr()) % _PAGE_BYTES
             self._buffer = raw[start : start + self.nbytes]
+            self._files = MappedFiles()
             return
         # One private anonymous mapping (page-aligned, never shared with another allocation), freed by the mmap
         # object when the last view of it dies; each file-backed region is then mapped over its part of it.
         reserved = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE)
         self._buffer = torch.frombuffer(reserved, dtype=torch.uint8)
         del reserved  # the buffer's storage holds it
-        base, libc, opened = self._buffer.data_ptr(), _libc(), {}
-        self._opened = opened
-        self._close_files = weakref.finalize(self, _close_all, opened)
-        self._close_files.atexit = False
         try:
-            for start, length, piece in regions:
-                if piece.fd not in opened:
-                    opened[piece.fd] = _File(piece.path, piece.fd)
-                offset = piece.offset - piece.offset % mmap.PAGESIZE
-                flags = mmap.MAP_SHARED | _MAP_FIXED
-                where = libc.mmap(base + start, length, mmap.PROT_READ, flags, opened[piece.fd].fd, offset)
-                if where != base + start:
-                    err = ctypes.get_errno()
-                    raise OSError(
-                        err, f"mapping {length} bytes of {piece.path} into host storage failed: {os.strerror(err)}"
-                    )
-                self._files.append(_Region(start, length, opened[piece.fd], offset))
-                self.file_bytes += length
+            self._files = MappedFiles(self._buffer.data_ptr(), regions)
         except BaseException:
             self._buffer = torch.empty(0, dtype=torch.uint8)  # unmaps everything (no other view exists yet)
-            self._files, self.file_bytes = [], 0
-            self._close_files()
             raise
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the arena that are still files' own pages (0 once `make_writable` ran)."""
+        return self._files.nbytes
 
     @staticmethod
     def bytes_for(sizes: Sequence[int]) -> int:
@@ -295,7 +233,7 @@ class HostArena:
         """Page-lock the arena (once); False, with one warning, where the platform refuses."""
         if not self.pinned and self.nbytes > 0:
             # A file's pages are locked for reading only (the mapping is read-only); the device only reads them.
-            flags = _REGISTER_PORTABLE | _REGISTER_READ_ONLY if self._files else 0
+            flags = _REGISTER_PORTABLE | _REGISTER_READ_ONLY if self._files.nbytes else 0
             self.pinned = _register(self._buffer, flags)
             if self.pinned:
                 # Unregister when the arena dies even without release() (a dispatched model that is simply
@@ -307,78 +245,37 @@ class HostArena:
     def check_files(self) -> None:
         """Raise RuntimeError if a file the arena still maps changed on disk since it was mapped (its size or
         modification time): its pages may no longer hold the weights that were loaded. One `fstat` per file."""
-        if self._files:  # the descriptors are closed only once no region is a file's
-            for file in self._opened.values():
-                file.check_unchanged()
+        self._files.check()
 
     def make_writable(self) -> None:
-        """Turn every file-backed entry into private memory at the same addresses, with the same bytes; then the
-        arena may be written and handed out like any. Views, the device's copies (CUDA-graph ones included) and a
-        `map`'s device view keep their addresses. Call only while no copy reads the arena. Idempotent; once done it
-        is a no-op. See [Note: mapped host storage].
-
-        The file's bytes are read with positional reads (a file cut short since it was mapped raises OSError here
-        instead of SIGBUS at the first touch). Private memory for them is checked against the host's limits first.
-        """
-        if not self._files:
+        """Turn every file-backed entry into private memory at the same addresses, with the same bytes
+        (`MappedFiles.make_private`); then the arena may be written and handed out like any. Views, the device's
+        copies and a `map`'s device view keep their addresses (CUDA graphs recorded before do not survive it: see
+        [Note: mapped host storage]). Call only while no copy reads the arena. A no-op once done. Refuses a file
+        changed on disk (RuntimeError) and private memory the host's limits cannot hold (ValueError)."""
+        if not self._files.nbytes:
             return
-        from .changes import deferred_interrupts  # changes imports placements, which imports this module
-
         if self._mapping is not None and self._mapping() is not None and self._mapped_at != self._buffer.data_ptr():
             raise RuntimeError(
                 "Host storage mapped from checkpoint files has a device view at another address than its host one; "
                 "its pages cannot be replaced under that view. Load with map_files=False."
             )
-        self.check_files()
-        host_memory.check_host_memory(self.file_bytes, host_memory.host_limits())
-        libc, base = _libc(), self._buffer.data_ptr()
-        copies: list[tuple[int, int, int]] = []  # (start, length, address of its private copy)
+        self._files.check()
+        host_memory.check_host_memory(self._files.nbytes, host_memory.host_limits())
+        self._files.make_private(self._unpinned)
+
+    @contextlib.contextmanager
+    def _unpinned(self) -> Iterator[None]:
+        # The range not page-locked for the block; locked again after it (read-only while any part is a file's).
+        pinned = self.pinned
+        if pinned and self._unpin is not None:
+            self._unpin()
+            self.pinned = False
         try:
-            for region in self._files:
-                protection, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | _MAP_ANONYMOUS
-                copy = libc.mmap(None, region.length, protection, flags, -1, 0)
-                if copy in (None, _MAP_FAILED):
-                    raise MemoryError(f"No private memory for {region.length} bytes of host storage.")
-                copies.append((region.start, region.length, copy))
-                _read_into(region.file, region.offset, copy, region.length)
-            # From here on nothing may stop half-way: the registration is dropped, every region replaced by its
-            # copy (mremap: atomic per region, the same addresses), and the whole range registered again.
-            with deferred_interrupts():
-                pinned = self.pinned
-                if pinned and self._unpin is not None:
-                    self._unpin()
-                    self.pinned = False
-                moved: set[int] = set()
-                try:
-                    for start, length, copy in copies:
-                        where = libc.mremap(copy, length, length, _MREMAP_MAYMOVE | _MREMAP_FIXED, base + start)
-                        if where != base + start:  # not expected: the range is ours and page-aligned
-                            raise OSError(ctypes.get_errno(), "mremap of host storage failed")
-                        moved.add(start)
-                finally:
-                    # An exception other than a Ctrl-C (a signal handler's) may have landed between a move and its
-                    # bookkeeping, and a failed mremap may have unmapped its target first: the kernel says what each
-                    # region is now. Anonymous: our copy moved there. Nothing: the file is mapped back.
-                    if len(moved) < len(copies):
-                        kinds = _mapping_kinds(base + start for start, _, _ in copies)
-                        for region in self._files:
-                            kind = kinds.get(base + region.start, "file")
-                            if kind == "anonymous":
-                                moved.add(region.start)
-                            elif kind is None:
-                                flags = mmap.MAP_SHARED | _MAP_FIXED
-                                fd, offset = region.file.fd, region.offset
-                                libc.mmap(base + region.start, region.length, mmap.PROT_READ, flags, fd, offset)
-                    copies = [c for c in copies if c[0] not in moved]
-                    self._files = [region for region in self._files if region.start not in moved]
-                    self.file_bytes = sum(region.length for region in self._files)
-                    if pinned:  # the same range again, read-only while any region is still a file's
-                        self.pin()
-                    if not self._files:
-                        self._close_files()
+            yield
         finally:
-            for _, length, copy in copies:  # those not moved into the arena
-                libc.munmap(copy, length)
+            if pinned:
+                self.pin()
 
     def view(
         self,
@@ -443,79 +340,8 @@ class HostArena:
         if self._unpin is not None:
             self._unpin()
         self.pinned = False
-        # A view that outlives the arena (a module kept after its model was dropped) may be written: its file's pages
-        # are mapped again copy-on-write (MAP_PRIVATE, writable) at the same addresses, with no copy; the file never
-        # changes. Done after the unpinning: a page the device had locked is not copied on a write.
-        libc, base = _libc(), self._buffer.data_ptr()
-        for region in self._files:
-            protection, flags = mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | _MAP_FIXED
-            where = libc.mmap(base + region.start, region.length, protection, flags, region.file.fd, region.offset)
-            if where != base + region.start:
-                logger.warning("Could not map %s copy-on-write: %s", region.file.path, os.strerror(ctypes.get_errno()))
+        self._files.release()  # what a view that outlives the arena holds of a file: copy-on-write from now on
         self._buffer = torch.empty(0, dtype=torch.uint8)
-        self._files, self.file_bytes = [], 0
-        if self._close_files is not None:
-            self._close_files()
-
-
-# mmap and mremap flags Python's mmap module does not name (Linux values).
-_MAP_FIXED = 0x10
-_MAP_ANONYMOUS = 0x20
-_MAP_FAILED = ctypes.c_void_p(-1).value
-_MREMAP_MAYMOVE = 1
-_MREMAP_FIXED = 2
-_libc_handle: ctypes.CDLL | None = None
-
-
-def _libc() -> ctypes.CDLL:
-    global _libc_handle
-    if _libc_handle is None:
-        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-        size_t, c_int, void_p = ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p
-        libc.mmap.restype = void_p
-        libc.mmap.argtypes = [void_p, size_t, c_int, c_int, c_int, ctypes.c_long]
-        libc.mremap.restype = void_p
-        libc.mremap.argtypes = [void_p, size_t, size_t, c_int, void_p]
-        libc.munmap.argtypes = [void_p, size_t]
-        _libc_handle = libc
-    return _libc_handle
-
-
-def _read_into(file: _File, offset: int, address: int, nbytes: int) -> None:
-    # Positional reads of a file's bytes [offset, offset + nbytes) into memory at `address`; the last page may run
-    # past the file's end (zeros there, as in its mapping), anything shorter raises.
-    view = memoryview((ctypes.c_uint8 * nbytes).from_address(address)).cast("B")
-    size, done = os.fstat(file.fd).st_size, 0
-    while done < nbytes:
-        count = os.preadv(file.fd, [view[done : min(nbytes, done + _READ_BYTES)]], offset + done)
-        if count == 0:
-            if offset + done >= size and offset + nbytes - size < mmap.PAGESIZE:
-                return  # the mapping's tail past the file's end
-            raise OSError(f"{file.path} ended at byte {offset + done} while reading host storage back from it.")
-        done += count
-
-
-_READ_BYTES = 64 << 20
-
-
-def _mapping_kinds(addresses: Iterable[int]) -> dict[int, str | None]:
-    # What maps each of `addresses` now, from one read of /proc/self/maps: "file" (its inode field is not 0),
-    # "anonymous", or None (nothing).
-    wanted = sorted(addresses)
-    kinds: dict[int, str | None] = dict.fromkeys(wanted)
-    with open("/proc/self/maps") as maps:
-        for line in maps:
-            fields = line.split()
-            low, high = (int(bound, 16) for bound in fields[0].split("-"))
-            for address in wanted[bisect.bisect_left(wanted, low) : bisect.bisect_left(wanted, high)]:
-                kinds[address] = "file" if fields[4] != "0" else "anonymous"
-    return kinds
-
-
-def _close_all(files: dict[int, _File]) -> None:
-    for file in files.values():
-        file.close()
-    files.clear()
 
 
 class _DeviceArray:

@@ -28,7 +28,8 @@ from .checkpoint import Checkpoint
 from .compressed import compress_arena
 from .config import PrefetchConfig
 from .diskio import cached_fraction
-from .host import FilePiece, HostArena
+from .host import HostArena
+from .host_files import FilePiece
 from .keymap import KeyMap, cast_source, convert, filled_names, map_keys, region_view
 from .layers import get_part
 from .links import resolve_links
@@ -423,7 +424,7 @@ def _file_pieces(
         if len(sources) != 1 or sources[0][1] is not None:
             continue
         entry = sources[0][0]
-        dense = spec.stride == _contiguous_strides(spec.shape)
+        dense = spec.stride == torch.empty(spec.shape, device="meta").stride()  # torch's contiguous strides
         if entry.dtype != spec.dtype or entry.nbytes != spec.nbytes or not dense or entry.nbytes == 0:
             continue
         if entry.offset % entry.dtype.itemsize:  # a file whose data is not aligned to its dtype: a view cannot be
@@ -438,14 +439,6 @@ def _file_pieces(
         if mappable[entry.path]:
             pieces[i] = FilePiece(str(entry.path), checkpoint.fd(entry.path), entry.offset)
     return pieces
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 def _arena(layout: list[tuple[str, ParamSpec]], files: list[FilePiece | None]) -> HostArena:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .changes import Journal
-from .config import PrefetchConfig
+from .config import PrefetchConfig, warn_at_caller
 from .offload_config import UVAConfig, resolve_offload
 from .packed_forward import decompresses, is_compressed
 
@@ -122,6 +122,31 @@ class OffloadState:
         if self.engine is not None:
             self.engine.drain()
         self.arena.make_writable()
+
+    def private_before_graphs(self) -> None:
+        """[Note: mapped host storage] Before a forward (the gate's): a CUDA model that ran compiled code may record
+        CUDA graphs from this call on (torch warms a compiled function up before recording it), whose copies must
+        read private pages, never a file's, which could not be replaced under them. Where that copy fails (the
+        host's memory), it warns once and the pages stay."""
+        engine = self.engine
+        if (
+            engine is None
+            or not engine.compiled
+            or engine.graphs
+            or self.device.type != "cuda"
+            or self.private_refused
+        ):
+            return
+        try:
+            self.private_host_storage()
+        except (MemoryError, ValueError, OSError) as err:
+            self.private_refused = True
+            warn_at_caller(
+                f"The streamed weights stay the checkpoint's pages (from_pretrained's map_files): {err} Once CUDA "
+                "graphs recorded copies from them, state_dict(), load_state_dict, reload_weights and sync_from_device "
+                "are refused. Load with map_files=False to avoid this.",
+                past_torch=True,
+            )
 
     def __deepcopy__(self, memo: dict) -> Any:
         refuse_deepcopy(memo)

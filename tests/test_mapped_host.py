@@ -9,6 +9,7 @@ import json
 import os
 import struct
 import threading
+import time
 
 import pytest
 import torch
@@ -16,9 +17,10 @@ from models import prompt
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_prefetch
-from hf_prefetch import host
+from hf_prefetch import host, host_files
 from hf_prefetch.engine import PrefetchEngine
-from hf_prefetch.host import FilePiece, HostArena
+from hf_prefetch.host import HostArena
+from hf_prefetch.host_files import FilePiece
 from hf_prefetch.state import Lifecycle
 
 CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
@@ -66,6 +68,13 @@ def _mapped(tmp_path, sizes: list[int], offsets: list[int | None]):
         return HostArena(sizes, files=pieces), path, data
     finally:
         os.close(fd)  # the arena keeps its own descriptor
+
+
+def _wait_for(condition, seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the other thread stopped making progress"
+        time.sleep(0.001)
 
 
 def _open_fds() -> int:
@@ -128,7 +137,7 @@ def test_a_file_changed_since_it_was_mapped_is_reported_and_nothing_is_copied(tm
 
 def test_a_copy_that_fails_half_way_leaves_every_entry_as_it_was(tmp_path, monkeypatch):
     arena, _, data = _mapped(tmp_path, [4000, 4000], [0, 8192 + 5])
-    read_into, calls = host._read_into, []
+    read_into, calls = host_files._read_into, []
 
     def fail_second(*args):
         calls.append(args)
@@ -136,12 +145,12 @@ def test_a_copy_that_fails_half_way_leaves_every_entry_as_it_was(tmp_path, monke
             raise KeyboardInterrupt
         read_into(*args)
 
-    monkeypatch.setattr(host, "_read_into", fail_second)
+    monkeypatch.setattr(host_files, "_read_into", fail_second)
     with pytest.raises(KeyboardInterrupt):
         arena.make_writable()
     assert arena.file_bytes == 2 * 4096  # neither region replaced
     assert torch.equal(arena.view(1, (4000,), (1,), torch.uint8), data[8197:12197])
-    monkeypatch.setattr(host, "_read_into", read_into)
+    monkeypatch.setattr(host_files, "_read_into", read_into)
     arena.make_writable()
     assert arena.file_bytes == 0 and torch.equal(arena.view(1, (4000,), (1,), torch.uint8), data[8197:12197])
 
@@ -186,7 +195,7 @@ def test_a_file_system_that_cannot_map_falls_back_to_reads(saved, monkeypatch, c
     def refuse(*args, **kwargs):
         raise OSError(19, "mapping refused")
 
-    monkeypatch.setattr(host._File, "__init__", refuse)
+    monkeypatch.setattr(host_files._File, "__init__", refuse)
     with caplog.at_level("INFO", logger="hf_prefetch.loader"):
         model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
     assert hf_prefetch.get_state(model).arena.file_bytes == 0
@@ -245,12 +254,10 @@ def test_state_dict_beside_another_threads_forwards(saved):
     thread = threading.Thread(target=forwards)
     thread.start()
     try:
-        while len(results) < 3:
-            pass
+        _wait_for(lambda: len(results) >= 3)
         state_dict = model.state_dict()
         count = len(results)
-        while len(results) < count + 3:
-            pass
+        _wait_for(lambda: len(results) >= count + 3)
     finally:
         stop.set()
         thread.join()
@@ -388,7 +395,7 @@ def test_a_shard_changed_on_disk_stops_forwards_and_a_removal_to_the_cpu_before_
 def test_an_exception_between_a_move_and_its_bookkeeping_leaves_the_arena_true_to_the_kernel(tmp_path, monkeypatch):
     # A signal handler's exception (SystemExit, say) is not held back like a Ctrl-C: it may land right after mremap.
     arena, _, data = _mapped(tmp_path, [3000, 3000], [0, 9000])
-    libc, calls = host._libc(), []
+    libc, calls = host_files._libc(), []
     mremap = libc.mremap
 
     def moves_then_raises(*args):
@@ -412,12 +419,12 @@ def test_an_exception_between_a_move_and_its_bookkeeping_leaves_the_arena_true_t
 def test_an_mremap_that_fails_after_unmapping_its_target_maps_the_file_back(tmp_path, monkeypatch):
     # The kernel may unmap the target range before a move fails (ENOMEM): no hole is left in the arena.
     arena, _, data = _mapped(tmp_path, [3000, 3000], [0, 9000])
-    libc = host._libc()
+    libc = host_files._libc()
     mremap = libc.mremap
 
     def unmaps_then_fails(copy, old, new, flags, target):
         libc.munmap(target, new)
-        return host._MAP_FAILED
+        return host_files._MAP_FAILED
 
     monkeypatch.setattr(libc, "mremap", unmaps_then_fails)
     with pytest.raises(OSError, match="mremap of host storage failed"):
