@@ -3,15 +3,17 @@
 Writes (once, reused afterwards) a bf16 Llama-3.1-8B-shaped checkpoint of random weights in ~5 GB shards, then runs
 each system in a fresh subprocess so that its peak host RSS (VmHWM) is its own, with the page cache warm (the
 checkpoint read once before) and, with --cold, cold (the checkpoint evicted from the page cache before each run; the
-disk's own sequential read speed is measured in the same run with dd, O_DIRECT, 64 MiB blocks). transformers gets
-the same GPU budget as hf_prefetch's resident + pool bytes; the rest it offloads to the CPU. Each hf_prefetch row
-prints its load timeline and where the time to the first token went. Systems: `hf_prefetch` (the default reads),
-`"hf_prefetch copied host"` (`map_files=False`: streamed weights read into a host arena instead of kept in the page
-cache's pages), `"hf_prefetch windows"` (CUDA destinations through bounce buffers instead of mapped reads),
-`"hf_prefetch 8 readers"` (8 reader threads instead of 16), `"hf_prefetch late warm-up"` (the warm-up thread started
-after the plan, not at the call's first line), `"hf_prefetch device first"` (the reads onto the GPU submitted before
-the host's, not interleaved), `"hf_prefetch direct"`, `"hf_prefetch cached"` (`direct_io=True` / `False`),
+disk's own sequential read speed is measured in the same run with dd, O_DIRECT, 64 MiB blocks). transformers gets the
+same GPU budget as hf_prefetch's resident + pool bytes; the rest it offloads to the CPU. Each hf_prefetch row prints
+its load timeline and where the time to the first token went. Systems: `hf_prefetch` (the default reads), `"hf_prefetch
+copied host"` (`map_files=False`: streamed weights read into a host arena instead of kept in the page cache's pages),
+`"hf_prefetch windows"` (CUDA destinations through bounce buffers instead of mapped reads), `"hf_prefetch 8 readers"`
+(8 reader threads instead of 16), `"hf_prefetch 32MiB spans"` (the mapped reads' spans), `"hf_prefetch late warm-up"`
+(the warm-up thread started after the plan, not at the call's first line), `"hf_prefetch device first"` (the reads onto
+the GPU submitted before the host's, not interleaved), `"hf_prefetch direct"`, `"hf_prefetch cached"` (`direct_io=True`
+/ `False`), `"hf_prefetch previous"` (the package found in `--previous-dir`, say an earlier commit's, for an A/B),
 `transformers`.
+
 Run on a GPU machine:  PYTHONUNBUFFERED=1 python benchmarks/load.py [--dir /tmp/ckpt8b] [--rounds 1] [--cold]
 """
 
@@ -28,6 +30,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if os.environ.get(_PREVIOUS := "HF_PREFETCH_BENCH_PREVIOUS"):  # "hf_prefetch previous": the package found there
+    sys.path.insert(0, os.environ[_PREVIOUS])
 from common import LLAMA_8B  # noqa: E402
 
 PREFETCH = dict(group_size=2, num_in_group=1, prefetch_step=2)
@@ -151,11 +155,15 @@ def run_system(system: str, folder: Path, budget_gib: int) -> dict:
     if system.startswith("hf_prefetch"):
         import hf_prefetch
 
+        print(f"{system}: hf_prefetch from {os.path.dirname(hf_prefetch.__file__)}", file=sys.stderr)
+
         direct_io = {"hf_prefetch": None, "hf_prefetch direct": True, "hf_prefetch cached": False}.get(system)
         from hf_prefetch import reader
 
         if system == "hf_prefetch windows":  # CUDA destinations through bounce buffers, as before mapped reads
             reader.MAPPED_FROM = 2.0
+        if system.endswith("MiB spans"):  # "hf_prefetch 32MiB spans": mapped reads' spans of that size
+            reader._SPAN_BYTES = int(system.split()[1].removesuffix("MiB")) * 2**20
         if system.endswith(" readers"):  # "hf_prefetch 8 readers": that many reader threads
             reader._READERS = int(system.split()[1])
         if system == "hf_prefetch device first":  # the device's reads submitted before the host's, not interleaved
@@ -235,6 +243,7 @@ def main() -> None:
     parser.add_argument("--systems", nargs="*", default=["hf_prefetch", "transformers"])
     parser.add_argument("--cold-systems", nargs="*", default=["hf_prefetch", "hf_prefetch cached", "transformers"])
     parser.add_argument("--cold", action="store_true", help="also load with the checkpoint evicted from the cache")
+    parser.add_argument("--previous-dir", help='a folder holding the hf_prefetch package "hf_prefetch previous" runs')
     parser.add_argument("--run", help=argparse.SUPPRESS)  # internal: the child process for one system
     parser.add_argument("--budget-gib", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -278,7 +287,12 @@ def main() -> None:
                 "--budget-gib",
                 str(budget_gib),
             ]
-            child = subprocess.run(command, capture_output=True, text=True)
+            env = dict(os.environ)
+            if system == "hf_prefetch previous":
+                if not args.previous_dir:
+                    sys.exit('"hf_prefetch previous" needs --previous-dir')
+                env[_PREVIOUS] = str(Path(args.previous_dir).resolve())
+            child = subprocess.run(command, capture_output=True, text=True, env=env)
             sys.stderr.write("".join(line + "\n" for line in child.stderr.splitlines() if "hf_prefetch" in line))
             results = [line for line in child.stdout.splitlines() if line.startswith(RESULT_MARK)]
             if child.returncode != 0 or not results:

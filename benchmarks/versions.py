@@ -102,8 +102,9 @@ def main() -> None:
             result = measure(versions[name], model, ids)
             result["peak"] = peaks[-1]
             runs[name].append(result)
-            print(f"pair {pair} {name:>8}: decode {result['decode']:.4f} s/token  prefill 2048 {result['prefill']:.4f} s"
-                  f"  (peak {peaks[-1]:.1f} GB/s, misses {result['misses']})")  # fmt: skip
+            print(f"pair {pair} {name:>8}: decode {result['decode']:.4f} s/token  "
+                  f"prefill 2048 {result['prefill']:.4f} s  "
+                  f"(peak {peaks[-1]:.1f} GB/s, misses {result['misses']})")  # fmt: skip
     print(f"\nlink peak before each pair: {', '.join(f'{p:.1f}' for p in peaks)} GB/s")
     print(f"{'version':<10} {'timing':<14} {'median s':>9} {'bound':>8} {'x bound':>8}")
     for name, results in runs.items():

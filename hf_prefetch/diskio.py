@@ -17,7 +17,9 @@ import ctypes.util
 import errno
 import mmap
 import os
-from collections.abc import Sequence
+import threading
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +28,7 @@ import numpy as np
 __all__ = [
     "DIRECT_ALIGN_BYTES",
     "FileMapping",
+    "SharedMappings",
     "Window",
     "aligned_buffer",
     "cached_fraction",
@@ -137,6 +140,8 @@ def _c() -> ctypes.CDLL | None:
             libc.mremap.argtypes = [ctypes.c_void_p, size_t, size_t, c_int, ctypes.c_void_p]
         if hasattr(libc, "mincore"):
             libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+        if hasattr(libc, "madvise"):
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         _libc = libc
     return _libc
 
@@ -171,9 +176,11 @@ def cached_fraction(path: Path) -> float | None:
 class FileMapping:
     """Bytes [start, stop) of an open file mapped read-only and shared: the page cache's own pages, no copy.
 
-    `address` is where byte `start` is; `close()` unmaps (idempotent). Touching a mapped byte past the file's end
-    raises SIGBUS, so a caller reads it only through something that checks (the CUDA driver's registration, which
-    fails instead). Raises OSError where the platform cannot map the file.
+    `address` is where file byte `start` is; `close()` unmaps (idempotent; so does the object's end, should a caller
+    lose it first). Touching a mapped byte past the file's end raises SIGBUS, so a caller reads it only through
+    something that checks (the CUDA driver's registration, which fails instead). Raises OSError where the platform
+    cannot map the file. `forget(start, stop)` drops the pages of a stretch that is no longer needed from the
+    process's page tables (its resident memory) and keeps the mapping.
     """
 
     def __init__(self, fd: int, start: int, stop: int) -> None:
@@ -181,16 +188,120 @@ class FileMapping:
         if libc is None:
             raise OSError(errno.ENOSYS, "no C library to map files with")
         base = start - start % mmap.ALLOCATIONGRANULARITY  # mmap's offset must be a multiple of it
-        self._length = stop - base
-        mapped = libc.mmap(None, self._length, mmap.PROT_READ, mmap.MAP_SHARED, fd, base)
+        length = stop - base
+        mapped = libc.mmap(None, length, mmap.PROT_READ, mmap.MAP_SHARED, fd, base)
         if mapped in (None, ctypes.c_void_p(-1).value):
             err = ctypes.get_errno()
             raise OSError(err, f"mmap of bytes {base}-{stop} failed: {os.strerror(err)}")
-        self._base: int | None = mapped
+        self.start = start
         self.address = mapped + start - base
         self.nbytes = stop - start
+        self._unmap = weakref.finalize(self, libc.munmap, mapped, length)
+
+    def forget(self, start: int, stop: int) -> None:
+        """Drop the whole pages inside file bytes [start, stop) (and inside the mapping) from this process's page
+        tables (`MADV_DONTNEED`): they stop counting as the process's resident memory, stay in the page cache, and
+        are mapped again if touched. Unlike unmapping, it leaves the mappings as they are, so it does not wait for
+        the page-locking of other threads. Only memory accounting depends on it: a refusal is ignored (the pages
+        then go with `close()`)."""
+        libc = _c()
+        if not self._unmap.alive or not hasattr(libc, "madvise"):
+            return
+        page = mmap.PAGESIZE
+        first = -(-(self.address + max(start, self.start) - self.start) // page) * page
+        last = (self.address + min(stop, self.start + self.nbytes) - self.start) // page * page
+        if last > first:
+            libc.madvise(first, last - first, mmap.MADV_DONTNEED)
 
     def close(self) -> None:
-        base, self._base = self._base, None
-        if base is not None:
-            _c().munmap(base, self._length)
+        self._unmap()
+
+
+class SharedMappings:
+    """Read-only mappings of the files that `windows` (from `plan_windows`) lie in, shared by the threads that read
+    the windows: one `FileMapping` per stretch of `stretch_bytes` of a file (a multiple of the windows' size, so that
+    no window straddles two), made when a window of the stretch first asks for it and unmapped once every window of
+    the stretch was released. A load so maps a file a few stretches at a time instead of once per window (a `mmap` or
+    `munmap` waits for every page-locking in flight in the process), and never a whole checkpoint's address space at
+    once. `fd(path)` opens the files. `close()` unmaps what is left, once no thread reads any more.
+
+    Example:
+
+    ```python
+    >>> import ctypes, tempfile, os
+    >>> from pathlib import Path
+    >>> from hf_prefetch.diskio import SharedMappings, plan_windows
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     path = Path(folder) / "f"
+    ...     _ = path.write_bytes(bytes(range(256)) * 64)
+    ...     fd = os.open(path, os.O_RDONLY)
+    ...     windows = plan_windows([(path, 100, 10_000, "t")], window_bytes=4096)
+    ...     mappings = SharedMappings(windows, lambda _: fd, stretch_bytes=8192)
+    ...     first = mappings.acquire(windows[0])
+    ...     head = ctypes.string_at(first.address + 100 - first.start, 3)
+    ...     for window in windows:
+    ...         _ = mappings.acquire(window)
+    ...         mappings.release(window)
+    ...     mappings.close()
+    ...     os.close(fd)
+    >>> len(windows), head
+    (3, b'def')
+
+    ```
+    """
+
+    def __init__(self, windows: Sequence[Window], fd: Callable[[Path], int], stretch_bytes: int) -> None:
+        self._fd = fd
+        self._stretch = stretch_bytes
+        self._lock = threading.Lock()
+        self._left: dict[tuple[Path, int], int] = {}  # windows of a stretch not released yet
+        self._bounds: dict[tuple[Path, int], tuple[int, int]] = {}  # the file bytes a stretch's mapping covers
+        self._mappings: dict[tuple[Path, int], FileMapping | None] = {}  # None: the file system refused the mapping
+        for window in windows:
+            key, end = self._key(window), _needed_end(window)
+            if (end - 1) // stretch_bytes != key[1]:
+                raise ValueError(
+                    f"stretch_bytes={stretch_bytes} must be a multiple of the windows' size: bytes "
+                    f"{window.start}-{end} of {window.path} straddle two stretches."
+                )
+            self._left[key] = self._left.get(key, 0) + 1
+            low, high = self._bounds.get(key, (window.start, end))
+            self._bounds[key] = (min(low, window.start), max(high, end))
+
+    def acquire(self, window: Window) -> FileMapping | None:
+        """The mapping that holds `window`'s bytes (None where the file system refused to map its stretch), made by
+        the first window of the stretch that asks. Each window that asks must be `release`d once."""
+        key = self._key(window)
+        with self._lock:
+            if key not in self._mappings:
+                fd = self._fd(window.path)  # outside the refusal below: a descriptor that fails is no refusal
+                try:
+                    self._mappings[key] = FileMapping(fd, *self._bounds[key])
+                except OSError:
+                    self._mappings[key] = None
+            return self._mappings[key]
+
+    def release(self, window: Window) -> None:
+        """`window` no longer reads its mapping: its stretch is unmapped after the last of its windows."""
+        key = self._key(window)
+        with self._lock:
+            self._left[key] -= 1
+            mapping = self._mappings.pop(key, None) if self._left[key] == 0 else None
+        if mapping is not None:
+            mapping.close()
+
+    def close(self) -> None:
+        """Unmap every stretch still mapped (windows that never ran, or failed before their release)."""
+        with self._lock:
+            mappings, self._mappings = list(self._mappings.values()), {}
+        for mapping in mappings:
+            if mapping is not None:
+                mapping.close()
+
+    def _key(self, window: Window) -> tuple[Path, int]:
+        return (window.path, window.start // self._stretch)
+
+
+def _needed_end(window: Window) -> int:
+    # Where the window's last piece ends in its file (the window's own stop is rounded up to the alignment).
+    return max(offset + nbytes for offset, nbytes, _ in window.pieces)

@@ -101,8 +101,8 @@ def map_keys(model: nn.Module, checkpoint: Checkpoint) -> KeyMap:
             if (entry.dtype, entry.shape) != (expected.dtype, tuple(expected.shape)):
                 raise ValueError(
                     f"{entry.path}: tensor {key!r} is {entry.dtype} {list(entry.shape)} but {model_name}'s "
-                    f"{stored[key]} is {expected.dtype} {list(expected.shape)}: the checkpoint was quantized with other "
-                    "settings than config.json's quantization_config. Re-save it from the quantized model."
+                    f"{stored[key]} is {expected.dtype} {list(expected.shape)}: the checkpoint was quantized with "
+                    "other settings than config.json's quantization_config. Re-save it from the quantized model."
                 )
             if stored[key] in keymap.streamed:
                 keymap.duplicates.append((entry, stored[key]))

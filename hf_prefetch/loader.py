@@ -215,8 +215,8 @@ def load_checkpoint_and_dispatch(
     ...     model = LlamaForCausalLM(config)
     >>> with tempfile.TemporaryDirectory() as folder:
     ...     LlamaForCausalLM(config).save_pretrained(folder)
-    ...     model = hf_prefetch.load_checkpoint_and_dispatch(model, folder, hf_prefetch.PrefetchConfig(prefetch_step=1),
-    ...         device="cpu", dtype=torch.bfloat16)
+    ...     model = hf_prefetch.load_checkpoint_and_dispatch(
+    ...         model, folder, hf_prefetch.PrefetchConfig(prefetch_step=1), device="cpu", dtype=torch.bfloat16)
     >>> model.lm_head.weight.dtype, hf_prefetch.get_state(model) is not None
     (torch.bfloat16, True)
 

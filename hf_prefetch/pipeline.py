@@ -73,7 +73,8 @@ def plan_pipeline(
     if len(candidates) != 1:
         raise ValueError(
             f"max_memory names {len(budgets)} GPUs, which places consecutive layers of one layer list on each "
-            f"(pipeline placement), but {type(model).__name__} has {len(candidates)} layer lists ({', '.join(candidates)}). "
+            f"(pipeline placement), but {type(model).__name__} has {len(candidates)} layer lists "
+            f"({', '.join(candidates)}). "
             "Give max_memory one GPU (other GPUs can still carry streamed bytes: links=[0, 1])."
         )
     ((path, ring),) = candidates.items()
@@ -93,7 +94,8 @@ def plan_pipeline(
             held = f" and the {format_bytes(other)} outside {path} (embeddings, head, norms)" if j == 0 else ""
             raise ValueError(
                 f"{budget.source} = {format_bytes(budget.device_bytes)} leaves nothing for layers after "
-                f"reserve_bytes = {format_bytes(budget.reserve_bytes)}{held}. Give GPU {index} more memory, or lower reserve_bytes."
+                f"reserve_bytes = {format_bytes(budget.reserve_bytes)}{held}. Give GPU {index} more memory, or lower "
+                "reserve_bytes."
             )
         capacity.append(left)
     host_bytes = budgets[0][1].host_bytes

@@ -14,6 +14,7 @@ import ctypes
 import errno
 import functools
 import itertools
+import mmap
 import os
 import queue
 import threading
@@ -26,7 +27,7 @@ import numpy as np
 import torch
 
 from .checkpoint import Checkpoint, TensorEntry
-from .diskio import FileMapping, Window, cached_fraction, open_direct, plan_windows, pread
+from .diskio import FileMapping, SharedMappings, Window, cached_fraction, open_direct, plan_windows, pread
 from .host import HostArena, lock_read_only, unlock
 
 __all__ = ["TensorReader", "MAPPED_FROM", "driver_maps_files"]
@@ -37,7 +38,8 @@ _WINDOW_BYTES = 8 * 2**20  # one windowed read (a multiple of diskio.DIRECT_ALIG
 _BOUNCE_BUFFERS = 2 * _READERS  # windows being read or copied out
 _DIRECT_BELOW = 0.5  # `direct=None`: a file is read directly when the page cache holds less than this share of it
 MAPPED_FROM = 0.9  # a file the page cache holds at least this share of is mapped (reads onto CUDA, host storage)
-_SPAN_BYTES = 64 * 2**20  # one mapped read: at most _READERS spans are mapped (and page-locked) at once
+_SPAN_BYTES = 32 * 2**20  # one mapped read: at most _READERS spans are page-locked (and resident) at once
+_STRETCH_BYTES = 2**30  # the mapped reads map a file this much at a time
 
 # Whether the driver page-locks read-only mappings of a file system's files for a device, by (device index, st_dev):
 # asked once per process, and answered False for good once a span of that file system is refused.
@@ -316,19 +318,26 @@ class _Windows:
 
 class _Mapped:
     """One `load`'s mapped reads. [Note: mapped reads] The byte ranges of CUDA destinations of files the page cache
-    holds are cut into aligned spans of at most `_SPAN_BYTES` (`diskio.plan_windows`). A reader thread maps its span
-    read-only (`diskio.FileMapping`: the page cache's own pages), page-locks the mapping for the copy engine
-    (`host.lock_read_only`), queues one asynchronous copy per piece on its device's copy stream, waits for the
-    event behind them, and only then unlocks and unmaps the span: no copy may read a page after it was unlocked. No
-    CPU copies a byte, and no bounce buffer is needed; at most one span per reader thread is mapped at once, which
-    bounds what the mappings add to the process's resident memory. A span that cannot be mapped or that the driver
-    refuses to lock (possible for a single span of a device that passed `driver_maps_files`) is read with
-    positional reads into pageable memory and copied from there, synchronously."""
+    holds are cut into aligned spans of at most `_SPAN_BYTES` (`diskio.plan_windows`). The files are mapped read-only
+    a stretch of `_STRETCH_BYTES` at a time (`diskio.SharedMappings`: the page cache's own pages; a stretch is mapped
+    for its first span and unmapped after its last), not once per span: a `mmap` or `munmap` waits for every
+    page-locking in flight. A reader thread page-locks its span of the mapping for the copy engine
+    (`host.lock_read_only`), queues one asynchronous copy per piece on its device's copy stream, waits for the event
+    behind them, and only then unlocks the span (no copy may read a page after it was unlocked) and drops its pages
+    from the process's page tables (`FileMapping.forget`): at most one span per reader thread counts as resident
+    memory at once. No CPU copies a byte, and no bounce buffer is needed. A span whose file cannot be mapped, or that
+    the driver refuses to lock (possible for a single span of a device that passed `driver_maps_files`), is read with
+    positional reads into pageable memory and copied from there, synchronously. Spans are whole pages of the
+    process (at least `mmap.PAGESIZE`), so two spans never lock one page."""
 
     def __init__(self, reader: TensorReader, reads: list[tuple[TensorEntry, torch.Tensor]]) -> None:
         self.reader = reader
         ranges = [(e.path, e.offset, e.nbytes, (e, out.reshape(-1))) for e, out in reads]
-        self.spans = plan_windows(ranges, _SPAN_BYTES)
+        span_bytes = -(-_SPAN_BYTES // mmap.PAGESIZE) * mmap.PAGESIZE
+        self.spans = plan_windows(ranges, span_bytes)
+        self.mappings = SharedMappings(
+            self.spans, reader.checkpoint.fd, stretch_bytes=max(1, _STRETCH_BYTES // span_bytes) * span_bytes
+        )
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
         for device in dict.fromkeys(out.device for _, out in reads):  # destinations were allocated on the current
             self.streams[device] = torch.cuda.Stream(device)  # stream: the copies come after that
@@ -338,10 +347,23 @@ class _Mapped:
         return [functools.partial(self._copy_span, span) for span in self.spans]
 
     def finish(self) -> None:
+        """After every submitted span has ended: wait for the device copies, then unmap what is still mapped."""
+        try:
+            self._drain()
+        finally:
+            self.mappings.close()
+
+    def _drain(self) -> None:
         for stream in self.streams.values():
             stream.synchronize()
 
     def _copy_span(self, span: Window) -> None:
+        try:
+            self._copy_mapped(span)
+        finally:
+            self.mappings.release(span)
+
+    def _copy_mapped(self, span: Window) -> None:
         # The span's bytes up to its last piece's end (the file may end before the span's aligned end); a mapped page
         # past the file's end would fail the lock.
         fd, end = self.reader.checkpoint.fd(span.path), _end(span)
@@ -351,37 +373,34 @@ class _Mapped:
         # Locked and unlocked under a destination's device: a thread's current device is 0, where a call would
         # create a context of its own when the destinations are elsewhere.
         device = span.pieces[0][2][1].device
-        try:
-            mapping = FileMapping(fd, span.start, end)
-        except OSError:  # the file system refused this mapping (the probe's succeeded): read the span instead
-            mapping = None
-        try:
-            with torch.cuda.device(device):
-                locked = mapping is not None and lock_read_only(mapping.address, mapping.nbytes)
-            if not locked:
-                with _maps_files_lock:  # later loads read this file system's files through windows
+        mapping = self.mappings.acquire(span)
+        address = mapping.address + span.start - mapping.start if mapping is not None else 0
+        with torch.cuda.device(device):
+            locked = mapping is not None and lock_read_only(address, end - span.start)
+        if not locked:
+            if mapping is not None:  # refused by the driver: later loads read this file system's files through windows
+                mapping.forget(span.start, end)  # pages the refused lock brought in
+                with _maps_files_lock:
                     _maps_files[_maps_key(device, fd)] = False
-                buffer = torch.empty(end - span.start, dtype=torch.uint8)
-                got = pread(fd, buffer.numpy(), span.start)
-                if span.start + got < end:
-                    _truncated(span.path, span.start + got, end)
-                self._copy(span, buffer, non_blocking=False)
-                self.reader._count(_piece_bytes(span), direct=False)
-                return
-            try:
-                pages = (ctypes.c_uint8 * mapping.nbytes).from_address(mapping.address)
-                for event in self._copy(span, torch.from_numpy(np.ctypeslib.as_array(pages)), non_blocking=True):
-                    event.synchronize()
-            except BaseException:
-                self.finish()  # whatever this span queued has run before its pages are unlocked
-                raise
-            finally:
-                with torch.cuda.device(device):
-                    unlock(mapping.address)
-            self.reader._count(_piece_bytes(span), direct=False, mapped=True)
+            buffer = torch.empty(end - span.start, dtype=torch.uint8)
+            got = pread(fd, buffer.numpy(), span.start)
+            if span.start + got < end:
+                _truncated(span.path, span.start + got, end)
+            self._copy(span, buffer, non_blocking=False)
+            self.reader._count(_piece_bytes(span), direct=False)
+            return
+        try:
+            pages = (ctypes.c_uint8 * (end - span.start)).from_address(address)
+            for event in self._copy(span, torch.from_numpy(np.ctypeslib.as_array(pages)), non_blocking=True):
+                event.synchronize()
+        except BaseException:
+            self._drain()  # whatever this span queued has run before its pages are unlocked
+            raise
         finally:
-            if mapping is not None:
-                mapping.close()
+            with torch.cuda.device(device):
+                unlock(address)
+        mapping.forget(span.start, end)
+        self.reader._count(_piece_bytes(span), direct=False, mapped=True)
 
     def _copy(self, span: Window, source: torch.Tensor, non_blocking: bool) -> list[torch.cuda.Event]:
         # Each piece of the span from `source` (the span's bytes) to its destination, on its device's copy stream;

@@ -86,6 +86,7 @@ def time_layers(
         return hook
 
     handles = []
+    enabled = torch.is_grad_enabled()
     try:
         for path, module in modules.items():
             handles.append(module.register_forward_pre_hook(before(path)))
@@ -100,6 +101,9 @@ def time_layers(
                     torch.cuda.synchronize(cuda)
                 runs.append({path: sum(_elapsed(a, b, cuda) for a, b in marks.get(path, [])) for path in modules})
     finally:
+        # A Ctrl-C landing in `no_grad`'s own exit (CPython runs it outside the block's handler) would leave autograd
+        # off for the caller's thread.
+        torch.set_grad_enabled(enabled)
         for handle in handles:
             handle.remove()
     return {path: statistics.median(run[path] for run in runs) for path in modules}

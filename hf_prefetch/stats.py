@@ -249,7 +249,8 @@ class TransferStats:
         >>> import hf_prefetch
         >>> model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
         ...     num_attention_heads=2, num_key_value_heads=2, vocab_size=64)).eval()
-        >>> model = hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(prefetch_step=1), device="cpu", timing=True)
+        >>> model = hf_prefetch.dispatch_model(
+        ...     model, hf_prefetch.PrefetchConfig(prefetch_step=1), device="cpu", timing=True)
         >>> _ = model(torch.tensor([[1, 2, 3]]))
         >>> ax = hf_prefetch.stats(model).plot()
         >>> [bars.get_label() for bars in ax.containers], [label.get_text() for label in ax.get_xticklabels()]

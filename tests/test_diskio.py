@@ -1,12 +1,15 @@
 import ctypes
+import mmap
 import os
 from pathlib import Path
 
 import pytest
 
+from hf_prefetch import diskio
 from hf_prefetch.diskio import (
     DIRECT_ALIGN_BYTES,
     FileMapping,
+    SharedMappings,
     aligned_buffer,
     cached_fraction,
     open_direct,
@@ -97,6 +100,117 @@ def test_a_file_mapping_holds_the_file_s_bytes(tmp_path):
             mapping.close()  # closing twice does nothing
     finally:
         os.close(fd)
+
+
+def _resident_kib(address: int) -> int:
+    # The resident memory of the mapping holding `address`, from /proc/self/smaps.
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(x, 16) for x in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "Rss:":
+            return int(line.split()[1])
+    raise AssertionError("no mapping holds the address")
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="needs Linux's /proc/self/smaps")
+def test_a_file_mapping_forgets_the_pages_of_a_stretch_and_keeps_its_bytes(tmp_path):
+    page, kib = mmap.PAGESIZE, mmap.PAGESIZE // 1024
+    data = os.urandom(64 * page)
+    (tmp_path / "f").write_bytes(data)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        mapping = FileMapping(fd, 0, len(data))
+        try:
+            assert ctypes.string_at(mapping.address, mapping.nbytes) == data  # every page touched
+            assert _resident_kib(mapping.address) == 64 * kib
+            mapping.forget(100, 40 * page + 5)  # the whole pages inside: pages 1 to 39
+            assert _resident_kib(mapping.address) == (64 - 39) * kib
+            assert ctypes.string_at(mapping.address, mapping.nbytes) == data  # mapped again when touched
+        finally:
+            mapping.close()
+        mapping.forget(0, len(data))  # closed: nothing to forget
+        # A mapping that starts inside its first page (mapped from the page's start): bytes outside [start, stop) are
+        # never forgotten, whatever the caller asks.
+        mapping = FileMapping(fd, 100, 10 * page)
+        try:
+            assert ctypes.string_at(mapping.address - 100, 10 * page) == data[: 10 * page]
+            assert _resident_kib(mapping.address) == 10 * kib
+            mapping.forget(0, 100 * page)
+            assert _resident_kib(mapping.address) == kib  # the page `start` is in stays
+        finally:
+            mapping.close()
+    finally:
+        os.close(fd)
+
+
+def _windows_of(path: Path, nbytes: int, window_bytes: int):
+    return plan_windows([(path, 0, nbytes, "t")], window_bytes=window_bytes)
+
+
+def test_shared_mappings_map_a_stretch_for_its_first_window_and_unmap_it_after_its_last(tmp_path, monkeypatch):
+    page = mmap.PAGESIZE
+    data = os.urandom(10 * page)
+    (tmp_path / "f").write_bytes(data)
+    opened, closed = [], []
+
+    class Counted(FileMapping):
+        def __init__(self, *args):
+            super().__init__(*args)
+            opened.append(self)
+
+        def close(self):
+            closed.append(self)
+            super().close()
+
+    monkeypatch.setattr(diskio, "FileMapping", Counted)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        windows = _windows_of(tmp_path / "f", len(data), page)  # ten windows, in stretches of four pages
+        mappings = SharedMappings(windows, lambda path: fd, stretch_bytes=4 * page)
+        assert not opened  # nothing is mapped before a window asks
+        for i, window in enumerate(windows[:6]):
+            mapping = mappings.acquire(window)
+            assert ctypes.string_at(mapping.address + window.start - mapping.start, page) == data[i * page :][:page]
+            mappings.release(window)
+        assert len(opened) == 2 and closed == opened[:1]  # the first stretch's four windows are done
+        assert mappings.acquire(windows[6]) is opened[1]
+        mappings.close()  # windows 6-9 never released: what is left is unmapped
+        assert closed == opened
+    finally:
+        os.close(fd)
+
+
+def test_shared_mappings_tell_a_refused_mapping_from_a_failing_descriptor(tmp_path, monkeypatch):
+    page = mmap.PAGESIZE
+    (tmp_path / "f").write_bytes(b"x" * 3 * page)
+    windows = _windows_of(tmp_path / "f", 3 * page, page)
+
+    def refuse(*args):
+        raise OSError("no mmap here")
+
+    monkeypatch.setattr(diskio, "FileMapping", refuse)
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        assert SharedMappings(windows, lambda path: fd, stretch_bytes=page).acquire(windows[0]) is None
+    finally:
+        os.close(fd)
+
+    def no_descriptor(path):
+        raise OSError(24, "Too many open files")
+
+    with pytest.raises(OSError, match="Too many open files"):
+        SharedMappings(windows, no_descriptor, stretch_bytes=page).acquire(windows[0])
+
+
+def test_shared_mappings_refuse_stretches_that_are_not_a_multiple_of_the_windows(tmp_path):
+    windows = _windows_of(tmp_path / "f", 6 * 4096, 2 * 4096)
+    with pytest.raises(
+        ValueError, match="stretch_bytes=12288 must be a multiple of the windows' size: bytes 8192-16384"
+    ):
+        SharedMappings(windows, lambda path: 0, stretch_bytes=3 * 4096)
 
 
 def test_a_file_mapping_of_a_closed_descriptor_is_an_os_error(tmp_path):

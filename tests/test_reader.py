@@ -5,6 +5,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from hf_prefetch import diskio
 from hf_prefetch import reader as reader_module
 from hf_prefetch.checkpoint import Checkpoint
 from hf_prefetch.reader import TensorReader
@@ -164,7 +165,8 @@ class _Locks:
 
         monkeypatch.setattr(reader_module, "lock_read_only", lock)
         monkeypatch.setattr(reader_module, "unlock", unlock)
-        monkeypatch.setattr(reader_module, "FileMapping", Mapping)
+        monkeypatch.setattr(reader_module, "FileMapping", Mapping)  # the probe's
+        monkeypatch.setattr(diskio, "FileMapping", Mapping)  # the reads' (`diskio.SharedMappings`)
         monkeypatch.setattr(reader_module, "cached_fraction", lambda path: 1.0)  # the page cache holds them
         monkeypatch.setattr(reader_module, "_maps_files", {})  # probed afresh: no answer left by another test
 
@@ -178,12 +180,15 @@ def test_mapped_reads_onto_cuda(shards, monkeypatch):
     folder, tensors = shards
     monkeypatch.setattr(reader_module, "_SPAN_BYTES", 4096)  # pieces cut at many span boundaries
     locks = _Locks(monkeypatch)
+    key = (torch.cuda.current_device(), os.stat(folder / "one.safetensors").st_dev)
+    monkeypatch.setattr(reader_module, "_maps_files", {key: True})  # probed: the probe's mapping is not counted
     outs = {k: torch.empty_like(t, device="cuda") for k, t in tensors.items()}
     with _checkpoint(folder) as checkpoint, TensorReader(checkpoint) as reader:
         reader.load([(checkpoint[k], outs[k]) for k in tensors])
     assert all(torch.equal(outs[k].cpu(), tensors[k]) for k in tensors)
     assert reader.mapped_bytes == reader.bytes_read == sum(t.nbytes for t in tensors.values())
     assert len(locks.locked) > 20 and locks.balanced()
+    assert len(locks.opened) == 2  # each file mapped once for the load, not once per span
 
 
 @pytest.mark.gpu
@@ -249,7 +254,8 @@ def test_files_the_page_cache_holds_only_partly_are_not_mapped(shards, monkeypat
 @pytest.mark.parametrize("probed", [False, True])
 def test_files_that_cannot_be_mapped_are_read_another_way(shards, monkeypatch, probed):
     # Not probed yet: the probe's mapping fails, so windows carry the reads. Probed (the driver locks mappings), but
-    # each span's mapping fails: every span is read into pageable memory and copied from there.
+    # each file's mapping fails (no address space, say): every span is read into pageable memory and copied from
+    # there, and the file system's answer stays (a mapping that fails is not the driver refusing to lock one).
     folder, tensors = shards
     monkeypatch.setattr(reader_module, "_SPAN_BYTES", 4096)
     monkeypatch.setattr(reader_module, "cached_fraction", lambda path: 1.0)
@@ -260,13 +266,14 @@ def test_files_that_cannot_be_mapped_are_read_another_way(shards, monkeypatch, p
         raise OSError("no mmap here")
 
     monkeypatch.setattr(reader_module, "FileMapping", refuse)
+    monkeypatch.setattr(diskio, "FileMapping", refuse)
     outs = {k: torch.empty_like(t, device="cuda") for k, t in tensors.items()}
     with _checkpoint(folder) as checkpoint, TensorReader(checkpoint) as reader:
         reader.load([(checkpoint[k], outs[k]) for k in tensors])
     assert all(torch.equal(outs[k].cpu(), tensors[k]) for k in tensors)
     assert reader.mapped_bytes == 0 and reader.bytes_read == sum(t.nbytes for t in tensors.values())
-    # A refused span answers for its file system from then on; a failed probe answers nothing.
-    assert reader_module._maps_files == ({key: False} if probed else {})
+    # A failed probe answers nothing.
+    assert reader_module._maps_files == ({key: True} if probed else {})
 
 
 @pytest.mark.gpu

@@ -170,6 +170,29 @@ def test_time_layers_removes_its_hooks_when_the_forward_raises():
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
 
 
+def test_an_interrupt_in_no_grad_s_own_exit_leaves_autograd_as_it_was(monkeypatch):
+    # CPython runs a with block's normal exit outside its handler: a Ctrl-C landing inside `no_grad.__exit__`, before
+    # it restores the mode, would leave autograd off for the caller.
+    exits = []
+
+    def interrupted(self, *exc):
+        exits.append(exc)
+        raise KeyboardInterrupt
+
+    model, x = TwoLists(big=1, small=1), torch.randn(4, 64)
+    monkeypatch.setattr(torch.no_grad, "__exit__", interrupted)
+    try:
+        hf_prefetch.time_layers(model, x, layers=["big", "small"], repeats=1)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        monkeypatch.undo()
+    enabled = torch.is_grad_enabled()
+    torch.set_grad_enabled(True)  # for the tests after this one, should it fail
+    assert exits == [(None, None, None)] and enabled
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+
+
 def test_time_layers_refuses_a_dispatched_model_and_bad_repeats():
     model = tiny_llama()
     ids = torch.tensor([[1, 2, 3]])

@@ -281,7 +281,8 @@ def test_failure_while_attaching_rolls_back(reference, monkeypatch):
 def test_loaders_refuse_uva_before_reading_anything(load):
     with pytest.raises(
         ValueError,
-        match=r"UVA backend \(offload='uva' or a UVAConfig\) works with hf_prefetch.dispatch_model only.*hf_prefetch.plan",
+        match=r"UVA backend \(offload='uva' or a UVAConfig\) works with hf_prefetch.dispatch_model only"
+        r".*hf_prefetch.plan",
     ):
         load()
 
