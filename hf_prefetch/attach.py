@@ -425,7 +425,16 @@ def detach(model: nn.Module, state: OffloadState, target: torch.device | None) -
     state.journal.unwind(Phase.ATTACH)
     state.engine = None  # drop the pool (hooks held the engine too): its memory is reused by the moves below
     if target is not None:
-        move_tensors(model, target)
+        try:
+            move_tensors(model, target)
+        except BaseException:
+            # A move to a GPU stopped half-way (out of memory, say): what it did not reach lies in host storage the
+            # caller may now write. A file's pages become private memory first (a write to them would fault); the
+            # move's own error is what the caller sees, whatever this copy meets.
+            if state.arena.file_bytes:
+                with contextlib.suppress(Exception):  # an interrupt meanwhile goes on: the copy is resumable
+                    state.arena.make_writable()
+            raise
         unpack_for(model, target)  # 4-bit layers repacked for the CPU kernels, moved to a GPU: as .cuda() does
     settle_int8(model)  # 8-bit layers as freshly quantized ones (bnb.py)
     _end(model, state)

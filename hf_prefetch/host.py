@@ -29,7 +29,8 @@ memory and no second copy in the page cache; `pin` page-locks the range for read
   read-only (a write faults) and are the file's (a write over the file would change the weights). Every path that
   writes host storage or gives it to the caller first calls `OffloadState.private_host_storage` (`make_writable`
   after every queued copy, under the model's lock): `state_dict()`, `load_state_dict`, `reload_weights`,
-  `sync_from_device`, and a removal that leaves the weights in host memory (before anything is undone).
+  `sync_from_device`, and a removal that leaves the weights in host memory (before anything is undone) or whose
+  move to a GPU stops half-way (before its error goes on).
   `make_writable` reads each region's bytes into private memory and moves that memory over the region (`mremap`,
   atomic per region) at the same addresses, then page-locks the range again. Views and engine transfers keep their
   addresses and read the private pages.

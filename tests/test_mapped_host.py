@@ -392,6 +392,35 @@ def test_a_shard_changed_on_disk_stops_forwards_and_a_removal_to_the_cpu_before_
     assert torch.equal(_logits(model), _logits(reference))
 
 
+def test_a_removal_to_a_gpu_that_stops_half_way_leaves_no_weight_on_the_file_s_pages(saved, monkeypatch):
+    # Out of memory half-way through the moves: what did not move is the caller's host memory, which a write would
+    # fault on while it is the file's pages. (The move is simulated: this runs without a GPU.)
+    from hf_prefetch import attach
+
+    folder, reference = saved
+    expected, files = _logits(reference), _digest(folder)
+    model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
+    state = hf_prefetch.get_state(model)
+    assert state.arena.file_bytes > 0
+
+    def out_of_memory(module, target):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    monkeypatch.setattr(attach, "move_tensors", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+        attach.detach(model, state, torch.device("cuda"))
+    assert state.lifecycle is Lifecycle.DETACHING and state.arena.file_bytes == 0
+    streamed = [
+        name for name, p in model.named_parameters() if p.data_ptr() == state.arena.bytes_view(0, 1).data_ptr()
+    ]
+    assert streamed  # the first streamed weight still lies in the arena, now private memory
+    monkeypatch.undo()
+    attach.detach(model, state, torch.device("cpu"))  # finished elsewhere, as this machine has no GPU
+    assert torch.equal(_logits(model), expected)
+    model.get_parameter(streamed[0]).data.add_(1)  # private memory: no fault, no change to the checkpoint
+    assert _digest(folder) == files
+
+
 def test_an_exception_between_a_move_and_its_bookkeeping_leaves_the_arena_true_to_the_kernel(tmp_path, monkeypatch):
     # A signal handler's exception (SystemExit, say) is not held back like a Ctrl-C: it may land right after mremap.
     arena, _, data = _mapped(tmp_path, [3000, 3000], [0, 9000])
