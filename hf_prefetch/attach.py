@@ -420,24 +420,36 @@ def detach(model: nn.Module, state: OffloadState, target: torch.device | None) -
         # anything is undone (a file changed on disk refuses the removal and leaves the model as it was).
         _quiesce(state)
         state.arena.make_writable()
+    elif state.lifecycle is Lifecycle.ATTACHED:
+        state.arena.check_files()  # its pages no longer hold the loaded weights: refused before anything is undone
     state.lifecycle, state.target = Lifecycle.DETACHING, target
-    _quiesce(state)
-    state.journal.unwind(Phase.ATTACH)
-    state.engine = None  # drop the pool (hooks held the engine too): its memory is reused by the moves below
-    if target is not None:
-        try:
+    try:
+        _quiesce(state)
+        state.journal.unwind(Phase.ATTACH)
+        state.engine = None  # drop the pool (hooks held the engine too): its memory is reused by the moves below
+        if target is not None:
             move_tensors(model, target)
-        except BaseException:
-            # A move to a GPU stopped half-way (out of memory, say): what it did not reach lies in host storage the
-            # caller may now write. A file's pages become private memory first (a write to them would fault); the
-            # move's own error is what the caller sees, whatever this copy meets.
-            if state.arena.file_bytes:
-                with contextlib.suppress(Exception):  # an interrupt meanwhile goes on: the copy is resumable
-                    state.arena.make_writable()
-            raise
+    except BaseException:
+        # Stopped half-way (a GPU out of memory, a Ctrl-C): what did not move lies in host storage the caller may
+        # now write, so none of it may stay a file's read-only pages (a write would crash the process).
+        _files_writable(state.arena)
+        raise
+    if target is not None:
         unpack_for(model, target)  # 4-bit layers repacked for the CPU kernels, moved to a GPU: as .cuda() does
     settle_int8(model)  # 8-bit layers as freshly quantized ones (bnb.py)
     _end(model, state)
+
+
+def _files_writable(arena: HostArena) -> None:
+    # A copy of the files' bytes in private memory where it can be made; where not (the host's memory, a file changed
+    # on disk), the pages mapped copy-on-write (`HostArena.files_copy_on_write`): writable, no copy, but they follow
+    # the file until written. Whatever happens here, the caller sees the error that stopped the removal.
+    if not arena.file_bytes:
+        return
+    try:
+        arena.make_writable()
+    except Exception:
+        arena.files_copy_on_write()
 
 
 def rollback(model: nn.Module, state: OffloadState) -> None:

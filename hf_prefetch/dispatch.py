@@ -215,7 +215,8 @@ def _check_replacement_arena(model: nn.Module, state, layout) -> None:
 def remove_offload(model: nn.Module, device: str | int | torch.device | None = None) -> nn.Module:
     """Undo `dispatch_model`: every weight back on one device, hooks removed, pool and pinned memory freed.
 
-    Also finishes a dispatch or a removal that an interrupt (Ctrl-C) or an error stopped half-way.
+    Also finishes a dispatch or a removal that an interrupt (Ctrl-C) or an error stopped half-way: a removal to the
+    device it was given, or to `device` when one is passed now (`"cpu"` after the GPU ran out of memory half-way).
 
     Args:
         model (`nn.Module`): A dispatched model.
@@ -246,6 +247,8 @@ def remove_offload(model: nn.Module, device: str | int | torch.device | None = N
             target = state.device if device is None else resolve_device(device)
             _check_removable(model, state)  # before anything is undone
             state.target = target
+        elif device is not None:  # a removal stopped half-way goes where it is told now (its GPU may be full)
+            state.target = resolve_device(device)
         detach(model, state, state.target)
     return model
 

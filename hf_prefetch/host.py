@@ -265,6 +265,18 @@ class HostArena:
         host_memory.check_host_memory(self._files.nbytes, host_memory.host_limits())
         self._files.make_private(self._unpinned)
 
+    def files_copy_on_write(self) -> None:
+        """What is still a file's pages becomes writable copy-on-write (`MAP_PRIVATE`: a write copies the page, the
+        file never changes) at the same addresses, with no copy now and no memory asked for; the arena is no longer
+        page-locked. For a removal stopped half-way whose `make_writable` failed: its weights may be written, but a
+        page not written yet still follows the file, should it change on disk."""
+        if not self._files.nbytes:
+            return
+        if self._unpin is not None:
+            self._unpin()
+        self.pinned = False
+        self._files.release()
+
     @contextlib.contextmanager
     def _unpinned(self) -> Iterator[None]:
         # The range not page-locked for the block; locked again after it (read-only while any part is a file's).

@@ -392,9 +392,22 @@ def test_a_shard_changed_on_disk_stops_forwards_and_a_removal_to_the_cpu_before_
     assert torch.equal(_logits(model), _logits(reference))
 
 
-def test_a_removal_to_a_gpu_that_stops_half_way_leaves_no_weight_on_the_file_s_pages(saved, monkeypatch):
+def _out_of_memory(module, target):
+    raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+
+def _first_streamed(model) -> str:
+    # A streamed parameter that points at the start of host storage (after its layer's hook was removed).
+    state = hf_prefetch.get_state(model)
+    start = state.arena.bytes_view(0, 1).data_ptr()
+    return next(name for name, p in model.named_parameters() if p.data_ptr() == start)
+
+
+@pytest.mark.parametrize("private", [True, False], ids=["private copy", "copy-on-write"])
+def test_a_removal_to_a_gpu_that_stops_half_way_leaves_no_weight_on_the_file_s_pages(saved, monkeypatch, private):
     # Out of memory half-way through the moves: what did not move is the caller's host memory, which a write would
-    # fault on while it is the file's pages. (The move is simulated: this runs without a GPU.)
+    # fault on while it is the file's pages. A private copy where the host's memory allows, else the pages mapped
+    # copy-on-write. (The move is simulated: this runs without a GPU.) Finished on the CPU instead.
     from hf_prefetch import attach
 
     folder, reference = saved
@@ -402,23 +415,35 @@ def test_a_removal_to_a_gpu_that_stops_half_way_leaves_no_weight_on_the_file_s_p
     model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
     state = hf_prefetch.get_state(model)
     assert state.arena.file_bytes > 0
-
-    def out_of_memory(module, target):
-        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-
-    monkeypatch.setattr(attach, "move_tensors", out_of_memory)
+    monkeypatch.setattr(attach, "move_tensors", _out_of_memory)
+    if not private:
+        refused = ValueError("host storage: no memory for a private copy (simulated)")
+        monkeypatch.setattr(HostArena, "make_writable", lambda self: (_ for _ in ()).throw(refused))
     with pytest.raises(torch.OutOfMemoryError, match="simulated"):
         attach.detach(model, state, torch.device("cuda"))
-    assert state.lifecycle is Lifecycle.DETACHING and state.arena.file_bytes == 0
-    streamed = [
-        name for name, p in model.named_parameters() if p.data_ptr() == state.arena.bytes_view(0, 1).data_ptr()
-    ]
-    assert streamed  # the first streamed weight still lies in the arena, now private memory
+    assert state.lifecycle is Lifecycle.DETACHING and state.arena.file_bytes == 0 and not state.arena.pinned
+    streamed = _first_streamed(model)
+    weight = model.get_parameter(streamed).data
+    weight.copy_(weight.clone())  # a write: no fault, the page private or copied on this write
     monkeypatch.undo()
-    attach.detach(model, state, torch.device("cpu"))  # finished elsewhere, as this machine has no GPU
+    hf_prefetch.remove_offload(model, "cpu")  # a removal stopped half-way goes where it is told now
+    assert hf_prefetch.get_state(model) is None and all(p.device.type == "cpu" for p in model.parameters())
     assert torch.equal(_logits(model), expected)
-    model.get_parameter(streamed[0]).data.add_(1)  # private memory: no fault, no change to the checkpoint
-    assert _digest(folder) == files
+    assert _digest(folder) == files  # the checkpoint never changed
+
+
+def test_a_removal_to_a_gpu_of_a_model_whose_shard_changed_is_refused_before_anything_changes(saved):
+    from hf_prefetch import attach
+
+    folder, _ = saved
+    model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
+    shard = sorted(folder.glob("*.safetensors"))[1]
+    stat = shard.stat()
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # as a write over it would
+    state = hf_prefetch.get_state(model)
+    with pytest.raises(RuntimeError, match=f"{shard.name} changed on disk since it was loaded"):
+        attach.detach(model, state, torch.device("cuda"))  # refused before anything moves (no GPU needed)
+    assert state.lifecycle is Lifecycle.ATTACHED and state.arena.file_bytes > 0
 
 
 def test_an_exception_between_a_move_and_its_bookkeeping_leaves_the_arena_true_to_the_kernel(tmp_path, monkeypatch):
