@@ -11,14 +11,8 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_prefetch
 
-config = LlamaConfig(
-    hidden_size=256,
-    intermediate_size=512,
-    num_hidden_layers=4,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-)
+config = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+                     num_key_value_heads=2, vocab_size=256)  # fmt: skip
 cfg = hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1)
 ids = torch.randint(0, 256, (1, 16), generator=torch.Generator().manual_seed(0)).cuda()
 with tempfile.TemporaryDirectory() as folder:

@@ -377,16 +377,23 @@ def test_a_shard_whose_data_is_not_aligned_to_its_dtype_is_read_not_mapped(tmp_p
     assert torch.equal(_logits(model), _logits(reference))
 
 
-def test_a_shard_changed_on_disk_stops_forwards_and_a_removal_to_the_cpu_before_anything_changes(saved):
+def test_a_shard_changed_on_disk_stops_forwards_and_removals_before_anything_changes(saved):
+    from hf_prefetch import attach
+
     folder, reference = saved
     model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
+    state = hf_prefetch.get_state(model)
     shard = sorted(folder.glob("*.safetensors"))[1]
     stat = shard.stat()
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # as a write over it would
-    for attempt in (lambda: _logits(model), lambda: hf_prefetch.remove_offload(model, "cpu")):
+    attempts = (
+        lambda: _logits(model),
+        lambda: hf_prefetch.remove_offload(model, "cpu"),
+        lambda: attach.detach(model, state, torch.device("cuda")),  # to a GPU: refused before any move (no GPU here)
+    )
+    for attempt in attempts:
         with pytest.raises(RuntimeError, match=f"{shard.name} changed on disk since it was loaded"):
             attempt()
-    state = hf_prefetch.get_state(model)
     assert state.lifecycle is Lifecycle.ATTACHED and state.arena.file_bytes > 0
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert torch.equal(_logits(model), _logits(reference))
@@ -430,20 +437,6 @@ def test_a_removal_to_a_gpu_that_stops_half_way_leaves_no_weight_on_the_file_s_p
     assert hf_prefetch.get_state(model) is None and all(p.device.type == "cpu" for p in model.parameters())
     assert torch.equal(_logits(model), expected)
     assert _digest(folder) == files  # the checkpoint never changed
-
-
-def test_a_removal_to_a_gpu_of_a_model_whose_shard_changed_is_refused_before_anything_changes(saved):
-    from hf_prefetch import attach
-
-    folder, _ = saved
-    model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
-    shard = sorted(folder.glob("*.safetensors"))[1]
-    stat = shard.stat()
-    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # as a write over it would
-    state = hf_prefetch.get_state(model)
-    with pytest.raises(RuntimeError, match=f"{shard.name} changed on disk since it was loaded"):
-        attach.detach(model, state, torch.device("cuda"))  # refused before anything moves (no GPU needed)
-    assert state.lifecycle is Lifecycle.ATTACHED and state.arena.file_bytes > 0
 
 
 def test_an_exception_between_a_move_and_its_bookkeeping_leaves_the_arena_true_to_the_kernel(tmp_path, monkeypatch):
