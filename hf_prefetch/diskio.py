@@ -52,6 +52,11 @@ class Window:
     stop: int
     pieces: tuple[tuple[int, int, object], ...]
 
+    @property
+    def end(self) -> int:
+        """Where the last piece ends in the file (`stop` is rounded up to the alignment, possibly past the file)."""
+        return max(offset + nbytes for offset, nbytes, _ in self.pieces)
+
 
 def plan_windows(ranges: Sequence[tuple[Path, int, int, object]], window_bytes: int) -> list[Window]:
     """Cut `(path, file_offset, nbytes, key)` ranges into aligned windows of at most `window_bytes`, in file order.
@@ -258,7 +263,7 @@ class SharedMappings:
         self._bounds: dict[tuple[Path, int], tuple[int, int]] = {}  # the file bytes a stretch's mapping covers
         self._mappings: dict[tuple[Path, int], FileMapping | None] = {}  # None: the file system refused the mapping
         for window in windows:
-            key, end = self._key(window), _needed_end(window)
+            key, end = self._key(window), window.end
             if (end - 1) // stretch_bytes != key[1]:
                 raise ValueError(
                     f"stretch_bytes={stretch_bytes} must be a multiple of the windows' size: bytes "
@@ -300,8 +305,3 @@ class SharedMappings:
 
     def _key(self, window: Window) -> tuple[Path, int]:
         return (window.path, window.start // self._stretch)
-
-
-def _needed_end(window: Window) -> int:
-    # Where the window's last piece ends in its file (the window's own stop is rounded up to the alignment).
-    return max(offset + nbytes for offset, nbytes, _ in window.pieces)

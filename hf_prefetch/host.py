@@ -270,12 +270,15 @@ class HostArena:
         file never changes) at the same addresses, with no copy now and no memory asked for; the arena is no longer
         page-locked. For a removal stopped half-way whose `make_writable` failed: its weights may be written, but a
         page not written yet still follows the file, should it change on disk."""
-        if not self._files.nbytes:
-            return
+        if self._files.nbytes:
+            self._drop_pin()
+            self._files.release()
+
+    def _drop_pin(self) -> None:
+        # Unregistered now (the finalizer, called once, does it), whatever was page-locked.
         if self._unpin is not None:
             self._unpin()
         self.pinned = False
-        self._files.release()
 
     @contextlib.contextmanager
     def _unpinned(self) -> Iterator[None]:
@@ -350,9 +353,7 @@ class HostArena:
         pages stay registered, and the arena's finalizer unpins them after the last view died."""
         if self._mapping is not None and self._mapping() is not None:
             return  # unregistering now would make every live device view fault on its next read
-        if self._unpin is not None:
-            self._unpin()
-        self.pinned = False
+        self._drop_pin()
         self._files.release()  # what a view that outlives the arena holds of a file: copy-on-write from now on
         self._buffer = torch.empty(0, dtype=torch.uint8)
 

@@ -292,8 +292,8 @@ class _Windows:
                 # FUSE mounts): this window through the page cache.
                 direct = False
                 got = pread(self.reader.checkpoint.fd(window.path), buffer.numpy(), window.start)
-            if window.start + got < _end(window):
-                _truncated(window.path, window.start + got, _end(window))
+            if window.start + got < window.end:
+                _truncated(window.path, window.start + got, window.end)
             for offset, nbytes, (entry, flat) in window.pieces:
                 source = buffer[offset - window.start : offset - window.start + nbytes]
                 if flat.dtype == entry.dtype:  # raw bytes, whatever their alignment
@@ -366,7 +366,7 @@ class _Mapped:
     def _copy_mapped(self, span: Window) -> None:
         # The span's bytes up to its last piece's end (the file may end before the span's aligned end); a mapped page
         # past the file's end would fail the lock.
-        fd, end = self.reader.checkpoint.fd(span.path), _end(span)
+        fd, end = self.reader.checkpoint.fd(span.path), span.end
         size = os.fstat(fd).st_size
         if size < end:
             _truncated(span.path, size, end)
@@ -452,11 +452,6 @@ def _interleave(lists: Sequence[list]) -> list:
 
 def _piece_bytes(window: Window) -> int:
     return sum(nbytes for _, nbytes, _ in window.pieces)
-
-
-def _end(window: Window) -> int:
-    # Where the window's last piece ends in its file.
-    return max(offset + nbytes for offset, nbytes, _ in window.pieces)
 
 
 def _truncated(path: Path, end: int, needed: int) -> None:
