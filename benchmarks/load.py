@@ -7,8 +7,9 @@ disk's own sequential read speed is measured in the same run with dd, O_DIRECT, 
 same GPU budget as hf_prefetch's resident + pool bytes; the rest it offloads to the CPU. Each hf_prefetch row prints
 its load timeline and where the time to the first token went. Systems: `hf_prefetch` (the default reads), `"hf_prefetch
 copied host"` (`map_files=False`: streamed weights read into a host arena instead of kept in the page cache's pages),
-`"hf_prefetch windows"` (CUDA destinations through bounce buffers instead of mapped reads), `"hf_prefetch 8 readers"`
-(8 reader threads instead of 16), `"hf_prefetch 32MiB spans"` (the mapped reads' spans), `"hf_prefetch late warm-up"`
+`"hf_prefetch mapped reads"` (CUDA destinations copied from the page cache's pages instead of through bounce
+buffers, as reloads do), `"hf_prefetch 8 readers"` (8 reader threads instead of 16), `"hf_prefetch 32MiB spans"`
+(mapped reads with spans of that size), `"hf_prefetch late warm-up"`
 (the warm-up thread started after the plan, not at the call's first line), `"hf_prefetch device first"` (the reads onto
 the GPU submitted before the host's, not interleaved), `"hf_prefetch direct"`, `"hf_prefetch cached"` (`direct_io=True`
 / `False`), `"hf_prefetch previous"` (the package found in `--previous-dir`, say an earlier commit's, for an A/B),
@@ -160,8 +161,10 @@ def run_system(system: str, folder: Path, budget_gib: int) -> dict:
         direct_io = {"hf_prefetch": None, "hf_prefetch direct": True, "hf_prefetch cached": False}.get(system)
         from hf_prefetch import reader
 
-        if system == "hf_prefetch windows":  # CUDA destinations through bounce buffers, as before mapped reads
-            reader.MAPPED_FROM = 2.0
+        if system == "hf_prefetch mapped reads" or system.endswith("MiB spans"):  # as before session 21
+            from hf_prefetch import loader
+
+            loader._MAPPED_READS = True
         if system.endswith("MiB spans"):  # "hf_prefetch 32MiB spans": mapped reads' spans of that size
             reader._SPAN_BYTES = int(system.split()[1].removesuffix("MiB")) * 2**20
         if system.endswith(" readers"):  # "hf_prefetch 8 readers": that many reader threads

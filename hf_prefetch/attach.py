@@ -96,19 +96,21 @@ def _int8_as_given(ref: weakref.ref, ran: bool) -> None:
 
 
 @contextlib.contextmanager
-def forwards_held(model: nn.Module) -> Iterator[None]:
+def forwards_held(model: nn.Module, *plans: OffloadPlan) -> Iterator[None]:
     """For the caller replacing a model's dispatch under its lock, from the old forward gate's removal to the new one's
-    arrival (`begin`): the model has no gate then, and a forward another thread starts meets this pre-hook instead,
-    which waits for the lock and refuses (`hooks.waits_then_refuses`). Registered and removed with interrupts held
-    back: a hook left on the model would refuse every later forward."""
-    hook, handle = waits_then_refuses(model_lock(model), threading.get_ident()), None
+    arrival (`begin`): the model and the parts the gates of `plans` cover have no gate then, and a call another thread
+    starts meets this pre-hook instead, which waits for the lock and refuses (`hooks.waits_then_refuses`). Registered
+    and removed with interrupts held back: a hook left on a module would refuse every later call."""
+    hook, handles = waits_then_refuses(model_lock(model), threading.get_ident()), []
+    parts = {id(part): part for plan in plans for part in _gated_parts(model, plan)}
     try:
         with deferred_interrupts():  # inside the `try`: an interrupt held back is raised as the block ends
-            handle = model.register_forward_pre_hook(hook, prepend=True)
+            for module in [model, *parts.values()]:
+                handles.append(module.register_forward_pre_hook(hook, prepend=True))
         yield
     finally:
         with deferred_interrupts():
-            if handle is not None:
+            for handle in handles:
                 handle.remove()
 
 
@@ -134,11 +136,33 @@ def begin(
         state.finalizer = weakref.finalize(model, _collected, state)
         # `_compiled_call_impl`: what `model.compile()` before the dispatch made of the class's `_call_impl`, which
         # torch then calls instead.
-        compiled = getattr(model, "_compiled_call_impl", None) is not None
-        names = ["_call_impl", "forward"] + (["_compiled_call_impl"] if compiled else [])
-        for name in names:
-            state.gate_hooks.set_attribute(model, name, gate.guard(model, name), f"forward gate ({name})")
+        for module, part, names in [(model, None, ["_call_impl", "forward"]), *_gated_parts(model, plan, names=True)]:
+            if getattr(module, "_compiled_call_impl", None) is not None:  # `module.compile()` before the dispatch
+                names = [*names, "_compiled_call_impl"]
+            for name in names:
+                where = "the model" if part is None else type(module).__name__
+                guarded = gate.guard(module, name, part)
+                state.gate_hooks.set_attribute(module, name, guarded, f"gate of {where} ({name})")
     return state
+
+
+def _gated_parts(model: nn.Module, plan: OffloadPlan, names: bool = False) -> list:
+    # The parts of the model a caller may call on their own that run streamed layers: the modules holding each ring's
+    # layer list (the decoder, an encoder; the list too where it has a forward, which a ModuleList has not), and the
+    # streamed layers. Gated like the model, so that `model.model(ids)` computes under the same lock and file checks
+    # as `model(ids)`. With `names`: (part, model, the attributes its gate wraps) for `begin`.
+    holders = set()
+    for ring in plan.rings:
+        segments = ring.path.split(".") if ring.path else []
+        holders |= {".".join(segments[:end]) for end in range(1, len(segments) + 1)}
+    holders = [p for p in sorted(holders) if type(model.get_submodule(p)).forward is not nn.Module.forward]
+    layers = [layer.path for ring in plan.rings for layer in ring.streamed if layer.path not in holders]
+    parts = [(path, ["_call_impl", "forward"]) for path in holders]
+    # Not a layer's `forward`: accelerate's hook replaces it on the instance and puts back what it found.
+    parts += [(path, ["_call_impl"]) for path in dict.fromkeys(layers)]
+    if names:
+        return [(model.get_submodule(path), model, wrapped) for path, wrapped in parts]
+    return [model.get_submodule(path) for path, _ in parts]
 
 
 def attach(model: nn.Module, state: OffloadState) -> None:
@@ -442,14 +466,18 @@ def detach(model: nn.Module, state: OffloadState, target: torch.device | None) -
 
 def _files_writable(arena: HostArena) -> None:
     # A copy of the files' bytes in private memory where it can be made; where not (the host's memory, a file changed
-    # on disk), the pages mapped copy-on-write (`HostArena.files_copy_on_write`): writable, no copy, but they follow
-    # the file until written. Whatever happens here, the caller sees the error that stopped the removal.
+    # on disk, a second Ctrl-C during the copy), the pages mapped copy-on-write (`HostArena.files_copy_on_write`):
+    # writable, no copy, but they follow the file until written. The caller sees the error that stopped the removal
+    # (or the second Ctrl-C, chained to it).
     if not arena.file_bytes:
         return
     try:
         arena.make_writable()
-    except Exception:
-        arena.files_copy_on_write()
+    except BaseException as err:
+        with deferred_interrupts():
+            arena.files_copy_on_write()
+        if not isinstance(err, Exception):
+            raise
 
 
 def rollback(model: nn.Module, state: OffloadState) -> None:
@@ -508,6 +536,7 @@ def _collected(state: OffloadState) -> None:
         if state.engine is not None:
             state.engine.synchronize()
         state.journal.unwind(Phase.ATTACH)
+        state.gate_hooks.unwind(Phase.ATTACH)  # parts a caller kept (`decoder = model.model`) run ungated again
         state.arena.release()
 
 

@@ -13,12 +13,15 @@ from __future__ import annotations
 import json
 import os
 import threading
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 import numpy as np
 import torch
+
+from .changes import deferred_interrupts
 
 __all__ = ["Checkpoint", "TensorEntry", "SAFE_WEIGHTS_NAME", "SAFE_WEIGHTS_INDEX_NAME"]
 
@@ -87,6 +90,8 @@ class Checkpoint:
         self.metadata = metadata or {}  # the files' `__metadata__`, merged (torchao describes its tensors there)
         self._fds: dict[Path, int] = {}
         self._lock = threading.Lock()
+        # What `close` did not get to (a Ctrl-C as it began, a checkpoint dropped unclosed) closes when this goes.
+        weakref.finalize(self, _close_all, self._fds)
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> Checkpoint:
@@ -149,10 +154,8 @@ class Checkpoint:
             done += got
 
     def close(self) -> None:
-        with self._lock:
-            fds, self._fds = self._fds, {}
-        for fd in fds.values():
-            os.close(fd)
+        with self._lock, deferred_interrupts():
+            _close_all(self._fds)
 
     def __enter__(self) -> Checkpoint:
         return self
@@ -170,6 +173,11 @@ class Checkpoint:
             if path not in self._fds:
                 self._fds[path] = os.open(path, os.O_RDONLY)
             return self._fds[path]
+
+
+def _close_all(fds: dict[Path, int]) -> None:
+    while fds:
+        os.close(fds.popitem()[1])
 
 
 def _entries_from_index(index_path: Path, folder: Path) -> tuple[dict[str, TensorEntry], dict[str, str]]:

@@ -146,8 +146,9 @@ def _dispatch(
 ) -> nn.Module:
     # From the old forward gate's removal to the new one's arrival, forwards in other threads wait and refuse.
     with contextlib.ExitStack() as gateless:
-        if state is not None and state.lifecycle is not Lifecycle.ATTACHED:
-            gateless.enter_context(forwards_held(model))
+        finished = state is not None and state.lifecycle is not Lifecycle.ATTACHED
+        if finished:
+            gateless.enter_context(forwards_held(model, state.plan))
             finish_interrupted(model, state)  # an interrupted dispatch or removal: complete it first
             state = None
         if state is not None and not replace:
@@ -166,8 +167,10 @@ def _dispatch(
         layout = [] if uva and exec_device.type == "cpu" else host_layout(plan)
         if state is not None:
             _check_replacement_arena(model, state, layout)  # while the old dispatch still stands
-            gateless.enter_context(forwards_held(model))
+            gateless.enter_context(forwards_held(model, state.plan, plan))
             detach(model, state, target=None)
+        elif finished:  # an interrupted dispatch was finished: the new gate's parts wait and refuse as well
+            gateless.enter_context(forwards_held(model, plan))
         # Host memory the arena takes back as it fills: each offloaded parameter's original storage, if on the CPU.
         on_host = sum(spec.nbytes for path, spec in layout if _param(model, path, spec).device.type == "cpu")
         arena = HostArena([spec.nbytes for _, spec in layout], freed_bytes=on_host)

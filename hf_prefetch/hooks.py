@@ -162,54 +162,70 @@ class ForwardGate:
     direct `model.forward(...)`, and a call where the first is bypassed (`model.compile()` before the dispatch); under
     the first it passes through. If the forward wrapper is taken away (accelerate's `remove_hook_from_module` puts back
     the forward it had saved), calls of the model stay gated.
+
+    The parts of the model that run streamed layers (the decoder, a streamed layer) are guarded too (`guard(part,
+    name, model)`): inside the gate they pass through; called on their own, they enter as a call of the model would.
     """
 
     def __init__(self, state: OffloadState, lock: threading.RLock) -> None:
         self._state = weakref.ref(state)  # the state holds the gate (`OffloadState.gate`)
         self._lock = lock  # the model's (`state.model_lock`), shared with the verbs that change the dispatch
-        self._local = threading.local()  # per thread: `depth`, and `called` (the depth a `_call_impl` entered at)
+        # Per thread: `depth`, `called` (the depth a call wrapper entered at) and `caller` (its module's id).
+        self._local = threading.local()
 
-    def guard(self, module: nn.Module, name: str) -> Callable[..., Any]:
+    def guard(self, module: nn.Module, name: str, model: nn.Module | None = None) -> Callable[..., Any]:
         """The gated `name` ("_call_impl" or "_compiled_call_impl": a call of the module; "forward") for the module's
-        instance dict: the one set on the instance before, else the class's, between `_enter` and `_leave`."""
+        instance dict: the one set on the instance before, else the class's, between `_enter` and `_leave`. `model`:
+        the dispatched model, where `module` is a part of it that holds streamed layers (its decoder, a layer): a call
+        of the part inside a forward of the model passes through, one on its own (`model.model(ids)`) enters."""
         inner = module.__dict__.get(name)
         # Weak references: the module holds this function, and so may a caller (`model.compile()`, a forward set on top
         # of it) long after the dispatch left; the state holds the gate.
         module_ref, gate_ref, lock = weakref.ref(module), weakref.ref(self), self._lock
+        model_ref = weakref.ref(model) if model is not None else module_ref
+        part = model is not None
         calls = name != "forward"
+        token = id(module)  # which module's call entered (`caller` in the thread's state): a plain int to compare
         outside_graph = _outside_graph()  # made here, not while dynamo traces the call
 
         def gated(*args: Any, **kwargs: Any) -> Any:
-            owner, gate = module_ref(), gate_ref()
-            if owner is None:
+            owner, top, gate = module_ref(), model_ref(), gate_ref()
+            if owner is None or (top is None and not part):
                 raise RuntimeError(f"This {name} belonged to a model that no longer exists.")
-            wrapped = inner if inner is not None else getattr(type(owner), name).__get__(owner)
-            if gate is None or not gate.guards(owner):
+            # The class's function bound with `partial`, not `__get__`: dynamo, tracing a part's wrapper inside a
+            # compiled call, took `type(owner)._call_impl.__get__(owner)` for the instance's attribute (this wrapper).
+            wrapped = inner if inner is not None else functools.partial(getattr(type(owner), name), owner)
+            if top is None:  # a part kept after its model was collected, which undid the dispatch: nothing to gate
+                return wrapped(*args, **kwargs)
+            if gate is None or not gate.guards(top):
                 # Kept by a caller after its dispatch left (`model.compile()` captured it, a forward set on top of
                 # it), or fetched by a call that started just before: a change under way ends first, then it runs
                 # under the model's dispatch now, if any (whose `_enter` refuses if it changes again meanwhile).
                 with _held(lock):
-                    current = owner.__dict__.get(STATE_ATTR)
+                    current = top.__dict__.get(STATE_ATTR)
                     if current is None:
                         return wrapped(*args, **kwargs)
                     gate = current.gate
             # A call of the module enters; what runs under it for the same call (another call wrapper kept by
             # `model.compile()`, then the forward) passes through, the forward marking the call as done; a forward
-            # called on its own (directly, or where the call's wrappers were bypassed) enters.
+            # called on its own (directly, or where the call's wrappers were bypassed) enters. A part of the model
+            # passes through anywhere inside the gate.
             depth, local = gate.depth(), gate._local.__dict__
-            if local.get("called") == depth > 0:  # inside the call that entered at this depth
+            if local.get("called") == depth > 0 and local.get("caller") == token:  # under this module's call
                 if not calls:
                     local["called"] = None  # its forward: a call of the model from inside it enters again
                 return wrapped(*args, **kwargs)
-            called = local.get("called")
+            if part and depth > 0:
+                return wrapped(*args, **kwargs)
+            called, caller = local.get("called"), local.get("caller")
             try:
-                outside_graph(gate._enter, owner, _token_count(args, kwargs))
+                outside_graph(gate._enter, top, _token_count(args, kwargs))
                 if calls:
-                    local["called"] = gate.depth()
+                    local["called"], local["caller"] = gate.depth(), token
                 return wrapped(*args, **kwargs)
             finally:
                 with deferred_interrupts():  # a Ctrl-C here would leave the gate held
-                    local["called"] = called
+                    local["called"], local["caller"] = called, caller
                     if gate.depth() > depth:  # else `_enter` refused (and left), or raised before taking the lock
                         outside_graph(gate._leave, True)
 

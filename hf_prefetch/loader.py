@@ -54,6 +54,12 @@ __all__ = ["from_pretrained", "load_checkpoint_and_dispatch"]
 
 logger = logging.getLogger(__name__)
 
+# A load's CUDA destinations go through the reader's windows (pinned bounce buffers), not its mapped reads: the load
+# runs beside the warm-up thread, and the driver does not overlap page-locking with the warm-up's own calls; windows
+# page-lock only their bounce buffers (docs/benchmarks.md, session 21: first token 0.91x, median of 10 pairs).
+# Reloads, with no warm-up beside them, keep mapped reads.
+_MAPPED_READS = False
+
 
 def from_pretrained(
     path: str | os.PathLike,
@@ -487,9 +493,9 @@ class LoadTimeline:
 def _read_all(
     checkpoint, keymap, dests, model, progress, direct_io, timeline, skip: set[str]
 ) -> tuple[float, TensorReader]:
-    # Host destinations (the arena) and device destinations in one load: the host's are CPU copies, the device's
-    # (mapped reads) mostly the copy engine's, so they overlap. `skip`: the arena's entries that are their file's
-    # pages already (and must not be written).
+    # Host destinations (the arena) and device destinations in one load: the host's CPU copies into place, the
+    # device's CPU copies into bounce buffers and the copy engine's from them, so they overlap. `skip`: the arena's
+    # entries that are their file's pages already (and must not be written).
     reads = [
         (e, region_view(dests[name], region))
         for name, pieces in keymap.streamed.items()
@@ -504,7 +510,7 @@ def _read_all(
     started = time.perf_counter()
     with (
         tqdm(total=total, unit="B", unit_scale=True, desc="Loading checkpoint", disable=disable) as bar,
-        TensorReader(checkpoint, on_read=bar.update, direct=direct_io) as reader,
+        TensorReader(checkpoint, on_read=bar.update, direct=direct_io, mapped=_MAPPED_READS) as reader,
     ):
         reader.load(reads)
         timeline.mark("read")

@@ -51,9 +51,9 @@ class TensorReader:
     """Fills tensors with checkpoint tensors, casting where the dtypes differ.
 
     Host destinations (pinned or not) are written in place by positional reads from a thread pool. CUDA destinations
-    of a file the page cache holds are copied from the cache's pages by the copy engine ([Note: mapped reads]); the
-    other CUDA destinations (a cast, a file read directly, a driver that cannot lock file mappings) and every
-    destination of a file read directly go through windows of bounce buffers ([Note: windowed reads]), whose
+    of a file the page cache holds are copied from the cache's pages by the copy engine ([Note: mapped reads]) unless
+    `mapped=False`; the other CUDA destinations (a cast, a file read directly, a driver that cannot lock file mappings)
+    and every destination of a file read directly go through windows of bounce buffers ([Note: windowed reads]), whose
     asynchronous copies to the device overlap the next reads. No intermediate copy of a whole tensor is made, except
     for the rare destination that is not contiguous, or a device cast of a tensor whose offset in its file is not a
     multiple of its element size.
@@ -77,11 +77,16 @@ class TensorReader:
     """
 
     def __init__(
-        self, checkpoint: Checkpoint, on_read: Callable[[int], Any] | None = None, direct: bool | None = None
+        self,
+        checkpoint: Checkpoint,
+        on_read: Callable[[int], Any] | None = None,
+        direct: bool | None = None,
+        mapped: bool = True,
     ) -> None:
         self.checkpoint = checkpoint
         self.on_read = on_read
         self.direct = direct
+        self.mapped = mapped  # False: no mapped reads, CUDA destinations go through windows
         self.bytes_read = 0
         self.direct_bytes = 0  # of bytes_read, read with direct I/O
         self.mapped_bytes = 0  # of bytes_read, copied by the copy engine from the page cache's pages
@@ -192,7 +197,7 @@ class TensorReader:
     def _through_mapping(self, entry: TensorEntry, out: torch.Tensor) -> bool:
         # Mapped reads copy raw bytes onto a CUDA device, from a file the page cache (nearly) holds whole: a mapped
         # page the cache lacks is read from the disk when it is page-locked, one fault at a time.
-        if out.device.type != "cuda" or not out.is_contiguous() or out.dtype != entry.dtype:
+        if not self.mapped or out.device.type != "cuda" or not out.is_contiguous() or out.dtype != entry.dtype:
             return False
         key = (out.device, entry.path)
         if key not in self._mapped_files:  # decided once per file and device, in the thread calling load

@@ -215,6 +215,35 @@ def test_sharded_checkpoint_round_trip(tmp_path):
             assert torch.equal(reader.read_tensor(checkpoint["b"]), b)
 
 
+def _descriptors_of(folder) -> int:
+    opened = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            opened.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # the listing's own descriptor, closed since
+            pass
+    return sum(path.startswith(str(folder)) for path in opened)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_a_checkpoint_dropped_without_its_close_closes_its_files(tmp_path):
+    # A Ctrl-C as `close` began (the end of a load's `with`) left a descriptor per shard for the process's life.
+    import gc
+
+    shards = {"s1.safetensors": {"a": torch.randn(3)}, "s2.safetensors": {"b": torch.randn(2)}}
+    write_sharded(tmp_path, {"a": "s1.safetensors", "b": "s2.safetensors"}, shards)
+    checkpoint = Checkpoint.open(tmp_path)
+    for key in ("a", "b"):
+        checkpoint.fd(checkpoint[key].path)
+    assert _descriptors_of(tmp_path) == 2
+    del checkpoint
+    gc.collect()
+    assert _descriptors_of(tmp_path) == 0
+    with Checkpoint.open(tmp_path) as checkpoint:  # closed at the end of its block, as before
+        checkpoint.fd(checkpoint["a"].path)
+    assert _descriptors_of(tmp_path) == 0
+
+
 # (name, weight map, shards written, error type, expected message)
 BAD_INDEXES = [
     ("missing_shard", {"w": "gone.safetensors"}, {}, FileNotFoundError, r"maps 'w' .* to 'gone.safetensors', but"),

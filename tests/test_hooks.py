@@ -385,6 +385,128 @@ def test_a_direct_forward_call_is_gated(dispatch, llama_reference):
     assert torch.equal(results["second"], llama_reference.logits)
 
 
+def _layer_inputs(reference, index: int):
+    # A streamed layer's inputs, as the decoder gives them, and what the unmodified layer makes of them.
+    hidden = torch.randn(1, 7, reference.config.hidden_size, generator=torch.Generator().manual_seed(index))
+    embeddings = reference.model.rotary_emb(hidden, torch.arange(7)[None])
+    with torch.no_grad():
+        expected = reference.model.layers[index](hidden, position_embeddings=embeddings)
+    return hidden, embeddings, expected
+
+
+@pytest.mark.parametrize("part", ["decoder", "decoder's forward", "streamed layer"])
+def test_a_part_of_the_model_called_on_its_own_is_gated(dispatch, llama_reference, part):
+    # `model.model(ids)` (embeddings, a pipeline's own loop) runs streamed layers outside any call of the model: it
+    # waits for another thread's forward like a call of the model, and computes the unmodified model's values.
+    model, reference = dispatch(**EVERY_SECOND), llama_reference.model
+    ids = llama_reference.ids
+    if part == "streamed layer":
+        hidden, embeddings, expected = _layer_inputs(reference, 3)
+        call = lambda: model.model.layers[3](hidden, position_embeddings=embeddings)  # noqa: E731
+    else:
+        with torch.no_grad():
+            expected = reference.model(ids).last_hidden_state
+        decoder = model.model if part == "decoder" else model.model.forward
+        call = lambda: decoder(ids).last_hidden_state  # noqa: E731
+    waited, results = _beside_a_paused_forward(model, ids, call)
+    assert waited, f"a call of the {part} ran beside another thread's forward"
+    assert torch.equal(results["first"], llama_reference.logits)
+    assert torch.equal(results["second"], expected)
+    with torch.no_grad():
+        assert torch.equal(call(), expected)  # on its own in this thread: prepared and finished like a forward
+    assert torch.equal(forward(model, ids), llama_reference.logits)
+
+
+def test_the_parts_gates_pass_through_inside_a_forward_and_leave_with_the_dispatch(dispatch, llama_reference):
+    model = dispatch(**EVERY_SECOND)
+    prepared = []
+    engine = hf_prefetch.get_state(model).engine
+    real_prepare = engine.prepare
+    engine.prepare = lambda *args: prepared.append(args) or real_prepare(*args)
+    assert torch.equal(forward(model, llama_reference.ids), llama_reference.logits)
+    assert len(prepared) == 1  # the decoder and its streamed layers passed through the model's gate
+    gated = [model.model, *(model.model.layers[i] for i in (1, 3, 5, 7))]
+    assert all("_call_impl" in part.__dict__ for part in gated)
+    assert "_call_impl" not in model.model.layers[0].__dict__  # resident: no gate
+    hf_prefetch.remove_offload(model)
+    assert not any(name in part.__dict__ for part in gated for name in ("_call_impl", "forward"))
+    assert torch.equal(forward(model, llama_reference.ids), llama_reference.logits)
+
+
+def test_the_model_called_inside_a_call_of_its_decoder_is_prepared_as_a_forward_of_its_own(dispatch, llama_reference):
+    model = dispatch(**EVERY_SECOND)
+    engine, prepared, inner = hf_prefetch.get_state(model).engine, [], []
+    real_prepare = engine.prepare
+    engine.prepare = lambda tokens=None: prepared.append(tokens) or real_prepare(tokens)
+    ids = llama_reference.ids
+
+    def call_the_model(module, args, output):
+        if not inner:
+            inner.append(None)  # once: the call below runs this layer too
+            inner[0] = forward(model, ids)
+
+    handle = model.model.layers[1].register_forward_hook(call_the_model)
+    try:
+        with torch.no_grad():
+            hidden = model.model(ids[:, :3]).last_hidden_state
+    finally:
+        handle.remove()
+    assert prepared == [ids[:, :3].numel(), ids.numel()]  # the decoder's call, then the model's inside it
+    assert torch.equal(inner[0], llama_reference.logits)
+    with torch.no_grad():
+        assert torch.equal(hidden, llama_reference.model.model(ids[:, :3]).last_hidden_state)
+
+
+def test_parts_kept_after_their_model_was_deleted_run_ungated(llama_reference):
+    model = copy.deepcopy(llama_reference.model)
+    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**EVERY_SECOND), device="cpu")
+    decoder, decoder_forward, layer = model.model, model.model.forward, model.model.layers[3]
+    state = weakref.ref(hf_prefetch.get_state(model))
+    del model
+    assert state() is None
+    assert not any(name in part.__dict__ for part in (decoder, layer) for name in ("_call_impl", "forward"))
+    ids = llama_reference.ids
+    with torch.no_grad():
+        expected = llama_reference.model.model(ids).last_hidden_state
+        assert torch.equal(decoder(ids).last_hidden_state, expected)
+        assert torch.equal(decoder_forward(ids).last_hidden_state, expected)  # the gate's wrapper, kept: ungated
+
+
+def test_a_part_called_while_another_thread_replaces_the_dispatch_waits_and_refuses(llama_reference, monkeypatch):
+    # Between the old gate's removal and the new one's arrival, a call of the decoder meets the same refusal as a
+    # call of the model; it ran ungated while the new dispatch re-pointed its parameters (wrong values).
+    from hf_prefetch import dispatch as dispatch_module
+
+    model = copy.deepcopy(llama_reference.model)
+    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**EVERY_SECOND), device="cpu")
+    in_window, outcome = threading.Event(), {}
+
+    class Paused(dispatch_module.HostArena):  # made between the old dispatch's detach and the new one's `begin`
+        def __init__(self, *args, **kwargs):
+            in_window.set()
+            caller.join(timeout=0.5)  # the decoder's call waits at its hook meanwhile
+            outcome["waited"] = caller.is_alive()
+            super().__init__(*args, **kwargs)
+
+    def call_the_decoder():
+        in_window.wait(30)
+        try:
+            with torch.no_grad():
+                model.model(llama_reference.ids)
+            outcome["error"] = None
+        except RuntimeError as err:
+            outcome["error"] = str(err)
+
+    monkeypatch.setattr(dispatch_module, "HostArena", Paused)
+    caller = threading.Thread(target=call_the_decoder)
+    caller.start()
+    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(group_size=2), device="cpu", replace=True)
+    caller.join(timeout=30)
+    assert outcome["waited"] and "removed or replaced" in outcome["error"]
+    assert torch.equal(forward(model, llama_reference.ids), llama_reference.logits)
+    hf_prefetch.remove_offload(model)
+
+
 def test_a_kept_forward_of_a_deleted_model_says_so(llama_reference):
     model = copy.deepcopy(llama_reference.model)
     hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**EVERY_SECOND), device="cpu")

@@ -204,6 +204,10 @@ def test_conversion_that_cannot_stream_goes_through_transformers(tmp_path, caplo
 @pytest.mark.parametrize("name", ["llama-sharded", "qwen2_moe-sharded", "gpt2-tied-sharded"])
 def test_cuda_load_matches_transformers(saved, monkeypatch, name, dtype):
     monkeypatch.setattr(reader_module, "_WINDOW_BYTES", 4096)  # many windows
+    spans = []  # the reader's page-locked spans of the shards: none in a load (its device reads go through windows)
+    monkeypatch.setattr(reader_module, "lock_read_only", lambda *args: spans.append(args))
+    key = (torch.cuda.current_device(), os.stat(saved(name)).st_dev)
+    monkeypatch.setattr(reader_module, "_maps_files", {key: True})  # probed: the probe's lock is not a read's
     model = hf_prefetch.from_pretrained(
         saved(name), device="cuda", dtype=dtype, offload=hf_prefetch.PrefetchConfig(**PATTERNS["every-second"])
     )
@@ -211,6 +215,7 @@ def test_cuda_load_matches_transformers(saved, monkeypatch, name, dtype):
     assert arena.pinned
     # Weights stored as loaded stay in the page cache's pages (not routed experts': kernels read those in place).
     assert (arena.file_bytes > 0) is (dtype is None and "moe" not in name)
+    assert spans == []
     expected = AutoModelForCausalLM.from_pretrained(saved(name), dtype=dtype, device_map="cuda").eval()
     ids = prompt().cuda()
     with torch.no_grad():

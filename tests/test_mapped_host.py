@@ -388,6 +388,7 @@ def test_a_shard_changed_on_disk_stops_forwards_and_removals_before_anything_cha
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # as a write over it would
     attempts = (
         lambda: _logits(model),
+        lambda: model.model(prompt(vocab=128)),  # the decoder called on its own: gated like the model
         lambda: hf_prefetch.remove_offload(model, "cpu"),
         lambda: attach.detach(model, state, torch.device("cuda")),  # to a GPU: refused before any move (no GPU here)
     )
@@ -410,11 +411,16 @@ def _first_streamed(model) -> str:
     return next(name for name, p in model.named_parameters() if p.data_ptr() == start)
 
 
-@pytest.mark.parametrize("private", [True, False], ids=["private copy", "copy-on-write"])
-def test_a_removal_to_a_gpu_that_stops_half_way_leaves_no_weight_on_the_file_s_pages(saved, monkeypatch, private):
+@pytest.mark.parametrize(
+    "refusal",
+    [None, ValueError("host storage: no memory for a private copy (simulated)"), KeyboardInterrupt()],
+    ids=["private copy", "copy-on-write", "Ctrl-C during the private copy"],
+)
+def test_a_removal_to_a_gpu_that_stops_half_way_leaves_no_weight_on_the_file_s_pages(saved, monkeypatch, refusal):
     # Out of memory half-way through the moves: what did not move is the caller's host memory, which a write would
-    # fault on while it is the file's pages. A private copy where the host's memory allows, else the pages mapped
-    # copy-on-write. (The move is simulated: this runs without a GPU.) Finished on the CPU instead.
+    # fault on while it is the file's pages. A private copy where the host's memory allows, else (refused, or a
+    # second Ctrl-C during it) the pages mapped copy-on-write. (The move is simulated: this runs without a GPU.)
+    # Finished on the CPU instead.
     from hf_prefetch import attach
 
     folder, reference = saved
@@ -423,11 +429,17 @@ def test_a_removal_to_a_gpu_that_stops_half_way_leaves_no_weight_on_the_file_s_p
     state = hf_prefetch.get_state(model)
     assert state.arena.file_bytes > 0
     monkeypatch.setattr(attach, "move_tensors", _out_of_memory)
-    if not private:
-        refused = ValueError("host storage: no memory for a private copy (simulated)")
-        monkeypatch.setattr(HostArena, "make_writable", lambda self: (_ for _ in ()).throw(refused))
-    with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+    if refusal is not None:
+
+        def refuse(self):
+            raise refusal
+
+        monkeypatch.setattr(HostArena, "make_writable", refuse)
+    interrupted = isinstance(refusal, KeyboardInterrupt)
+    with pytest.raises(KeyboardInterrupt if interrupted else torch.OutOfMemoryError) as raised:
         attach.detach(model, state, torch.device("cuda"))
+    cause = raised.value.__context__ if interrupted else raised.value
+    assert isinstance(cause, torch.OutOfMemoryError) and "simulated" in str(cause)
     assert state.lifecycle is Lifecycle.DETACHING and state.arena.file_bytes == 0 and not state.arena.pinned
     streamed = _first_streamed(model)
     weight = model.get_parameter(streamed).data

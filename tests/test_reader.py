@@ -192,6 +192,20 @@ def test_mapped_reads_onto_cuda(shards, monkeypatch):
 
 
 @pytest.mark.gpu
+def test_without_mapped_reads_cuda_destinations_go_through_windows(shards, monkeypatch):
+    folder, tensors = shards
+    locks = _Locks(monkeypatch)
+    key = (torch.cuda.current_device(), os.stat(folder / "one.safetensors").st_dev)
+    monkeypatch.setattr(reader_module, "_maps_files", {key: True})  # the driver would lock them
+    outs = {k: torch.empty_like(t, device="cuda") for k, t in tensors.items()}
+    with _checkpoint(folder) as checkpoint, TensorReader(checkpoint, mapped=False) as reader:
+        reader.load([(checkpoint[k], outs[k]) for k in tensors])
+    assert all(torch.equal(outs[k].cpu(), tensors[k]) for k in tensors)
+    assert reader.mapped_bytes == 0 and reader.bytes_read == sum(t.nbytes for t in tensors.values())
+    assert locks.locked == [] and locks.opened == []
+
+
+@pytest.mark.gpu
 def test_a_span_the_driver_refuses_to_lock_is_copied_from_pageable_memory(shards, monkeypatch):
     folder, tensors = shards
     monkeypatch.setattr(reader_module, "_SPAN_BYTES", 4096)
