@@ -102,7 +102,7 @@ def forwards_held(model: nn.Module, *plans: OffloadPlan) -> Iterator[None]:
     starts meets this pre-hook instead, which waits for the lock and refuses (`hooks.waits_then_refuses`). Registered
     and removed with interrupts held back: a hook left on a module would refuse every later call."""
     hook, handles = waits_then_refuses(model_lock(model), threading.get_ident()), []
-    parts = {id(part): part for plan in plans for part in _gated_parts(model, plan)}
+    parts = {id(part): part for plan in plans for part, _ in _gated_parts(model, plan)}
     try:
         with deferred_interrupts():  # inside the `try`: an interrupt held back is raised as the block ends
             for module in [model, *parts.values()]:
@@ -136,33 +136,31 @@ def begin(
         state.finalizer = weakref.finalize(model, _collected, state)
         # `_compiled_call_impl`: what `model.compile()` before the dispatch made of the class's `_call_impl`, which
         # torch then calls instead.
-        for module, part, names in [(model, None, ["_call_impl", "forward"]), *_gated_parts(model, plan, names=True)]:
+        for module, names in [(model, ["_call_impl", "forward"]), *_gated_parts(model, plan)]:
             if getattr(module, "_compiled_call_impl", None) is not None:  # `module.compile()` before the dispatch
                 names = [*names, "_compiled_call_impl"]
+            part_of = model if module is not model else None
             for name in names:
-                where = "the model" if part is None else type(module).__name__
-                guarded = gate.guard(module, name, part)
+                where = "the model" if part_of is None else type(module).__name__
+                guarded = gate.guard(module, name, part_of)
                 state.gate_hooks.set_attribute(module, name, guarded, f"gate of {where} ({name})")
     return state
 
 
-def _gated_parts(model: nn.Module, plan: OffloadPlan, names: bool = False) -> list:
-    # The parts of the model a caller may call on their own that run streamed layers: the modules holding each ring's
-    # layer list (the decoder, an encoder; the list too where it has a forward, which a ModuleList has not), and the
-    # streamed layers. Gated like the model, so that `model.model(ids)` computes under the same lock and file checks
-    # as `model(ids)`. With `names`: (part, model, the attributes its gate wraps) for `begin`.
+def _gated_parts(model: nn.Module, plan: OffloadPlan) -> list[tuple[nn.Module, list[str]]]:
+    # The parts of the model a caller may call on their own that run streamed layers, with the attributes their gate
+    # wraps: the modules holding each ring's layer list (the decoder, an encoder; the list too where it has a forward,
+    # which a ModuleList has not), and the streamed layers. Gated like the model, so that `model.model(ids)` computes
+    # under the same lock and file checks as `model(ids)`.
     holders = set()
     for ring in plan.rings:
         segments = ring.path.split(".") if ring.path else []
         holders |= {".".join(segments[:end]) for end in range(1, len(segments) + 1)}
     holders = [p for p in sorted(holders) if type(model.get_submodule(p)).forward is not nn.Module.forward]
     layers = [layer.path for ring in plan.rings for layer in ring.streamed if layer.path not in holders]
-    parts = [(path, ["_call_impl", "forward"]) for path in holders]
+    parts = [(model.get_submodule(path), ["_call_impl", "forward"]) for path in holders]
     # Not a layer's `forward`: accelerate's hook replaces it on the instance and puts back what it found.
-    parts += [(path, ["_call_impl"]) for path in dict.fromkeys(layers)]
-    if names:
-        return [(model.get_submodule(path), model, wrapped) for path, wrapped in parts]
-    return [model.get_submodule(path) for path, _ in parts]
+    return parts + [(model.get_submodule(path), ["_call_impl"]) for path in dict.fromkeys(layers)]
 
 
 def attach(model: nn.Module, state: OffloadState) -> None:
