@@ -494,6 +494,12 @@ class PrefetchEngine:
         self._settle()
         return self.rings[ring].holds(position)
 
+    def holds_whole(self, ring: int, position: int) -> bool:
+        """Whether layer `position`'s slot holds all of its tensors: not so after a copy for a routing forward, whose
+        routed tensors hold only the rows their router picked ([Note: routed experts])."""
+        layer = self.rings[ring].layers[position]
+        return not layer.routed or layer.fill is Fill.WHOLE
+
     def synchronize(self) -> None:
         """Block the host until every copy issued so far has landed."""
         if self._cuda:

@@ -31,6 +31,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from .config import warn_at_caller
 from .placements import OffloadPlan
 from .reload_sources import REDISPATCH, CheckpointValues, StateDictValues, check_writable, same_memory
 from .state import OffloadState, exclusive, get_state
@@ -199,7 +200,8 @@ def sync_from_device(model: nn.Module, layers: str | Sequence[str] | None = None
     makes sense for that layer: with no more streamed layers than slots every layer holds its own; otherwise the
     forward moves them on, and writes through another layer's parameters land in the holder's weights. To change a
     streamed layer's weights in general, use `reload_weights` (with `process`) or `load_state_dict`. Resident
-    parameters need no sync: their device tensors are their storage.
+    parameters need no sync: their device tensors are their storage. After a forward that routed experts, a layer's
+    expert tensors hold only the rows its router picked: such a layer is written back without them, with a warning.
 
     Args:
         model (`nn.Module`): A dispatched model.
@@ -255,6 +257,19 @@ def sync_from_device(model: nn.Module, layers: str | Sequence[str] | None = None
                 "layer's weights, so nothing of its is on the device to sync. Change a streamed layer's weights with "
                 "hf_prefetch.reload_weights(model, source, process=fn) or model.load_state_dict(...) instead."
             )
+    partial = {
+        path: [spec.name for spec in state.plan.rings[ring].streamed[position].routed]
+        for path, (ring, position) in ((path, streamed[path]) for path in chosen)
+        if not state.engine.holds_whole(ring, position)
+    }
+    if partial:  # written back without those tensors (`engine.store`): said, since an edit of them is lost
+        warn_at_caller(
+            f"sync_from_device writes back {', '.join(partial)} without their expert tensors "
+            f"({', '.join(next(iter(partial.values())))}): after a forward that routed (at most routed_max_tokens="
+            f"{state.engine.routed_max_tokens} tokens) they hold only the rows the router picked, so their host "
+            "values stay and an edit of them is lost. Run a forward of more tokens first (it copies whole layers), or "
+            "change expert weights with hf_prefetch.reload_weights(model, source, process=fn)."
+        )
     state.private_host_storage()  # host storage that is a file's pages: private memory first
     state.engine.drain()
     # Compressed layers are encoded, all of them, before the first write: values that do not fit leave every layer

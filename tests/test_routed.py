@@ -3,6 +3,7 @@ of few tokens, whole expert tensors in forwards of many, and compute exactly wha
 
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -152,7 +153,8 @@ def test_state_dict_and_sync_from_device_keep_host_values_of_routed_tensors():
     try:
         with torch.no_grad():
             model(_ids(length=1))  # a routed forward: slots hold a few experts' rows and stale ones
-        hf_prefetch.sync_from_device(model)
+        with pytest.warns(UserWarning, match="without their expert tensors"):
+            hf_prefetch.sync_from_device(model)
         got = model.state_dict()
         assert all(torch.equal(got[k], v) for k, v in expected.items())
         with torch.no_grad():
@@ -1131,5 +1133,39 @@ def test_a_fetch_reads_as_many_recent_picks_as_the_forward_under_way_records():
                 assert torch.equal(tensor.device[expert], tensor.host[expert])
         fetch_recent(layer, tokens=3)  # entries 8-11 are -1
         assert int(recent.ready.sum()) == 8
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_sync_from_device_writes_expert_tensors_back_only_from_a_whole_slot_and_says_so():
+    # After a forward that routed, a layer's expert tensors in its slot hold the picked experts' rows: the layer is
+    # written back without them, with a warning naming them (an edit of them is lost); after a forward of many tokens
+    # (a whole copy) the same edit is written back.
+    model = moe_model("qwen3_moe")
+    config = PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1, routed_max_tokens=4, expert_cache=0)
+    hf_prefetch.dispatch_model(model, config, device="cpu")
+    try:
+        with torch.no_grad():
+            model(torch.tensor([[5]]))  # routes; layer 1 is then copied for the next forward, routing too
+        experts, attention = model.model.layers[1].mlp.experts, model.model.layers[1].self_attn.q_proj
+        before = model.state_dict()
+        with torch.no_grad():
+            experts.down_proj.mul_(2.0)
+            attention.weight.mul_(2.0)
+        edited_attention = attention.weight.detach().clone()
+        with pytest.warns(UserWarning, match=r"model\.layers\.1 without their expert tensors \(.*down_proj\)"):
+            assert "model.layers.1" in hf_prefetch.sync_from_device(model)
+        after = model.state_dict()
+        assert torch.equal(after["model.layers.1.self_attn.q_proj.weight"], edited_attention)
+        key = "model.layers.1.mlp.experts.down_proj"
+        assert torch.equal(after[key], before[key])  # the host's values stay
+        with torch.no_grad():
+            model(torch.randint(3, VOCAB, (1, 9)))  # a whole forward: layer 1 is copied whole for the next one
+            experts.down_proj.mul_(2.0)
+        edited = experts.down_proj.detach().clone()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert "model.layers.1" in hf_prefetch.sync_from_device(model)
+        assert torch.equal(model.state_dict()["model.layers.1.mlp.experts.down_proj"], edited)
     finally:
         hf_prefetch.remove_offload(model)
