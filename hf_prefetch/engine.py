@@ -497,8 +497,7 @@ class PrefetchEngine:
     def holds_whole(self, ring: int, position: int) -> bool:
         """Whether layer `position`'s slot holds all of its tensors: not so after a copy for a routing forward, whose
         routed tensors hold only the rows their router picked ([Note: routed experts])."""
-        layer = self.rings[ring].layers[position]
-        return not layer.routed or layer.fill is Fill.WHOLE
+        return self.rings[ring].layers[position].fill is Fill.WHOLE  # a layer without routed tensors always is
 
     def synchronize(self) -> None:
         """Block the host until every copy issued so far has landed."""

@@ -56,7 +56,7 @@ logger = logging.getLogger(__name__)
 
 # A load's CUDA destinations go through the reader's windows (pinned bounce buffers), not its mapped reads: the load
 # runs beside the warm-up thread, and the driver does not overlap page-locking with the warm-up's own calls; windows
-# page-lock only their bounce buffers (docs/benchmarks.md, session 21: first token 0.91x, median of 10 pairs).
+# page-lock only their bounce buffers (docs/benchmarks.md, session 21: first token 0.93x, median of 13 pairs).
 # Reloads, with no warm-up beside them, keep mapped reads.
 _MAPPED_READS = False
 

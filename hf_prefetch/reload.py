@@ -257,15 +257,13 @@ def sync_from_device(model: nn.Module, layers: str | Sequence[str] | None = None
                 "layer's weights, so nothing of its is on the device to sync. Change a streamed layer's weights with "
                 "hf_prefetch.reload_weights(model, source, process=fn) or model.load_state_dict(...) instead."
             )
-    partial = {
-        path: [spec.name for spec in state.plan.rings[ring].streamed[position].routed]
-        for path, (ring, position) in ((path, streamed[path]) for path in chosen)
-        if not state.engine.holds_whole(ring, position)
-    }
+    partial = [path for path in chosen if not state.engine.holds_whole(*streamed[path])]
     if partial:  # written back without those tensors (`engine.store`): said, since an edit of them is lost
+        ring, position = streamed[partial[0]]
+        names = [spec.name for spec in state.plan.rings[ring].streamed[position].routed]
         warn_at_caller(
             f"sync_from_device writes back {', '.join(partial)} without their expert tensors "
-            f"({', '.join(next(iter(partial.values())))}): after a forward that routed (at most routed_max_tokens="
+            f"({', '.join(names)}): after a forward that routed (at most routed_max_tokens="
             f"{state.engine.routed_max_tokens} tokens) they hold only the rows the router picked, so their host "
             "values stay and an edit of them is lost. Run a forward of more tokens first (it copies whole layers), or "
             "change expert weights with hf_prefetch.reload_weights(model, source, process=fn)."
