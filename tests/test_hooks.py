@@ -507,6 +507,60 @@ def test_a_part_called_while_another_thread_replaces_the_dispatch_waits_and_refu
     hf_prefetch.remove_offload(model)
 
 
+def test_a_layer_only_the_next_plan_streams_waits_and_refuses_while_a_dispatch_finishes_a_half_done_one(
+    dispatch, llama_reference, monkeypatch
+):
+    # A dispatch that first finishes an interrupted removal: between that and the new gate's arrival, layer 0 (which
+    # only the new plan streams, so the old plan's parts do not cover it) has no gate; called on its own it meets the
+    # same refusal as a call of the model, instead of running while its parameters are re-pointed.
+    from hf_prefetch import dispatch as dispatch_module
+
+    model = dispatch(**EVERY_SECOND)
+    detach_hook, calls = changes.remove_hook_from_module, []
+
+    def interrupted(module, *args, **kwargs):
+        calls.append(module)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # Ctrl-C while remove_offload detaches the second streamed layer's hook
+        return detach_hook(module, *args, **kwargs)
+
+    monkeypatch.setattr(changes, "remove_hook_from_module", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        hf_prefetch.remove_offload(model)
+    monkeypatch.undo()
+    hidden, embeddings, expected = _layer_inputs(llama_reference.model, 0)
+    in_window, outcome = threading.Event(), {}
+
+    class Paused(dispatch_module.HostArena):  # made after the half-done removal was finished, before `begin`
+        def __init__(self, *args, **kwargs):
+            in_window.set()
+            caller.join(timeout=0.5)  # the layer's call waits at its hook meanwhile
+            outcome["waited"] = caller.is_alive()
+            super().__init__(*args, **kwargs)
+
+    def call_the_layer():
+        in_window.wait(30)
+        try:
+            with torch.no_grad():
+                model.model.layers[0](hidden, position_embeddings=embeddings)
+            outcome["error"] = None
+        except RuntimeError as err:
+            outcome["error"] = str(err)
+
+    monkeypatch.setattr(dispatch_module, "HostArena", Paused)
+    caller = threading.Thread(target=call_the_layer)
+    caller.start()
+    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(group_size=1), device="cpu")
+    caller.join(timeout=30)
+    assert outcome["waited"] and "removed or replaced" in outcome["error"]
+    assert any(
+        layer.path == "model.layers.0" for ring in hf_prefetch.get_state(model).plan.rings for layer in ring.streamed
+    )
+    with torch.no_grad():
+        assert torch.equal(model.model.layers[0](hidden, position_embeddings=embeddings), expected)
+    assert torch.equal(forward(model, llama_reference.ids), llama_reference.logits)
+
+
 def test_a_kept_forward_of_a_deleted_model_says_so(llama_reference):
     model = copy.deepcopy(llama_reference.model)
     hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**EVERY_SECOND), device="cpu")
