@@ -31,7 +31,10 @@ class CommandError(Exception):
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exit_:  # a usage error (argparse printed it) or --help: the status, returned like the others
+        return exit_.code if isinstance(exit_.code, int) else 2
     if args.command is None:
         parser.print_help()
         return 2

@@ -222,7 +222,8 @@ def resolve_device(device: str | int | torch.device | None) -> torch.device:
     if device is None:
         return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     try:
-        resolved = torch.device(device)
+        # A GPU index names a CUDA device (whose absence is said below), whatever accelerator torch would pick.
+        resolved = torch.device("cuda", device) if type(device) is int else torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"device={device!r} is not a device; use 'cuda', 'cuda:0', 0 or 'cpu'.") from err
     if resolved.type == "cpu":

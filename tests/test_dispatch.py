@@ -210,6 +210,7 @@ def test_existing_hook_is_chained_and_restored(reference):
     "kwargs, error, match",
     [
         ({"device": "cuda"}, ValueError, r"device='cuda' but CUDA is not available.*device='cpu'"),
+        ({"device": 0}, ValueError, r"device=0 but CUDA is not available.*device='cpu'"),
         ({"device": "mps:0"}, ValueError, r"executes on 'cuda' or 'cpu' devices only"),
         ({"device": "cpu", "group_sise": 2}, TypeError, r"unexpected keyword argument\(s\) \['group_sise'\]"),
         ({"device": "cpu", "group_size": 2}, TypeError, r"hf_prefetch.PrefetchConfig\(group_size=2\)"),
@@ -222,7 +223,7 @@ def test_existing_hook_is_chained_and_restored(reference):
     ],
 )
 def test_bad_input_leaves_nothing_behind(reference, kwargs, error, match):
-    if kwargs.get("device") == "cuda" and torch.cuda.is_available():
+    if kwargs.get("device") in ("cuda", 0) and torch.cuda.is_available():
         pytest.skip("CUDA is available here")
     model, ids, logits, *_ = reference
     with pytest.raises(error, match=match):
