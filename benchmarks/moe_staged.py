@@ -41,7 +41,6 @@ from moe import build  # noqa: E402
 
 import hf_prefetch  # noqa: E402
 import hf_prefetch.experts as experts_module  # noqa: E402
-from hf_prefetch.ring import ExpertCache  # noqa: E402
 
 PROMPT_TOKENS = 16
 CACHE_TOKENS = PROMPT_TOKENS + 64
@@ -51,23 +50,16 @@ TIMED = False  # --timeline: CUDA events around each staging and at each forward
 JOIN = False  # variant "join": the compute stream waits for all staging before the forward (no per-layer events)
 
 
+_LIBRARY_CACHE = experts_module._expert_cache
+
+
 def _cache_with_extra_rows(routed, cached_experts, device):
-    # `experts._expert_cache` with EXTRA_ROWS more rows after the cache's own (which stay `capacity`).
+    # The library's cache with EXTRA_ROWS more rows after its own (which stay `capacity`: the experts it holds).
     if cached_experts <= 0:
         return None
-    num_experts = routed[0].num_experts
-    capacity = min(cached_experts, num_experts)
-    rows_total = capacity + EXTRA_ROWS
-    tensors = [torch.empty((rows_total, *t.host.shape[1:]), dtype=t.host.dtype, device=device) for t in routed]
-    rows = [t.view(rows_total, -1).view(r.device_rows.dtype) for t, r in zip(tensors, routed, strict=True)]
-    return ExpertCache(
-        tensors,
-        rows,
-        slot_of=torch.full((num_experts,), -1, dtype=torch.long, device=device),
-        picks=torch.zeros(num_experts, dtype=torch.long, device=device),
-        experts=list(range(capacity)),
-        scores=[0.0] * num_experts,
-    )
+    cache = _LIBRARY_CACHE(routed, cached_experts + EXTRA_ROWS, device)
+    cache.experts = cache.experts[: min(cached_experts, routed[0].num_experts)]
+    return cache
 
 
 class Staging:

@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from functools import partial
 
 import torch
+from accelerate.hooks import AlignDevicesHook
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 
@@ -34,6 +35,7 @@ from .hooks import (
     one_load_at_a_time,
     refuse_apply,
     refuse_assign,
+    to_unless_nothing_changes,
     waits_then_refuses,
     writable_host_storage,
 )
@@ -181,6 +183,7 @@ def attach(model: nn.Module, state: OffloadState) -> None:
     else:
         mapping = {"": first}
     journal.set_attribute(model, "hf_device_map", mapping, "device map")
+    _encoder_outputs_on_input_device(model, journal)
     if state.engine is not None:
         state.engine.start()
     state.lifecycle = Lifecycle.ATTACHED
@@ -190,6 +193,18 @@ def attach(model: nn.Module, state: OffloadState) -> None:
             f"large as what it offloads ({format_bytes(state.plan.offloaded_bytes)}). Stream more layers than "
             "prefetch_step (or lower prefetch_step), or do not offload."
         )
+
+
+def _encoder_outputs_on_input_device(model: nn.Module, journal: Journal) -> None:
+    # transformers' `generate` gives the encoder of a model with `hf_device_map` an accelerate hook that returns its
+    # outputs on its inputs' device (or sets `io_same_device` on the hook it has): set by the dispatch, through the
+    # journal, it leaves with the dispatch; added by `generate`, it stayed on the encoder after `remove_offload`.
+    get_encoder = getattr(model, "get_encoder", None)
+    if not getattr(getattr(model, "config", None), "is_encoder_decoder", False) or not callable(get_encoder):
+        return
+    encoder = get_encoder()
+    if isinstance(encoder, nn.Module) and encoder is not model and not hasattr(encoder, "_hf_hook"):
+        journal.hook(encoder, AlignDevicesHook(io_same_device=True), "encoder outputs on the inputs' device")
 
 
 def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
@@ -225,7 +240,6 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
             for spec in layer.offloaded:
                 offloaded = by_name[f"{layer.path}.{spec.name}"]
                 slot_buffer = pool.buffer(spec.key, layer.slot)
-                journal.freeze(offloaded.param, f"{offloaded.full_name} frozen")
                 if offloaded.inner is None or not is_traceable_wrapper_subclass(offloaded.param):
                     where = f"{offloaded.full_name} to slot {layer.slot}"
                     journal.point(Phase.ATTACH, offloaded.param, slot_buffer, where, offloaded.attr)
@@ -385,6 +399,7 @@ def _guard_moves(model: nn.Module, state: OffloadState) -> None:
     for path in sorted(paths):
         module, where = model.get_submodule(path), path or "model"
         state.journal.set_attribute(module, "_apply", refuse_apply, f"guard on {where}")
+        state.journal.set_attribute(module, "to", to_unless_nothing_changes(module), f"no-op .to() of {where}")
         state.journal.set_attribute(module, "__deepcopy__", refuse_deepcopy, f"deepcopy refused on {where}")
         state.journal.set_attribute(module, "__reduce_ex__", refuse_pickle, f"pickling refused on {where}")
 

@@ -127,18 +127,6 @@ class Journal:
             torch.utils.swap_tensors(tensor, value)
             swapped[0] = True
 
-    def freeze(self, param: nn.Parameter, what: str) -> None:
-        """`requires_grad=False` while dispatched (slot storage is shared between layers)."""
-        flag = param.requires_grad
-
-        def undo() -> None:
-            # An inference tensor (a model built under torch.inference_mode) takes requires_grad only inside one.
-            with torch.inference_mode(param.is_inference()):
-                param.requires_grad_(flag)
-
-        self.record(Phase.ATTACH, what, undo)
-        param.requires_grad_(False)
-
     def move_tensors(self, model: nn.Module, device: torch.device, skip: set[int]) -> None:
         """Every parameter and buffer (but those in `skip`, by id) onto `device`; undone by moving them back."""
         for name, param in model.named_parameters():

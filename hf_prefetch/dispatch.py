@@ -92,8 +92,9 @@ def dispatch_model(
         replace (`bool`): Re-dispatch a dispatched model with a new configuration, without reloading it.
 
     A dispatched model refuses `.to()`, `.cuda()`, `.half()` and other conversions, `copy.deepcopy` and pickling: call
-    `remove_offload` first. It is for inference: streamed parameters have `requires_grad=False` and a backward through
-    a streamed layer raises. Forwards from several threads run one at a time.
+    `remove_offload` first. It is for inference: a backward through a streamed layer raises (streamed parameters keep
+    their `requires_grad`, on which the numbers of aten's matmul depend). Forwards from several threads run one at a
+    time.
 
     Returns:
         The same model, dispatched.

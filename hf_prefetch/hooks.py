@@ -44,6 +44,7 @@ __all__ = [
     "one_load_at_a_time",
     "refuse_assign",
     "refuse_apply",
+    "to_unless_nothing_changes",
     "host_values_in_state_dict",
 ]
 
@@ -531,6 +532,33 @@ def refuse_assign(
                 "hf_prefetch.reload_weights(model, state_dict); to assign, call hf_prefetch.remove_offload(model) "
                 "first and dispatch again."
             )
+
+
+def to_unless_nothing_changes(module: nn.Module) -> Callable[..., nn.Module]:
+    """The `to` of a module that holds offloaded parameters: a call that would change none of its tensors (a model's
+    own `self.classifier.to(self.dtype)` in every forward, as SwitchTransformers' router does) returns the module;
+    any other goes on to `nn.Module.to`, which `refuse_apply` refuses."""
+    module_ref = weakref.ref(module)  # the module holds this function
+
+    def to(*args: Any, **kwargs: Any) -> nn.Module:
+        owner = module_ref()
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if owner is not None and memory_format is None and _converts_nothing(owner, device, dtype):
+            return owner
+        return nn.Module.to(owner, *args, **kwargs)
+
+    return to
+
+
+def _converts_nothing(module: nn.Module, device: torch.device | None, dtype: torch.dtype | None) -> bool:
+    if device is not None and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # what `.to("cuda")` moves to
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if device is not None and tensor.device != device:
+            return False
+        if dtype is not None and (tensor.is_floating_point() or tensor.is_complex()) and tensor.dtype != dtype:
+            return False
+    return True
 
 
 def refuse_apply(*args: Any, **kwargs: Any) -> None:

@@ -90,11 +90,6 @@ def step_swap(journal: Journal, net: Net) -> None:
     assert torch.equal(net.second.weight, torch.full((2, 4), 3.0))
 
 
-def step_freeze(journal: Journal, net: Net) -> None:
-    journal.freeze(net.first.weight, "first.weight frozen")
-    assert not net.first.weight.requires_grad
-
-
 def step_hook(journal: Journal, net: Net) -> None:
     journal.hook(net.first, AddOne(), "hook on first")
     assert isinstance(net.first._hf_hook, AddOne)
@@ -134,7 +129,6 @@ STEPS = {
     "point": (step_point, Phase.ATTACH),
     "place": (step_place, Phase.PLACE),
     "swap": (step_swap, Phase.PLACE),
-    "freeze": (step_freeze, Phase.ATTACH),
     "hook": (step_hook, Phase.ATTACH),
     "handle": (step_handle, Phase.ATTACH),
     "new-attribute": (step_new_attribute, Phase.ATTACH),
@@ -217,17 +211,6 @@ def test_a_swap_is_seen_under_every_name_of_a_tied_tensor():
     assert torch.equal(net.tied.weight, torch.full((2, 4), 7.0)) and net.tied.weight is net.second.weight
     journal.unwind(Phase.PLACE)
     assert torch.equal(net.tied.weight, Net().second.weight)
-
-
-def test_freeze_of_an_inference_tensor_is_undone():
-    with torch.inference_mode():
-        net = Net()
-    assert net.first.weight.is_inference() and net.first.weight.requires_grad
-    journal = Journal()
-    journal.freeze(net.first.weight, "frozen")
-    assert not net.first.weight.requires_grad
-    journal.unwind(Phase.ATTACH)  # outside inference mode
-    assert net.first.weight.requires_grad
 
 
 def test_undoing_a_hook_keeps_the_other_hooks_of_its_chain():
@@ -313,7 +296,6 @@ def test_a_journal_does_not_keep_a_deleted_module_alive(with_accelerate_hook):
     step_new_attribute(journal, net)
     step_guard(journal, net)
     step_handle(journal, net)
-    step_freeze(journal, net)
     step_point(journal, net)
     step_move_buffers(journal, net)
     if with_accelerate_hook:

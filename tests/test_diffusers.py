@@ -308,9 +308,9 @@ def test_a_pipeline_runs_unchanged_with_its_transformer_dispatched():
     try:
         for _ in range(2):
             assert torch.equal(_call(pipe), expected)
-        # A pipeline's own placement would detach the streamed weights: refused, and the pipeline still works.
+        # A pipeline's own conversion would detach the streamed weights: refused, and the pipeline still works.
         with pytest.raises(RuntimeError, match="dispatched by hf_prefetch"):
-            pipe.enable_model_cpu_offload(device="cpu")
+            pipe.to(torch.float16)
         assert torch.equal(_call(pipe), expected)
     finally:
         hf_prefetch.remove_offload(pipe.transformer)

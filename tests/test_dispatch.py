@@ -65,7 +65,7 @@ def test_streamed_parameters_point_at_pool_slots(reference):
         assert layers[1].mlp.up_proj.weight.data_ptr() == layers[5].mlp.up_proj.weight.data_ptr()
         assert layers[1].mlp.up_proj.weight.data_ptr() != layers[3].mlp.up_proj.weight.data_ptr()
         assert layers[0].mlp.up_proj.weight.data_ptr() != layers[2].mlp.up_proj.weight.data_ptr()
-        assert not layers[1].mlp.up_proj.weight.requires_grad
+        assert layers[1].mlp.up_proj.weight.requires_grad  # as before: aten's matmul picks its path by it
         assert model.device == torch.device("cpu") and model.dtype == torch.float32
         assert model.hf_device_map == {"": "cpu"}
     finally:
@@ -73,6 +73,86 @@ def test_streamed_parameters_point_at_pool_slots(reference):
     assert model.model.layers[1].mlp.up_proj.weight.requires_grad
     assert not hasattr(model, "hf_device_map")
     assert not any(hasattr(m, "_hf_hook") for m in model.modules())
+
+
+def test_streamed_parameters_keep_requires_grad_so_the_numbers_do_not_change():
+    # aten's matmul of a 2-D weight and a 3-D tensor folds it or not by the weight's requires_grad, under no_grad too:
+    # Mamba's `dt_proj.weight @ time_step.transpose(1, 2)` gave other bits once a dispatch set requires_grad=False.
+    from transformers import MambaConfig, MambaForCausalLM
+
+    config = MambaConfig(hidden_size=64, num_hidden_layers=4, vocab_size=128, state_size=8, expand=2, conv_kernel=4)
+    torch.manual_seed(0)
+    model = MambaForCausalLM(config).eval()
+    ids = torch.randint(3, 128, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = model(input_ids=ids).logits
+    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(group_size=1, prefetch_step=2), device="cpu")
+    try:
+        assert all(param.requires_grad for param in model.parameters())
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=ids).logits, expected)
+    finally:
+        hf_prefetch.remove_offload(model)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, expected)
+
+
+def test_a_to_that_changes_nothing_returns_the_module_and_any_other_is_refused(reference):
+    model, ids, logits, *_ = reference
+    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(group_size=2), device="cpu")
+    try:
+        layer = model.model.layers[1]
+        assert model.to(torch.float32) is model and layer.to("cpu") is layer and layer.to(ids.device) is layer
+        for convert in (lambda: model.to(torch.float16), lambda: layer.to("meta"), model.half):
+            with pytest.raises(RuntimeError, match="conversions would detach the offloaded weights"):
+                convert()
+        assert all(param.dtype == torch.float32 and param.device.type == "cpu" for param in model.parameters())
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, logits)
+    finally:
+        hf_prefetch.remove_offload(model)
+    assert not any("to" in module.__dict__ for module in model.modules())
+
+
+def test_a_router_that_converts_itself_to_its_own_dtype_in_every_forward_streams():
+    # SwitchTransformers' router runs `self.classifier = self.classifier.to(self.dtype)` in every forward: a `.to()`
+    # that changes nothing, which the dispatch's guard on conversions refused.
+    from transformers import SwitchTransformersConfig, SwitchTransformersForConditionalGeneration
+
+    config = SwitchTransformersConfig(
+        vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=4, num_decoder_layers=4, num_heads=4, num_experts=4,
+        expert_capacity=8, encoder_sparse_step=2, decoder_sparse_step=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = SwitchTransformersForConditionalGeneration(config).eval()
+    ids, decoder_ids = torch.randint(3, 128, (1, 7)), torch.randint(3, 128, (1, 5))
+    with torch.no_grad():
+        expected = model(input_ids=ids, decoder_input_ids=decoder_ids).logits
+    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(group_size=2, prefetch_step=1), device="cpu")
+    try:
+        with torch.no_grad():
+            assert torch.equal(model(input_ids=ids, decoder_input_ids=decoder_ids).logits, expected)
+        assert hf_prefetch.stats(model).misses == 0
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_generate_of_an_encoder_decoder_leaves_no_hook_after_the_removal():
+    # transformers' generate hooks the encoder of a model with `hf_device_map` (set by the dispatch); the hook stayed
+    # after remove_offload. The dispatch now sets it, so the removal takes it off.
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=128, d_model=32, d_kv=8, d_ff=64, num_layers=4, num_heads=4, decoder_start_token_id=0)
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(config).eval()
+    ids = torch.randint(3, 128, (1, 7))
+    expected = model.generate(ids, max_new_tokens=5, do_sample=False)
+    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(group_size=2), device="cpu")
+    assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), expected)
+    hf_prefetch.remove_offload(model)
+    leftovers = [name for name, m in model.named_modules() if {"_hf_hook", "_old_forward", "forward"} & set(vars(m))]
+    assert leftovers == []
+    assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), expected)
 
 
 def test_state_dict_holds_true_values_not_slot_contents(reference):
@@ -257,7 +337,7 @@ def test_failure_during_execution_rolls_back(reference, monkeypatch):
         assert torch.equal(model(ids).logits, logits)
 
 
-@pytest.mark.parametrize("convert", [lambda m: m.half(), lambda m: m.to("cpu"), lambda m: m.model.layers.float()])
+@pytest.mark.parametrize("convert", [lambda m: m.half(), lambda m: m.to("meta"), lambda m: m.model.layers.float()])
 def test_moving_a_dispatched_model_is_refused_before_anything_changes(reference, convert):
     model, ids, logits, *_ = reference
     hf_prefetch.dispatch_model(

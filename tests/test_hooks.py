@@ -472,36 +472,44 @@ def test_parts_kept_after_their_model_was_deleted_run_ungated(llama_reference):
         assert torch.equal(decoder_forward(ids).last_hidden_state, expected)  # the gate's wrapper, kept: ungated
 
 
-def test_a_part_called_while_another_thread_replaces_the_dispatch_waits_and_refuses(llama_reference, monkeypatch):
-    # Between the old gate's removal and the new one's arrival, a call of the decoder meets the same refusal as a
-    # call of the model; it ran ungated while the new dispatch re-pointed its parameters (wrong values).
+def _called_while_the_arena_is_made(monkeypatch, call) -> dict:
+    # Runs `call` in a thread once the next dispatch makes its host arena (after the old gate left, before the new
+    # one's `begin`): "waited" says whether it still waited at its hook 0.5 s later, "error" what it raised.
     from hf_prefetch import dispatch as dispatch_module
 
-    model = copy.deepcopy(llama_reference.model)
-    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**EVERY_SECOND), device="cpu")
     in_window, outcome = threading.Event(), {}
 
-    class Paused(dispatch_module.HostArena):  # made between the old dispatch's detach and the new one's `begin`
+    class Paused(dispatch_module.HostArena):
         def __init__(self, *args, **kwargs):
             in_window.set()
-            caller.join(timeout=0.5)  # the decoder's call waits at its hook meanwhile
+            caller.join(timeout=0.5)
             outcome["waited"] = caller.is_alive()
             super().__init__(*args, **kwargs)
 
-    def call_the_decoder():
+    def run():
         in_window.wait(30)
         try:
             with torch.no_grad():
-                model.model(llama_reference.ids)
+                call()
             outcome["error"] = None
         except RuntimeError as err:
             outcome["error"] = str(err)
 
     monkeypatch.setattr(dispatch_module, "HostArena", Paused)
-    caller = threading.Thread(target=call_the_decoder)
+    caller = outcome["thread"] = threading.Thread(target=run)
     caller.start()
+    return outcome
+
+
+def test_a_part_called_while_another_thread_replaces_the_dispatch_waits_and_refuses(llama_reference, monkeypatch):
+    # Between the old gate's removal and the new one's arrival, a call of the decoder meets the same refusal as a
+    # call of the model; it ran ungated while the new dispatch re-pointed its parameters (wrong values).
+
+    model = copy.deepcopy(llama_reference.model)
+    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**EVERY_SECOND), device="cpu")
+    outcome = _called_while_the_arena_is_made(monkeypatch, lambda: model.model(llama_reference.ids))
     hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(group_size=2), device="cpu", replace=True)
-    caller.join(timeout=30)
+    outcome["thread"].join(timeout=30)
     assert outcome["waited"] and "removed or replaced" in outcome["error"]
     assert torch.equal(forward(model, llama_reference.ids), llama_reference.logits)
     hf_prefetch.remove_offload(model)
@@ -513,45 +521,14 @@ def test_a_layer_only_the_next_plan_streams_waits_and_refuses_while_a_dispatch_f
     # A dispatch that first finishes an interrupted removal: between that and the new gate's arrival, layer 0 (which
     # only the new plan streams, so the old plan's parts do not cover it) has no gate; called on its own it meets the
     # same refusal as a call of the model, instead of running while its parameters are re-pointed.
-    from hf_prefetch import dispatch as dispatch_module
 
     model = dispatch(**EVERY_SECOND)
-    detach_hook, calls = changes.remove_hook_from_module, []
-
-    def interrupted(module, *args, **kwargs):
-        calls.append(module)
-        if len(calls) == 2:
-            raise KeyboardInterrupt  # Ctrl-C while remove_offload detaches the second streamed layer's hook
-        return detach_hook(module, *args, **kwargs)
-
-    monkeypatch.setattr(changes, "remove_hook_from_module", interrupted)
-    with pytest.raises(KeyboardInterrupt):
-        hf_prefetch.remove_offload(model)
-    monkeypatch.undo()
+    _interrupt_the_removal(model, monkeypatch)
     hidden, embeddings, expected = _layer_inputs(llama_reference.model, 0)
-    in_window, outcome = threading.Event(), {}
-
-    class Paused(dispatch_module.HostArena):  # made after the half-done removal was finished, before `begin`
-        def __init__(self, *args, **kwargs):
-            in_window.set()
-            caller.join(timeout=0.5)  # the layer's call waits at its hook meanwhile
-            outcome["waited"] = caller.is_alive()
-            super().__init__(*args, **kwargs)
-
-    def call_the_layer():
-        in_window.wait(30)
-        try:
-            with torch.no_grad():
-                model.model.layers[0](hidden, position_embeddings=embeddings)
-            outcome["error"] = None
-        except RuntimeError as err:
-            outcome["error"] = str(err)
-
-    monkeypatch.setattr(dispatch_module, "HostArena", Paused)
-    caller = threading.Thread(target=call_the_layer)
-    caller.start()
+    call = lambda: model.model.layers[0](hidden, position_embeddings=embeddings)  # noqa: E731
+    outcome = _called_while_the_arena_is_made(monkeypatch, call)
     hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(group_size=1), device="cpu")
-    caller.join(timeout=30)
+    outcome["thread"].join(timeout=30)
     assert outcome["waited"] and "removed or replaced" in outcome["error"]
     assert any(
         layer.path == "model.layers.0" for ring in hf_prefetch.get_state(model).plan.rings for layer in ring.streamed
@@ -624,22 +601,26 @@ def test_a_failed_prepare_leaves_the_gate_open(dispatch, llama_reference, monkey
     assert torch.equal(result["logits"], llama_reference.logits)
 
 
-def test_a_half_done_removal_refuses_to_compute_until_it_is_finished(dispatch, llama_reference, monkeypatch):
-    model = dispatch(**EVERY_SECOND)
-    ids = llama_reference.ids
-    detach_hook = changes.remove_hook_from_module
-    calls = []
+def _interrupt_the_removal(model, monkeypatch) -> None:
+    # A Ctrl-C while remove_offload detaches the second streamed layer's hook: the dispatch is left half-done.
+    detach_hook, calls = changes.remove_hook_from_module, []
 
     def interrupted(module, *args, **kwargs):
         calls.append(module)
         if len(calls) == 2:
-            raise KeyboardInterrupt  # Ctrl-C while remove_offload detaches the second streamed layer's hook
+            raise KeyboardInterrupt
         return detach_hook(module, *args, **kwargs)
 
     monkeypatch.setattr(changes, "remove_hook_from_module", interrupted)
     with pytest.raises(KeyboardInterrupt):
         hf_prefetch.remove_offload(model)
     monkeypatch.undo()
+
+
+def test_a_half_done_removal_refuses_to_compute_until_it_is_finished(dispatch, llama_reference, monkeypatch):
+    model = dispatch(**EVERY_SECOND)
+    ids = llama_reference.ids
+    _interrupt_the_removal(model, monkeypatch)
     refused = (
         r"dispatch is half-done \(detaching: an interrupt or an error stopped it\)\. Call hf_prefetch\.remove_offload"
     )
@@ -769,7 +750,7 @@ CONVERSIONS = [
     lambda m: m.half(),
     lambda m: m.double(),
     lambda m: m.to(torch.float64),
-    lambda m: m.to("cpu"),
+    lambda m: m.to("meta"),
     lambda m: m.cpu(),
     lambda m: m.float(),
 ]

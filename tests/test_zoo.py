@@ -217,7 +217,7 @@ def test_zoo(case: Case):
 CONVERSIONS = {
     "to-float16": lambda m: m.to(torch.float16),
     "to-dtype-kwarg": lambda m: m.to(dtype=torch.bfloat16),
-    "to-cpu": lambda m: m.to("cpu"),
+    "to-meta": lambda m: m.to("meta"),
     "half": lambda m: m.half(),
     "bfloat16": lambda m: m.bfloat16(),
     "float": lambda m: m.float(),
