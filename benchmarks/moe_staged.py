@@ -40,6 +40,7 @@ from common import h2d_peak_gbps, static_decode  # noqa: E402
 from moe import build  # noqa: E402
 
 import hf_prefetch  # noqa: E402
+import hf_prefetch.engine as engine_module  # noqa: E402
 import hf_prefetch.experts as experts_module  # noqa: E402
 
 PROMPT_TOKENS = 16
@@ -168,8 +169,6 @@ class Staging:
 
 def install(engine, staging: Staging) -> None:
     prepare, finish = engine.prepare, engine.finish
-    import hf_prefetch.engine as engine_module
-
     gather = engine_module.gather_looked_up
 
     def gather_after_staging(layer, index):

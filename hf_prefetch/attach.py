@@ -25,6 +25,7 @@ from .compressed import refuse_unencodable
 from .config import warn_at_caller
 from .engine import PrefetchEngine
 from .experts import add_lookups
+from .guards import refuse_apply, refuse_assign, refuse_deepcopy, refuse_pickle, to_unless_nothing_changes
 from .hooks import (
     ForwardGate,
     PrefetchHook,
@@ -33,9 +34,6 @@ from .hooks import (
     WriteThrough,
     host_values_in_state_dict,
     one_load_at_a_time,
-    refuse_apply,
-    refuse_assign,
-    to_unless_nothing_changes,
     waits_then_refuses,
     writable_host_storage,
 )
@@ -54,8 +52,6 @@ from .state import (
     OffloadedParam,
     OffloadState,
     model_lock,
-    refuse_deepcopy,
-    refuse_pickle,
 )
 
 __all__ = ["host_layout", "begin", "forwards_held", "attach", "detach", "rollback", "finish_interrupted"]

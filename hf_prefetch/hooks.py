@@ -42,9 +42,6 @@ __all__ = [
     "waits_then_refuses",
     "WriteThrough",
     "one_load_at_a_time",
-    "refuse_assign",
-    "refuse_apply",
-    "to_unless_nothing_changes",
     "host_values_in_state_dict",
 ]
 
@@ -515,59 +512,3 @@ def one_load_at_a_time(module: nn.Module, lock: threading.RLock) -> Callable[...
 
     functools.update_wrapper(load_state_dict, inner if inner is not None else type(module).load_state_dict)
     return load_state_dict
-
-
-def refuse_assign(
-    streamed_names: list[str], module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: Any
-) -> None:
-    """`load_state_dict` pre-hook on every module that contains a streamed parameter: `assign=True` would swap the
-    parameter out of its slot, so it fails on entry, before torch has assigned anything."""
-    if not local_metadata.get("assign_to_params_buffers", False):
-        return
-    for name in streamed_names:
-        if prefix + name in state_dict:
-            raise RuntimeError(
-                f"load_state_dict(..., assign=True) would replace the streamed parameter {prefix}{name} by the state "
-                "dict's tensor and detach it from its buffer slot. Load in place (assign=False) or use "
-                "hf_prefetch.reload_weights(model, state_dict); to assign, call hf_prefetch.remove_offload(model) "
-                "first and dispatch again."
-            )
-
-
-def to_unless_nothing_changes(module: nn.Module) -> Callable[..., nn.Module]:
-    """The `to` of a module that holds offloaded parameters: a call that would change none of its tensors (a model's
-    own `self.classifier.to(self.dtype)` in every forward, as SwitchTransformers' router does) returns the module;
-    any other goes on to `nn.Module.to`, which `refuse_apply` refuses."""
-    module_ref = weakref.ref(module)  # the module holds this function
-
-    def to(*args: Any, **kwargs: Any) -> nn.Module:
-        owner = module_ref()
-        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-        if owner is not None and memory_format is None and _converts_nothing(owner, device, dtype):
-            return owner
-        return nn.Module.to(owner, *args, **kwargs)
-
-    return to
-
-
-def _converts_nothing(module: nn.Module, device: torch.device | None, dtype: torch.dtype | None) -> bool:
-    if device is not None and device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())  # what `.to("cuda")` moves to
-    for tensor in [*module.parameters(), *module.buffers()]:
-        if device is not None and tensor.device != device:
-            return False
-        if dtype is not None and (tensor.is_floating_point() or tensor.is_complex()) and tensor.dtype != dtype:
-            return False
-    return True
-
-
-def refuse_apply(*args: Any, **kwargs: Any) -> None:
-    """Set as `_apply` on every module that owns or contains an offloaded parameter: `model.to()`, `.half()`,
-    `.cuda()`, `.float()` ... all go through `nn.Module._apply`, which would swap the parameters' slot tensors (or
-    mapped views) for converted copies that no copy ever refreshes. It refuses before anything is converted."""
-    raise RuntimeError(
-        "This model is dispatched by hf_prefetch: .to(), .cuda(), .cpu(), .half(), .float() and other conversions "
-        "would detach the offloaded weights from their buffer slots or host memory. Call "
-        "hf_prefetch.remove_offload(model) first (remove_offload(model, device='cpu') if it does not fit on the GPU), "
-        "convert, then dispatch again."
-    )

@@ -20,6 +20,7 @@ from torch import nn
 
 from .changes import Journal
 from .config import PrefetchConfig, warn_at_caller
+from .guards import refuse_deepcopy, refuse_pickle
 from .offload_config import UVAConfig, resolve_offload
 from .packed_forward import decompresses, is_compressed
 
@@ -37,8 +38,6 @@ __all__ = [
     "get_state",
     "resolve_device",
     "resolve_config",
-    "refuse_deepcopy",
-    "refuse_pickle",
 ]
 
 STATE_ATTR = "_hf_prefetch_state"
@@ -153,28 +152,6 @@ class OffloadState:
 
     def __reduce_ex__(self, protocol: Any) -> Any:
         refuse_pickle(protocol)
-
-
-# Also set as `__deepcopy__` and `__reduce_ex__` on every module that owns or contains an offloaded parameter (both are
-# looked up on the instance), so that copying a part of a dispatched model (`model.model`, a streamed layer) refuses
-# too: its copy would hold the slots' current contents and hooks that copy into buffers it no longer points at.
-def refuse_deepcopy(memo: Any) -> Any:
-    raise TypeError(
-        "copy.deepcopy of a model dispatched by hf_prefetch, or of a module of it that holds offloaded parameters, is "
-        "not supported: its streamed parameters share buffer slots and host storage with the original. Call "
-        "hf_prefetch.remove_offload(model) (or remove_offload(model, device='cpu')) first, copy, then dispatch each "
-        "model."
-    )
-
-
-def refuse_pickle(protocol: Any) -> Any:
-    raise TypeError(
-        "A model dispatched by hf_prefetch, or a module of it that holds offloaded parameters, cannot be pickled or "
-        "copied (torch.save(model), pickle.dumps(model), copy.copy, multiprocessing): its streamed parameters point "
-        "at buffer slots shared between layers. Save the weights with model.save_pretrained(folder) or "
-        "torch.save(model.state_dict(), path) (both read host storage), or call "
-        "hf_prefetch.remove_offload(model, device='cpu') first."
-    )
 
 
 def get_state(model: nn.Module) -> OffloadState | None:

@@ -114,6 +114,14 @@ def test_a_to_that_changes_nothing_returns_the_module_and_any_other_is_refused(r
     assert not any("to" in module.__dict__ for module in model.modules())
 
 
+def test_a_kept_to_of_a_deleted_model_says_so():
+    model = hf_prefetch.dispatch_model(tiny_llama(4), hf_prefetch.PrefetchConfig(group_size=2), device="cpu")
+    kept = model.model.layers[1].to
+    del model
+    with pytest.raises(RuntimeError, match="belonged to a module that no longer exists"):
+        kept(torch.float32)
+
+
 def test_a_router_that_converts_itself_to_its_own_dtype_in_every_forward_streams():
     # SwitchTransformers' router runs `self.classifier = self.classifier.to(self.dtype)` in every forward: a `.to()`
     # that changes nothing, which the dispatch's guard on conversions refused.

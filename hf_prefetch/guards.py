@@ -1,0 +1,97 @@
+"""What a module of a dispatched model refuses, set on its instance by the dispatch (`attach._guard_moves`,
+`attach`'s `load_state_dict` pre-hooks) and by `OffloadState` itself: conversions and moves (`_apply`, with a `.to()`
+that changes nothing let through), copies and pickling, `load_state_dict(assign=True)`. Each refuses before anything
+changes, with the fix in its message. This module knows nothing about the dispatch's state.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["refuse_apply", "to_unless_nothing_changes", "refuse_deepcopy", "refuse_pickle", "refuse_assign"]
+
+
+def to_unless_nothing_changes(module: nn.Module) -> Callable[..., nn.Module]:
+    """The `to` of a module that holds offloaded parameters: a call that would change none of its tensors (a model's
+    own `self.classifier.to(self.dtype)` in every forward, as SwitchTransformers' router does) returns the module;
+    any other goes on to `nn.Module.to`, which `refuse_apply` refuses."""
+    module_ref = weakref.ref(module)  # the module holds this function
+
+    def to(*args: Any, **kwargs: Any) -> nn.Module:
+        owner = module_ref()
+        if owner is None:  # kept by a caller after its module was collected
+            raise RuntimeError("This .to() belonged to a module that no longer exists.")
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if memory_format is None and _converts_nothing(owner, device, dtype):
+            return owner
+        return nn.Module.to(owner, *args, **kwargs)
+
+    return to
+
+
+def _converts_nothing(module: nn.Module, device: torch.device | None, dtype: torch.dtype | None) -> bool:
+    if device is not None and device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())  # what `.to("cuda")` moves to
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if device is not None and tensor.device != device:
+            return False
+        if dtype is not None and (tensor.is_floating_point() or tensor.is_complex()) and tensor.dtype != dtype:
+            return False
+    return True
+
+
+def refuse_apply(*args: Any, **kwargs: Any) -> None:
+    """Set as `_apply` on every module that owns or contains an offloaded parameter: `model.to()`, `.half()`,
+    `.cuda()`, `.float()` ... all go through `nn.Module._apply`, which would swap the parameters' slot tensors (or
+    mapped views) for converted copies that no copy ever refreshes. It refuses before anything is converted."""
+    raise RuntimeError(
+        "This model is dispatched by hf_prefetch: .to(), .cuda(), .cpu(), .half(), .float() and other conversions "
+        "would detach the offloaded weights from their buffer slots or host memory. Call "
+        "hf_prefetch.remove_offload(model) first (remove_offload(model, device='cpu') if it does not fit on the GPU), "
+        "convert, then dispatch again."
+    )
+
+
+# Also set as `__deepcopy__` and `__reduce_ex__` on every module that owns or contains an offloaded parameter (both are
+# looked up on the instance), so that copying a part of a dispatched model (`model.model`, a streamed layer) refuses
+# too: its copy would hold the slots' current contents and hooks that copy into buffers it no longer points at.
+def refuse_deepcopy(memo: Any) -> Any:
+    raise TypeError(
+        "copy.deepcopy of a model dispatched by hf_prefetch, or of a module of it that holds offloaded parameters, is "
+        "not supported: its streamed parameters share buffer slots and host storage with the original. Call "
+        "hf_prefetch.remove_offload(model) (or remove_offload(model, device='cpu')) first, copy, then dispatch each "
+        "model."
+    )
+
+
+def refuse_pickle(protocol: Any) -> Any:
+    raise TypeError(
+        "A model dispatched by hf_prefetch, or a module of it that holds offloaded parameters, cannot be pickled or "
+        "copied (torch.save(model), pickle.dumps(model), copy.copy, multiprocessing): its streamed parameters point "
+        "at buffer slots shared between layers. Save the weights with model.save_pretrained(folder) or "
+        "torch.save(model.state_dict(), path) (both read host storage), or call "
+        "hf_prefetch.remove_offload(model, device='cpu') first."
+    )
+
+
+def refuse_assign(
+    streamed_names: list[str], module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, *args: Any
+) -> None:
+    """`load_state_dict` pre-hook on every module that contains a streamed parameter: `assign=True` would swap the
+    parameter out of its slot, so it fails on entry, before torch has assigned anything."""
+    if not local_metadata.get("assign_to_params_buffers", False):
+        return
+    for name in streamed_names:
+        if prefix + name in state_dict:
+            raise RuntimeError(
+                f"load_state_dict(..., assign=True) would replace the streamed parameter {prefix}{name} by the state "
+                "dict's tensor and detach it from its buffer slot. Load in place (assign=False) or use "
+                "hf_prefetch.reload_weights(model, state_dict); to assign, call hf_prefetch.remove_offload(model) "
+                "first and dispatch again."
+            )
