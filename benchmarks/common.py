@@ -10,7 +10,7 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_prefetch.link import LINK_BYTES, LINK_REPEATS, measure_link_gbps
+from hf_prefetch.planning.link_speed import LINK_BYTES, LINK_REPEATS, measure_link_gbps
 
 LLAMA_8B = dict(
     hidden_size=4096,
@@ -62,7 +62,7 @@ def build_model(
 
 def h2d_peak_gbps(nbytes: int = LINK_BYTES, repeats: int = LINK_REPEATS) -> float:
     """Pinned host -> device link speed of the current CUDA device in GB/s, measured now: the library's definition
-    (`hf_prefetch.link.measure_link_gbps`, the fastest of `repeats` copies of `nbytes` after two warm-up copies),
+    (`hf_prefetch.planning.link_speed.measure_link_gbps`, the fastest of `repeats` copies of `nbytes` after two warm-up copies),
     uncached, so that a benchmark can measure it next to each run it bounds."""
     device = torch.device("cuda", torch.cuda.current_device())
     return measure_link_gbps(device, nbytes, repeats, cached=False)

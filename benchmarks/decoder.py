@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import device_seconds  # noqa: E402
 
-from hf_prefetch import codec  # noqa: E402
+from hf_prefetch.formats import lossless as codec  # noqa: E402
 
 SHAPES = {"q_proj": (4096, 4096), "k_proj": (1024, 4096), "gate_proj": (14336, 4096), "down_proj": (4096, 14336)}
 

@@ -113,7 +113,7 @@ def main() -> None:
     args = parser.parse_args()
     from diffusers.hooks import apply_group_offloading
 
-    from hf_prefetch.schedule import forward_seconds
+    from hf_prefetch.planning.schedule import forward_seconds
 
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     model = build(FLUX_DEV)

@@ -115,7 +115,7 @@ def evict(folder: Path) -> str:
 
 
 def cached_gb(folder: Path) -> float:
-    from hf_prefetch.diskio import cached_fraction
+    from hf_prefetch.host.diskio import cached_fraction
 
     return sum((cached_fraction(f) or 0.0) * f.stat().st_size for f in folder.glob("*.safetensors")) / 1e9
 
@@ -140,7 +140,7 @@ def gpu_budget_bytes(folder: Path) -> int:
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(folder))
-    return hf_prefetch.planner.make_plan(model, hf_prefetch.PrefetchConfig(**PREFETCH)).device_bytes
+    return hf_prefetch.planning.selection.make_plan(model, hf_prefetch.PrefetchConfig(**PREFETCH)).device_bytes
 
 
 def run_system(system: str, folder: Path, budget_gib: int) -> dict:
@@ -159,12 +159,12 @@ def run_system(system: str, folder: Path, budget_gib: int) -> dict:
         print(f"{system}: hf_prefetch from {os.path.dirname(hf_prefetch.__file__)}", file=sys.stderr)
 
         direct_io = {"hf_prefetch": None, "hf_prefetch direct": True, "hf_prefetch cached": False}.get(system)
-        from hf_prefetch import reader
+        from hf_prefetch.loading import reader
 
-        if system == "hf_prefetch mapped reads" or system.endswith("MiB spans"):  # as before session 21
-            from hf_prefetch import loader
+        if system == "hf_prefetch mapped reads" or system.endswith("MiB spans"):  # reads mapped page-cache pages
+            from hf_prefetch.loading import filling
 
-            loader._MAPPED_READS = True
+            filling._MAPPED_READS = True
         if system.endswith("MiB spans"):  # "hf_prefetch 32MiB spans": mapped reads' spans of that size
             reader._SPAN_BYTES = int(system.split()[1].removesuffix("MiB")) * 2**20
         if system.endswith(" readers"):  # "hf_prefetch 8 readers": that many reader threads
@@ -172,7 +172,7 @@ def run_system(system: str, folder: Path, budget_gib: int) -> dict:
         if system == "hf_prefetch device first":  # the device's reads submitted before the host's, not interleaved
             reader._interleave = lambda lists: [*lists[1], *lists[2], *lists[0]]
         if system == "hf_prefetch late warm-up":  # the warm-up thread started after the plan, as before session 16
-            from hf_prefetch import loader, warmup
+            from hf_prefetch.loading import loader, warmup
 
             class Late(warmup.Warmup):
                 def __init__(self, device):

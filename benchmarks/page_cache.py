@@ -33,8 +33,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import pread_files  # noqa: E402
 
-from hf_prefetch.checkpoint import Checkpoint  # noqa: E402
-from hf_prefetch.reader import TensorReader  # noqa: E402
+from hf_prefetch.loading.checkpoint import Checkpoint  # noqa: E402
+from hf_prefetch.loading.reader import TensorReader  # noqa: E402
 
 TENSOR_BYTES = 256 * 2**20
 READ_ONLY = 8  # cudaHostRegisterReadOnly

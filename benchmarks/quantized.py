@@ -207,7 +207,7 @@ def _to_compressed_tensors_w4a16(model) -> None:
         apply_quantization_config,
     )
 
-    from hf_prefetch import packed_forward
+    from hf_prefetch.formats import compressed_tensors as packed_forward
 
     weights = QuantizationArgs(num_bits=4, type="int", symmetric=True, strategy="group", group_size=128)
     scheme = QuantizationScheme(targets=["re:model.layers.*_proj"], weights=weights)

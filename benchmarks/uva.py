@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from common import build_model, decode_seconds_per_token, h2d_peak_gbps, prefill_seconds, save_results  # noqa: E402
 
 import hf_prefetch  # noqa: E402
-from hf_prefetch.host import HostArena  # noqa: E402
+from hf_prefetch.host.arena import HostArena  # noqa: E402
 
 RESIDENT = "all on GPU"
 PREFETCH = "hf_prefetch prefetch, every 2nd layer (2/1/2)"
@@ -102,7 +102,7 @@ def main() -> None:
         f"pinned H2D copy peak (1 GiB): {peak:.1f} GB/s; zero-copy read of pinned memory by a kernel: {read_peak:.1f}"
     )
     model = build_model(num_layers)
-    prefetch_plan = hf_prefetch.planner.make_plan(model, hf_prefetch.PrefetchConfig(**HALF))
+    prefetch_plan = hf_prefetch.planning.selection.make_plan(model, hf_prefetch.PrefetchConfig(**HALF))
     uva_gb = prefetch_plan.offloaded_bytes / 2**30  # the bytes the half-streamed row keeps on the host
     ids = torch.randint(3, 1000, (1, 16), device="cuda")
 

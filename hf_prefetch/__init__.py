@@ -7,16 +7,16 @@ it; `stats`, `reload_weights` and `sync_from_device`
 work on a dispatched model. Importing this package initialises neither CUDA nor `torch._dynamo`.
 """
 
-from .config import PrefetchConfig
+from .config import OffloadConfig, PrefetchConfig, UVAConfig
 from .dispatch import dispatch_model, remove_offload
-from .layers import find_layer_lists
-from .loader import from_pretrained, load_checkpoint_and_dispatch
-from .offload_config import OffloadConfig, UVAConfig
-from .placements import OffloadPlan, Placement, Source
+from .layer_times import time_layers
+from .lifecycle.state import get_state
+from .loading.loader import from_pretrained, load_checkpoint_and_dispatch
+from .loading.reload import reload_weights, sync_from_device
+from .planning.layers import find_layer_lists
+from .planning.offload_plan import OffloadPlan
+from .planning.placements import Placement, Source
 from .preview import plan
-from .reload import reload_weights, sync_from_device
-from .schedule import time_layers
-from .state import get_state
 from .stats import TransferStats, reset_stats, stats
 
 __all__ = [

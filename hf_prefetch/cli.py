@@ -252,8 +252,8 @@ def _bound_seconds(model) -> tuple[float | None, str]:
     """The transfer bound of one decode token (None on the CPU) and a sentence about the link."""
     import torch
 
-    from hf_prefetch import get_state
-    from hf_prefetch.link import measure_link_gbps
+    from . import get_state
+    from .planning.link_speed import measure_link_gbps
 
     state = get_state(model)
     device = state.device

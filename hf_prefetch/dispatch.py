@@ -1,7 +1,7 @@
 """The verbs: `dispatch_model` plans and executes a dispatch on a built model, `remove_offload` undoes it.
 
 Plan, then execute: the plan says where every parameter goes (`placements.py`); `attach` builds the buffer pool, the
-engine and the hooks for it, making every change to the model through the state's journal (`changes.py`), which
+engine and the hooks for it, making every change to the model through the state's journal (`lifecycle/journal.py`), which
 removal, re-dispatch, failure and the collection of a deleted model replay. The loader fills host storage from the
 checkpoint instead of from the parameters, then calls the same `attach`.
 """
@@ -15,36 +15,21 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import host_memory
-from .attach import (
-    attach,
-    begin,
-    detach,
-    finish_interrupted,
-    forwards_held,
-    host_layout,
-    keep_int8_scales,
-    rollback,
-)
-from .budget import choose_plan
-from .compressed import compress_arena
-from .config import PrefetchConfig
-from .host import HostArena
-from .layers import get_part
-from .links import resolve_links
-from .memory_budget import MaxMemory, device_argument, parse_max_memory
-from .offload_config import OffloadConfig, UVAConfig, resolve_offload
-from .placements import INNER_SEP, ParamSpec
-from .planner import make_uva_plan
-from .state import (
-    Lifecycle,
-    OffloadedParam,
-    OffloadState,
-    exclusive,
-    refuse_other_offload,
-    refuse_unknown_keywords,
-    resolve_device,
-)
+from .config import OffloadConfig, PrefetchConfig, UVAConfig, resolve_offload
+from .formats.parts import get_part
+from .host import limits
+from .host.arena import HostArena
+from .host.offloaded import OffloadedParam
+from .lifecycle.attach import attach, begin, forwards_held, host_layout, keep_int8_scales
+from .lifecycle.checks import refuse_other_offload, refuse_unknown_keywords, resolve_device
+from .lifecycle.compressed_storage import compress_arena
+from .lifecycle.detach import detach, finish_interrupted, rollback
+from .lifecycle.state import Lifecycle, OffloadState, exclusive
+from .planning.choose import choose_plan
+from .planning.links import resolve_links
+from .planning.memory import MaxMemory, device_argument, parse_max_memory
+from .planning.placements import INNER_SEP, ParamSpec
+from .planning.selection import make_uva_plan
 
 __all__ = ["dispatch_model", "remove_offload"]
 
@@ -81,7 +66,7 @@ def dispatch_model(
             layer list, and the pinned bytes fit `"cpu"`. `"auto"` (or a GPU entry `"auto"`) is the device's free
             memory. Replaces the config's `group_size` and `num_in_group`. `hf_prefetch.plan` shows the plan first.
         reserve_bytes (`int` or `str`, *optional*): Device memory kept free for activations and the KV cache with
-            `max_memory`; defaults to 1 GiB (`hf_prefetch.memory_budget.DEFAULT_RESERVE_BYTES`).
+            `max_memory`; defaults to 1 GiB (`hf_prefetch.planning.memory.DEFAULT_RESERVE_BYTES`).
         links (`"all"` or list of GPUs, *optional*): GPUs whose host-to-device links carry a share of every streamed
             layer: each copies its share from pinned host memory into a staging buffer of its own and on over the
             peer link (NVLink) into the slot, so a forward streams at the links' combined speed. May name the
@@ -213,7 +198,7 @@ def _check_replacement_arena(model: nn.Module, state, layout) -> None:
     )
     nbytes = HostArena.bytes_for([spec.nbytes for _, spec in layout])
     if nbytes > 0:
-        host_memory.check_host_memory(nbytes, host_memory.host_limits(), freed_bytes=state.arena.nbytes + on_host)
+        limits.check_host_memory(nbytes, limits.host_limits(), freed_bytes=state.arena.nbytes + on_host)
 
 
 def remove_offload(model: nn.Module, device: str | int | torch.device | None = None) -> nn.Module:

@@ -15,17 +15,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import skeleton
-from .budget import choose_plan
-from .checkpoint import Checkpoint
-from .config import PrefetchConfig
-from .link import measure_link_gbps
-from .links import resolve_links
-from .memory_budget import device_argument, parse_max_memory
-from .offload_config import OffloadConfig, UVAConfig, resolve_offload
-from .placements import OffloadPlan
-from .planner import make_uva_plan
-from .state import refuse_unknown_keywords, resolve_device
+from .config import OffloadConfig, PrefetchConfig, UVAConfig, resolve_offload
+from .lifecycle.checks import refuse_unknown_keywords, resolve_device
+from .loading import skeleton
+from .loading.checkpoint import Checkpoint
+from .planning.choose import choose_plan
+from .planning.link_speed import measure_link_gbps
+from .planning.links import resolve_links
+from .planning.memory import device_argument, parse_max_memory
+from .planning.offload_plan import OffloadPlan
+from .planning.selection import make_uva_plan
 
 __all__ = ["plan"]
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from .state import get_state
+from .lifecycle.state import get_state
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

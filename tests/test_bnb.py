@@ -152,7 +152,7 @@ def test_load_state_dict_writes_host_storage_and_the_next_forward_reads_it(check
 
 def _dispatch_interrupted_after(model, monkeypatch, fail_at: str) -> None:
     # A dispatch onto the CPU that a KeyboardInterrupt stops right after attach's step `fail_at` returned.
-    from hf_prefetch import attach
+    from hf_prefetch.lifecycle import attach
 
     original = getattr(attach, fail_at)
 
@@ -236,7 +236,7 @@ def test_a_4bit_layers_bias_stays_resident_and_edits_to_it_are_kept(tmp_path):
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_weights_repacked_for_the_cpu_kernels_are_refused_for_a_gpu(checkpoint):
-    from hf_prefetch.bnb import check_layout
+    from hf_prefetch.formats.bnb import check_layout
 
     model = _load(checkpoint)
     check_layout(model, torch.device("cuda"))  # as loaded: bitsandbytes' portable layout
@@ -377,7 +377,7 @@ def test_a_dispatched_8bit_layer_refuses_new_values_in_its_matmul_state(checkpoi
 def test_the_checks_for_a_gpu_pass_8bit_layers_by(checkpoint):
     # What a dispatch onto a GPU and a removal onto one ask of a model, asked on the CPU: 8-bit layers have no CPU
     # layout (only 4-bit ones are repacked for bitsandbytes' CPU kernels), so they pass and stay as they are.
-    from hf_prefetch import bnb
+    from hf_prefetch.formats import bnb
 
     model, untouched = _load_8bit(checkpoint), _load_8bit(checkpoint)
     bnb.check_layout(model, torch.device("cuda"))

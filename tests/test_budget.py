@@ -14,11 +14,18 @@ from models import prompt, tiny_llama
 from zoo import ARCHS_BY_NAME
 
 import hf_prefetch
-from hf_prefetch import PrefetchConfig, memory_budget
-from hf_prefetch.budget import plan_for_budget, spread
-from hf_prefetch.memory_budget import DEFAULT_RESERVE_BYTES, MaxMemory, MemoryBudget, parse_max_memory, resolve_budget
-from hf_prefetch.planner import make_plan
-from hf_prefetch.render import format_bytes
+from hf_prefetch import PrefetchConfig
+from hf_prefetch.planning import memory as memory_budget
+from hf_prefetch.planning.budget import plan_for_budget, spread
+from hf_prefetch.planning.memory import (
+    DEFAULT_RESERVE_BYTES,
+    MaxMemory,
+    MemoryBudget,
+    parse_max_memory,
+    resolve_budget,
+)
+from hf_prefetch.planning.offload_plan import format_bytes
+from hf_prefetch.planning.selection import make_plan
 
 GiB, MiB = 2**30, 2**20
 RESERVE = 10_000  # bytes kept free in the tests' budgets: the tiny models' layers take 147,968 bytes each

@@ -15,7 +15,8 @@ import torch
 from accelerate.hooks import ModelHook, add_hook_to_module
 from torch import nn
 
-from hf_prefetch.changes import Journal, Phase, deferred_interrupts
+from hf_prefetch.interrupts import deferred_interrupts
+from hf_prefetch.lifecycle.journal import Journal, Phase
 
 
 class Net(nn.Module):

@@ -13,9 +13,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
-from hf_prefetch import reader as reader_module
-from hf_prefetch.checkpoint import Checkpoint
-from hf_prefetch.reader import TensorReader
+from hf_prefetch.loading import reader as reader_module
+from hf_prefetch.loading.checkpoint import Checkpoint
+from hf_prefetch.loading.reader import TensorReader
 
 
 def write_raw(path, header, data: bytes = b"", header_bytes: int | None = None) -> None:

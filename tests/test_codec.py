@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from hf_prefetch import codec
-from hf_prefetch.codec import Layout, TooManyEscapes, decode, encode, escapes, layout_of
+from hf_prefetch.formats import lossless as codec
+from hf_prefetch.formats.lossless import Layout, TooManyEscapes, decode, encode, escapes, layout_of
 
 
 def _roundtrip(tensor: torch.Tensor, layout: Layout | None = None, device: str = "cpu") -> Layout:

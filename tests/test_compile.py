@@ -412,6 +412,6 @@ def test_a_graph_captured_from_mapped_host_storage_refuses_to_make_it_private_on
     ],
 )
 def test_a_captured_copy_needs_a_dense_layout(make, dense):
-    from hf_prefetch.driver import is_dense
+    from hf_prefetch.runtime.graph_copies import is_dense
 
     assert is_dense(make()) is dense

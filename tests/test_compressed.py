@@ -8,9 +8,9 @@ import torch
 from transformers import LlamaForCausalLM
 
 import hf_prefetch
-from hf_prefetch import codec
-from hf_prefetch.compressed import host_value
-from hf_prefetch.host import padded_bytes
+from hf_prefetch.formats import lossless as codec
+from hf_prefetch.host.arena import padded_bytes
+from hf_prefetch.host.offloaded import host_value
 from tests.models import generate_with_logits, prompt, tiny_llama
 
 CONFIG = dict(group_size=2, num_in_group=1, prefetch_step=2, compress=True)

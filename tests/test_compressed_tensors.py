@@ -256,7 +256,7 @@ def test_from_pretrained_streams_packed_integer_bytes_and_decompresses_them_as_t
 ):
     # transformers decompresses a pack-quantized model once, at its first forward; hf_prefetch keeps it packed (a
     # quarter or half of bf16's bytes) and runs compressed-tensors' decompression at every forward: bitwise the same.
-    from hf_prefetch.packed_forward import decompresses
+    from hf_prefetch.formats.compressed_tensors import decompresses
 
     folder = packed_checkpoint(tmp_path, bits, strategy, symmetric)
     reference = AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -289,7 +289,7 @@ def test_from_pretrained_streams_packed_integer_bytes_and_decompresses_them_as_t
 def test_from_pretrained_of_a_packed_mixture_of_experts_checkpoint_equals_transformers(tmp_path, family):
     # transformers' quantizer decompresses the experts while merging them (its DecompressExperts conversion, fed the
     # packed int32 words as stored); the attention linears stay packed and decompress at every forward.
-    from hf_prefetch.packed_forward import decompresses
+    from hf_prefetch.formats.compressed_tensors import decompresses
 
     folder = packed_moe_checkpoint(tmp_path, family)
     want = generate_with_logits(AutoModelForCausalLM.from_pretrained(folder).eval(), _ids())
@@ -445,7 +445,7 @@ def test_on_cuda_the_fused_4bit_decompression_equals_compressed_tensors_bit_for_
     from compressed_tensors.compressors import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
-    from hf_prefetch import packed_forward
+    from hf_prefetch.formats import compressed_tensors as packed_forward
 
     rows, columns = 96, 4 * group
     generator = torch.Generator().manual_seed(group)
@@ -483,25 +483,25 @@ def _streams_on_cuda_as(folder, reference) -> None:
 
 
 def test_a_gpu_without_fp8_matmuls_is_refused_before_anything_is_read(tmp_path, monkeypatch):
-    from hf_prefetch import loader
-    from hf_prefetch.checkpoint import Checkpoint
-    from hf_prefetch.skeleton import build_skeleton
+    from hf_prefetch.loading import loader
+    from hf_prefetch.loading.checkpoint import Checkpoint
+    from hf_prefetch.loading.skeleton import build_skeleton
 
     folder = fp8_checkpoint(tmp_path)
     with Checkpoint.open(folder) as checkpoint:
         model, _ = build_skeleton(folder, checkpoint, None, None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     with pytest.raises(ValueError, match=r"cuda:0 has compute capability 8\.0; the FP8 matmuls .* need 8\.9"):
-        loader._check_fp8_matmuls(model, torch.device("cuda", 0))
+        loader.check_fp8_matmuls(model, torch.device("cuda", 0))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    loader._check_fp8_matmuls(model, torch.device("cuda", 0))
-    loader._check_fp8_matmuls(model, torch.device("cpu"))
+    loader.check_fp8_matmuls(model, torch.device("cuda", 0))
+    loader.check_fp8_matmuls(model, torch.device("cpu"))
     # Packed integer weights need no FP8 matmul.
     folder = packed_checkpoint(tmp_path / "packed")
     with Checkpoint.open(folder) as checkpoint:
         model, _ = build_skeleton(folder, checkpoint, None, None)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    loader._check_fp8_matmuls(model, torch.device("cuda", 0))
+    loader.check_fp8_matmuls(model, torch.device("cuda", 0))
 
 
 def test_reload_weights_from_another_fp8_checkpoint_writes_its_bytes_and_scales(tmp_path, fp8_everywhere):

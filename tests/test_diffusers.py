@@ -352,7 +352,7 @@ def test_remove_offload_refuses_weights_another_offload_took_and_undoes_nothing(
     with pytest.raises(ValueError, match=r"is on the meta device: another offloading mechanism .*Nothing was undone"):
         hf_prefetch.remove_offload(pipe.transformer)
     state = hf_prefetch.get_state(pipe.transformer)
-    assert state is not None and state.lifecycle is hf_prefetch.state.Lifecycle.ATTACHED
+    assert state is not None and state.lifecycle is hf_prefetch.lifecycle.state.Lifecycle.ATTACHED
 
 
 def test_layerwise_casting_is_refused_before_anything_changes():

@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from hf_prefetch import diskio
-from hf_prefetch.diskio import (
-    DIRECT_ALIGN_BYTES,
+from hf_prefetch.alignment import DIRECT_IO_ALIGN_BYTES
+from hf_prefetch.host import diskio
+from hf_prefetch.host.diskio import (
     FileMapping,
     SharedMappings,
     aligned_buffer,
@@ -39,7 +39,7 @@ def test_plan_windows(ranges, window, expected):
     windows = plan_windows(ranges, window)
     assert [(w.path, w.start, w.stop, list(w.pieces)) for w in windows] == expected
     for w in windows:
-        assert w.start % DIRECT_ALIGN_BYTES == 0 and w.stop % DIRECT_ALIGN_BYTES == 0
+        assert w.start % DIRECT_IO_ALIGN_BYTES == 0 and w.stop % DIRECT_IO_ALIGN_BYTES == 0
         assert w.stop - w.start <= window
 
 
@@ -76,7 +76,7 @@ def test_direct_reads_into_an_aligned_buffer(tmp_path):
     path = tmp_path / "f.bin"
     path.write_bytes(data)
     buffer = aligned_buffer(8 * 4096)
-    assert buffer.ctypes.data % DIRECT_ALIGN_BYTES == 0 and buffer.nbytes == 8 * 4096
+    assert buffer.ctypes.data % DIRECT_IO_ALIGN_BYTES == 0 and buffer.nbytes == 8 * 4096
     fd = open_direct(path)
     if fd is None:
         pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT")

@@ -335,7 +335,7 @@ def test_failure_during_execution_rolls_back(reference, monkeypatch):
     def broken_hook(*args, **kwargs):
         raise RuntimeError("hook failed")
 
-    monkeypatch.setattr("hf_prefetch.changes.add_hook_to_module", broken_hook)
+    monkeypatch.setattr("hf_prefetch.lifecycle.journal.add_hook_to_module", broken_hook)
     with pytest.raises(RuntimeError, match="hook failed"):
         hf_prefetch.dispatch_model(model, device="cpu")
     monkeypatch.undo()

@@ -12,9 +12,9 @@ import time
 import pytest
 import torch
 
-from hf_prefetch.engine import PrefetchEngine
-from hf_prefetch.pool import BufferPool
-from hf_prefetch.ring import LayerCounters, LayerTransfer, RingTransfers
+from hf_prefetch.runtime.engine import PrefetchEngine
+from hf_prefetch.runtime.pool import BufferPool
+from hf_prefetch.runtime.ring import LayerCounters, LayerTransfer, RingTransfers
 
 CPU = torch.device("cpu")
 # Three parameters per layer: two dtypes, one transposed (non-contiguous) layout.

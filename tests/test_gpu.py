@@ -9,8 +9,8 @@ from models import gpu_llama
 from transformers import LlamaForCausalLM
 
 import hf_prefetch
-from hf_prefetch.host import _clear_last_cuda_error
-from hf_prefetch.links import STAGES
+from hf_prefetch.host.arena import _clear_last_cuda_error
+from hf_prefetch.planning.links import STAGES
 
 pytestmark = pytest.mark.gpu
 
@@ -152,7 +152,7 @@ def test_interrupted_forward_on_cuda(gpu_reference):
 
 
 def test_arena_of_a_dropped_model_is_unregistered():
-    from hf_prefetch.host import HostArena
+    from hf_prefetch.host.arena import HostArena
 
     for _ in range(3):  # small arenas: freed memory is reused by the next one at once
         arena = HostArena([70_000, 4_000])
@@ -208,7 +208,7 @@ def test_uva_200_decode_steps_bitwise_equal_on_cuda(gpu_reference, cpu_offload_p
 
 
 def test_uva_parameters_alias_pinned_host_memory_on_cuda(gpu_reference):
-    from hf_prefetch.host import _device_pointer
+    from hf_prefetch.host.arena import _device_pointer
 
     model = gpu_reference[0]
     torch.cuda.synchronize()
@@ -249,7 +249,7 @@ def test_uva_parameters_alias_pinned_host_memory_on_cuda(gpu_reference):
 def test_uva_remove_offload_restores_device_tensors_on_cuda(gpu_reference):
     import gc
 
-    from hf_prefetch.host import pinned_bytes
+    from hf_prefetch.host.arena import pinned_bytes
 
     model, _, long_ids, _, prefill = gpu_reference
     pinned_before = pinned_bytes()
@@ -312,7 +312,7 @@ def test_replace_switches_between_backends_on_cuda(gpu_reference):
 def test_remove_offload_and_redispatch_return_device_and_pinned_memory_on_cuda(gpu_reference):
     import gc
 
-    from hf_prefetch.host import pinned_bytes
+    from hf_prefetch.host.arena import pinned_bytes
 
     model, ids, _, expected, _ = gpu_reference
 
@@ -396,7 +396,7 @@ def test_timing_after_load_state_dict_on_cuda(gpu_reference):
 
 
 def test_a_replacement_the_container_cannot_hold_keeps_the_current_dispatch(gpu_reference, tmp_path, monkeypatch):
-    from hf_prefetch import host_memory
+    from hf_prefetch.host import limits as host_memory
 
     model, _, long_ids, _, prefill = gpu_reference
     hf_prefetch.dispatch_model(
@@ -467,7 +467,7 @@ def test_shared_links_after_an_interrupted_forward_and_with_timing_on_two_gpus(g
 
 @two_gpus
 def test_pipeline_placement_200_decode_steps_bitwise_equal_on_two_gpus(gpu_reference):
-    from hf_prefetch.layers import model_bytes
+    from hf_prefetch.planning.layers import model_bytes
 
     model, ids, long_ids, expected, prefill = gpu_reference
     layer = model_bytes(model.model.layers[0])
@@ -500,7 +500,7 @@ def test_pipeline_placement_200_decode_steps_bitwise_equal_on_two_gpus(gpu_refer
 
 @two_gpus
 def test_pipeline_placement_from_a_checkpoint_on_two_gpus(gpu_reference, tmp_path):
-    from hf_prefetch.layers import model_bytes
+    from hf_prefetch.planning.layers import model_bytes
 
     model, _, long_ids, _, _ = gpu_reference
     model.save_pretrained(tmp_path)

@@ -22,8 +22,8 @@ from models import prompt, tiny_llama
 
 import hf_prefetch
 from hf_prefetch import PrefetchConfig, UVAConfig
-from hf_prefetch.host import pinned_bytes
-from hf_prefetch.state import Lifecycle
+from hf_prefetch.host.arena import pinned_bytes
+from hf_prefetch.lifecycle.state import Lifecycle
 
 # 6 layers: layers 1, 3, 5 stream through 2 slots (5 takes 1's slot each forward, 3 holds its own).
 SHARED = PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2)
@@ -323,7 +323,7 @@ class Interrupts:
     def __init__(self, monkeypatch) -> None:
         self.deferring = 0
         self.pending = False
-        original = sys.modules["hf_prefetch.changes"].deferred_interrupts
+        original = sys.modules["hf_prefetch.lifecycle.journal"].deferred_interrupts
         for name, module in list(sys.modules.items()):
             if name.startswith("hf_prefetch") and getattr(module, "deferred_interrupts", None) is original:
                 monkeypatch.setattr(module, "deferred_interrupts", self._deferred)
@@ -594,7 +594,7 @@ def test_a_deleted_half_done_model_is_freed_by_reference_counting(six, monkeypat
     # hooked layers (each a reference cycle until its hook is removed) and host storage that nobody released.
     model, ids, _ = six
     model = copy.deepcopy(model)
-    attach_prefetch = hf_prefetch.attach._attach_prefetch
+    attach_prefetch = hf_prefetch.lifecycle.attach._attach_prefetch
 
     def interrupted(*args):
         attach_prefetch(*args)
@@ -603,7 +603,7 @@ def test_a_deleted_half_done_model_is_freed_by_reference_counting(six, monkeypat
     def interrupted_rollback(*args):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(hf_prefetch.attach, "_attach_prefetch", interrupted)
+    monkeypatch.setattr(hf_prefetch.lifecycle.attach, "_attach_prefetch", interrupted)
     monkeypatch.setattr(hf_prefetch.dispatch, "rollback", interrupted_rollback)
     with pytest.raises(KeyboardInterrupt):
         _dispatched(model)

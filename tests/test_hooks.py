@@ -14,8 +14,8 @@ from accelerate.hooks import add_hook_to_module, remove_hook_from_module
 from torch import nn
 
 import hf_prefetch
-from hf_prefetch import changes
-from hf_prefetch.hooks import PrefetchHook
+from hf_prefetch.lifecycle import journal as changes
+from hf_prefetch.runtime.hooks import PrefetchHook
 
 # Streams layers 1, 3, 5, 7 through two slots: slot 0 takes turns between 1 and 5, slot 1 between 3 and 7.
 EVERY_SECOND = dict(group_size=2, num_in_group=1, prefetch_step=2)

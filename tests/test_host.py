@@ -10,8 +10,9 @@ import torch
 from models import prompt, tiny_llama
 
 import hf_prefetch
-from hf_prefetch import host, host_memory
-from hf_prefetch.host import HostArena, pinned_bytes
+from hf_prefetch.host import arena as host
+from hf_prefetch.host import limits as host_memory
+from hf_prefetch.host.arena import HostArena, pinned_bytes
 
 
 class FakeCudart:

@@ -24,8 +24,8 @@ from transformers import (
 )
 from transformers.core_model_loading import WeightConverter
 
-from hf_prefetch.checkpoint import Checkpoint
-from hf_prefetch.keymap import filled_names, map_keys, region_view
+from hf_prefetch.loading.checkpoint import Checkpoint
+from hf_prefetch.loading.keymap import filled_names, map_keys, region_view
 
 ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 CONFIGS = {
@@ -250,7 +250,7 @@ def test_a_built_buffer_missing_from_the_checkpoint_keeps_its_value(tmp_path, ca
     def drop(state):
         del state["scale"]
 
-    with caplog.at_level(logging.INFO, logger="hf_prefetch.keymap"):
+    with caplog.at_level(logging.INFO, logger="hf_prefetch.loading.keymap"):
         keymap = map_keys(meta_tiny(), tiny_checkpoint(tmp_path, drop))
     assert "scale" not in filled_names(keymap)
     assert "keeping the values the model computed: ['scale']" in caplog.text

@@ -8,8 +8,8 @@ import torch
 from models import tiny_llama
 from torch import nn
 
-from hf_prefetch.layers import candidate_layers, find_layer_lists, model_bytes, resolve_layer_lists
-from hf_prefetch.placements import Placement
+from hf_prefetch.planning.layers import candidate_layers, find_layer_lists, model_bytes, resolve_layer_lists
+from hf_prefetch.planning.placements import Placement
 
 
 class Block(nn.Module):

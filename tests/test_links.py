@@ -10,13 +10,15 @@ from models import tiny_llama
 from test_engine import copies, misses
 
 import hf_prefetch
-from hf_prefetch.budget import choose_plan
+from hf_prefetch.alignment import LINK_SHARE_ALIGN_BYTES
 from hf_prefetch.config import PrefetchConfig
-from hf_prefetch.engine import PrefetchEngine
-from hf_prefetch.links import ALIGN_BYTES, STAGES, SharedLinks, resolve_links, split_bytes
-from hf_prefetch.memory_budget import parse_max_memory
-from hf_prefetch.pool import BufferPool
-from hf_prefetch.ring import LayerTransfer, RingTransfers
+from hf_prefetch.planning.choose import choose_plan
+from hf_prefetch.planning.links import STAGES, resolve_links, split_bytes
+from hf_prefetch.planning.memory import parse_max_memory
+from hf_prefetch.runtime.engine import PrefetchEngine
+from hf_prefetch.runtime.pool import BufferPool
+from hf_prefetch.runtime.ring import LayerTransfer, RingTransfers
+from hf_prefetch.runtime.shared_links import SharedLinks
 
 CPU = torch.device("cpu")
 
@@ -50,8 +52,8 @@ def test_the_ranges_cover_every_byte_once_in_near_equal_aligned_shares(sizes, nu
             written[begin : begin + dst.numel()] += 1
             share += dst.numel()
         if r > 0 and pieces:  # a range starts at a cut, on an aligned byte
-            assert (pieces[0][0].data_ptr() - out.data_ptr()) % ALIGN_BYTES == 0
-        assert share <= -(-total // num_links) + ALIGN_BYTES  # near-equal shares
+            assert (pieces[0][0].data_ptr() - out.data_ptr()) % LINK_SHARE_ALIGN_BYTES == 0
+        assert share <= -(-total // num_links) + LINK_SHARE_ALIGN_BYTES  # near-equal shares
     assert bool((written == 1).all())  # every byte written exactly once ...
     assert torch.equal(out, torch.cat([src for _, src in pairs]))  # ... with its own value
 
@@ -124,7 +126,7 @@ def test_every_layer_computes_with_its_own_values_through_shared_links(num_layer
     )
     for helper in links.helpers:
         per_copy = helper.copied_bytes / sum(copies(engine))
-        assert contiguous / (1 + helpers) - ALIGN_BYTES <= per_copy <= contiguous / (1 + helpers) + ALIGN_BYTES
+        assert contiguous / (1 + helpers) - LINK_SHARE_ALIGN_BYTES <= per_copy <= contiguous / (1 + helpers) + LINK_SHARE_ALIGN_BYTES
 
 
 def test_a_skipped_layer_is_a_miss_and_loads_its_own_values_with_shared_links():
@@ -227,7 +229,7 @@ def test_the_plan_shows_each_gpus_bytes_and_the_time_over_both_links():
     assert two.links == (0, 1) and two.num_links == 2
     assert (two.resident_bytes, two.pool_bytes) == (one.resident_bytes, one.pool_bytes)
     largest = max(layer.offloaded_bytes for ring in two.rings for layer in ring.streamed)
-    assert STAGES * largest / 2 <= two.staging_bytes <= STAGES * (largest / 2 + 64 * ALIGN_BYTES)
+    assert STAGES * largest / 2 <= two.staging_bytes <= STAGES * (largest / 2 + 64 * LINK_SHARE_ALIGN_BYTES)
     one = one.__class__(**{**one.__dict__, "link_gbps": 50.0})
     two = two.__class__(**{**two.__dict__, "link_gbps": 50.0})
     assert two.transfer_seconds_per_forward == pytest.approx(one.transfer_seconds_per_forward / 2)

@@ -24,9 +24,10 @@ from transformers import (
 )
 
 import hf_prefetch
-from hf_prefetch import attach, loader
-from hf_prefetch import reader as reader_module
-from hf_prefetch.checkpoint import Checkpoint
+from hf_prefetch.lifecycle import attach
+from hf_prefetch.loading import filling, loader
+from hf_prefetch.loading import reader as reader_module
+from hf_prefetch.loading.checkpoint import Checkpoint
 
 ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 CONFIGS = {
@@ -190,7 +191,7 @@ def test_conversion_that_cannot_stream_goes_through_transformers(tmp_path, caplo
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     config.save_pretrained(tmp_path)
 
-    with caplog.at_level(logging.INFO, logger="hf_prefetch.loader"):
+    with caplog.at_level(logging.INFO, logger="hf_prefetch.loading"):
         model = hf_prefetch.from_pretrained(
             tmp_path, hf_prefetch.PrefetchConfig(group_size=2), device="cpu", model_class=FusedQKVLlamaForCausalLM
         )
@@ -223,7 +224,7 @@ def test_cuda_load_matches_transformers(saved, monkeypatch, name, dtype):
 
 
 def test_progress_bar_and_final_log_line(saved, caplog, capsys):
-    with caplog.at_level(logging.INFO, logger="hf_prefetch.loader"):
+    with caplog.at_level(logging.INFO, logger="hf_prefetch.loading"):
         hf_prefetch.from_pretrained(saved("llama-sharded"), device="cpu", progress=True)
     assert "Loading checkpoint" in capsys.readouterr().err
     assert caplog.records[-1].getMessage().endswith("GB/s); pinned host 0.00 GiB, GPU 0.00 GiB")
@@ -239,12 +240,12 @@ def arenas(monkeypatch):
     """Every HostArena the loader allocates."""
     created = []
 
-    class RecordingArena(loader.HostArena):
+    class RecordingArena(filling.HostArena):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             created.append(self)
 
-    monkeypatch.setattr(loader, "HostArena", RecordingArena)
+    monkeypatch.setattr(filling, "HostArena", RecordingArena)
     return created
 
 
@@ -405,7 +406,7 @@ def test_failed_direct_read_releases_everything(saved, monkeypatch, arenas):
         return real_pread(fd, out, position)
 
     monkeypatch.setattr(reader_module, "pread", failing_pread)
-    monkeypatch.setattr(reader_module, "HostArena", loader.HostArena)  # the recording arena: bounce buffers too
+    monkeypatch.setattr(reader_module, "HostArena", filling.HostArena)  # the recording arena: bounce buffers too
     with pytest.raises(OSError, match="Input/output error"):
         hf_prefetch.load_checkpoint_and_dispatch(
             model, folder, device="cpu", offload=hf_prefetch.PrefetchConfig(**PATTERNS["every-second"]), direct_io=True
@@ -482,14 +483,14 @@ def test_the_load_timeline_names_every_phase_in_order(saved):
 
 
 def test_a_background_job_is_joined_whether_or_not_it_started():
-    from hf_prefetch.loader import _Background
+    from hf_prefetch.loading.filling import Background
 
-    _Background(lambda: None).join()  # assigned but not started (an interrupt came between): nothing to wait for
+    Background(lambda: None).join()  # assigned but not started (an interrupt came between): nothing to wait for
 
     def fail():
         raise OSError("page-locking failed")
 
-    job = _Background(fail)
+    job = Background(fail)
     job.start()
     job.join(raise_error=False)
     with pytest.raises(OSError, match="page-locking failed"):
@@ -607,7 +608,7 @@ def test_a_second_interrupt_while_the_warmup_is_joined_still_rolls_back(saved, m
 
     _RecordedWarmup.events = []
     monkeypatch.setattr(loader, "Warmup", Interrupted)
-    monkeypatch.setattr(loader, "_read_all", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt()))
+    monkeypatch.setattr(loader, "read_all", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         hf_prefetch.load_checkpoint_and_dispatch(
             model, folder, device="cpu", offload=hf_prefetch.PrefetchConfig(**PATTERNS["every-second"])

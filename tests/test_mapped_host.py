@@ -17,11 +17,12 @@ from models import prompt
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_prefetch
-from hf_prefetch import host, host_files
-from hf_prefetch.engine import PrefetchEngine
-from hf_prefetch.host import HostArena
-from hf_prefetch.host_files import FilePiece
-from hf_prefetch.state import Lifecycle
+from hf_prefetch.host import arena as host
+from hf_prefetch.host import files as host_files
+from hf_prefetch.host.arena import HostArena
+from hf_prefetch.host.files import FilePiece
+from hf_prefetch.lifecycle.state import Lifecycle
+from hf_prefetch.runtime.engine import PrefetchEngine
 
 CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128)  # fmt: skip
@@ -196,7 +197,7 @@ def test_a_file_system_that_cannot_map_falls_back_to_reads(saved, monkeypatch, c
         raise OSError(19, "mapping refused")
 
     monkeypatch.setattr(host_files._File, "__init__", refuse)
-    with caplog.at_level("INFO", logger="hf_prefetch.loader"):
+    with caplog.at_level("INFO", logger="hf_prefetch.loading"):
         model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
     assert hf_prefetch.get_state(model).arena.file_bytes == 0
     assert "Streamed weights are copied into host memory" in caplog.text
@@ -320,7 +321,7 @@ def test_a_refused_copy_before_graphs_warns_once_and_computes(saved, monkeypatch
     def refuse(nbytes, *args, **kwargs):
         raise ValueError(f"The host arena for offloaded weights needs {nbytes} bytes, but only 0 are left.")
 
-    monkeypatch.setattr(host.host_memory, "check_host_memory", refuse)
+    monkeypatch.setattr(host.limits, "check_host_memory", refuse)
     with pytest.warns(UserWarning, match="stay the checkpoint's pages.*needs 368640 bytes.*map_files=False") as record:
         outs = _compiled_forwards(model, 2)
     assert record[0].filename == __file__  # the caller's line, past hf_prefetch's and torch's frames
@@ -378,7 +379,7 @@ def test_a_shard_whose_data_is_not_aligned_to_its_dtype_is_read_not_mapped(tmp_p
 
 
 def test_a_shard_changed_on_disk_stops_forwards_and_removals_before_anything_changes(saved):
-    from hf_prefetch import attach
+    from hf_prefetch.lifecycle import detach as detaching
 
     folder, reference = saved
     model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
@@ -390,7 +391,7 @@ def test_a_shard_changed_on_disk_stops_forwards_and_removals_before_anything_cha
         lambda: _logits(model),
         lambda: model.model(prompt(vocab=128)),  # the decoder called on its own: gated like the model
         lambda: hf_prefetch.remove_offload(model, "cpu"),
-        lambda: attach.detach(model, state, torch.device("cuda")),  # to a GPU: refused before any move (no GPU here)
+        lambda: detaching.detach(model, state, torch.device("cuda")),  # to a GPU: refused before any move (no GPU here)
     )
     for attempt in attempts:
         with pytest.raises(RuntimeError, match=f"{shard.name} changed on disk since it was loaded"):
@@ -421,14 +422,14 @@ def test_a_removal_to_a_gpu_that_stops_half_way_leaves_no_weight_on_the_file_s_p
     # fault on while it is the file's pages. A private copy where the host's memory allows, else (refused, or a
     # second Ctrl-C during it) the pages mapped copy-on-write. (The move is simulated: this runs without a GPU.)
     # Finished on the CPU instead.
-    from hf_prefetch import attach
+    from hf_prefetch.lifecycle import detach as detaching
 
     folder, reference = saved
     expected, files = _logits(reference), _digest(folder)
     model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
     state = hf_prefetch.get_state(model)
     assert state.arena.file_bytes > 0
-    monkeypatch.setattr(attach, "move_tensors", _out_of_memory)
+    monkeypatch.setattr(detaching, "move_tensors", _out_of_memory)
     if refusal is not None:
 
         def refuse(self):
@@ -437,7 +438,7 @@ def test_a_removal_to_a_gpu_that_stops_half_way_leaves_no_weight_on_the_file_s_p
         monkeypatch.setattr(HostArena, "make_writable", refuse)
     interrupted = isinstance(refusal, KeyboardInterrupt)
     with pytest.raises(KeyboardInterrupt if interrupted else torch.OutOfMemoryError) as raised:
-        attach.detach(model, state, torch.device("cuda"))
+        detaching.detach(model, state, torch.device("cuda"))
     cause = raised.value.__context__ if interrupted else raised.value
     assert isinstance(cause, torch.OutOfMemoryError) and "simulated" in str(cause)
     assert state.lifecycle is Lifecycle.DETACHING and state.arena.file_bytes == 0 and not state.arena.pinned

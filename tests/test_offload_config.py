@@ -8,8 +8,9 @@ import warnings
 
 import pytest
 
-from hf_prefetch import OffloadConfig, PrefetchConfig, UVAConfig, offload_config
-from hf_prefetch.offload_config import resolve_offload
+from hf_prefetch import OffloadConfig, PrefetchConfig, UVAConfig
+from hf_prefetch import config as offload_config
+from hf_prefetch.config import resolve_offload
 
 
 @pytest.fixture(autouse=True)

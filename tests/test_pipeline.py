@@ -10,8 +10,9 @@ import torch
 from models import tiny_llama
 
 import hf_prefetch
-from hf_prefetch.memory_budget import parse_max_memory, resolve_budgets
-from hf_prefetch.pipeline import DeviceEngines, split_layers
+from hf_prefetch.planning.memory import parse_max_memory, resolve_budgets
+from hf_prefetch.planning.pipeline import split_layers
+from hf_prefetch.runtime.devices import DeviceEngines
 
 CPU = torch.device("cpu")
 # The tiny Llama: 8 layers of 144.5 KiB (fp32), 64.3 KiB outside them.
@@ -138,7 +139,7 @@ def test_gpus_are_checked_before_anything_moves(monkeypatch):
 
 
 def test_pipeline_placement_and_shared_links_do_not_combine(monkeypatch):
-    from hf_prefetch.budget import choose_plan
+    from hf_prefetch.planning.choose import choose_plan
 
     with torch.device("meta"):
         model = tiny_llama(num_layers=8)
@@ -151,7 +152,7 @@ def test_pipeline_placement_and_shared_links_do_not_combine(monkeypatch):
 def test_routed_experts_on_a_later_gpu_are_refused_with_the_fix():
     from moe_models import moe_model
 
-    from hf_prefetch.layers import model_bytes
+    from hf_prefetch.planning.layers import model_bytes
 
     model = moe_model("qwen3_moe")
     layer = model_bytes(model.model.layers[0])
@@ -170,7 +171,7 @@ def test_routed_experts_on_a_later_gpu_are_refused_with_the_fix():
 
 
 def test_each_resident_tensor_is_read_onto_its_layers_gpu():
-    from hf_prefetch.pipeline import home_of
+    from hf_prefetch.planning.pipeline import home_of
 
     with torch.device("meta"):
         model = tiny_llama(num_layers=8)
@@ -212,7 +213,7 @@ def test_the_host_budget_holds_for_all_gpus_together():
 def test_offload_params_may_match_nothing_in_one_gpus_run():
     from moe_models import moe_model
 
-    from hf_prefetch.layers import model_bytes
+    from hf_prefetch.planning.layers import model_bytes
 
     model = moe_model("deepseek_v3")  # layer 0 is dense: no experts
     layer = model_bytes(model.model.layers[1])
@@ -234,7 +235,7 @@ def test_offload_params_may_match_nothing_in_one_gpus_run():
 def test_the_expert_cache_of_the_first_gpu_is_kept():
     from moe_models import moe_model
 
-    from hf_prefetch.layers import model_bytes
+    from hf_prefetch.planning.layers import model_bytes
 
     model = moe_model("qwen3_moe")
     layer = model_bytes(model.model.layers[0])
@@ -248,7 +249,7 @@ def test_the_expert_cache_of_the_first_gpu_is_kept():
 def test_routed_max_tokens_0_never_routes_so_a_later_gpu_may_hold_expert_layers():
     from moe_models import moe_model
 
-    from hf_prefetch.layers import model_bytes
+    from hf_prefetch.planning.layers import model_bytes
 
     model = moe_model("qwen3_moe")
     ids = torch.tensor([[5, 6, 7]])

@@ -6,10 +6,10 @@ from models import tiny_llama
 from torch import nn
 
 from hf_prefetch import PrefetchConfig, Source, find_layer_lists
-from hf_prefetch.host import padded_bytes
-from hf_prefetch.layers import segment_matches
-from hf_prefetch.planner import make_plan
-from hf_prefetch.render import format_bytes
+from hf_prefetch.host.arena import padded_bytes
+from hf_prefetch.planning.layers import segment_matches
+from hf_prefetch.planning.offload_plan import format_bytes
+from hf_prefetch.planning.selection import make_plan
 
 
 @pytest.mark.parametrize(

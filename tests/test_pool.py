@@ -9,9 +9,10 @@ import itertools
 import pytest
 import torch
 
-from hf_prefetch.host import ALIGN_BYTES, HostArena, padded_bytes
-from hf_prefetch.pool import BufferPool
-from hf_prefetch.ring import byte_span
+from hf_prefetch.alignment import TENSOR_ALIGN_BYTES
+from hf_prefetch.host.arena import HostArena, padded_bytes
+from hf_prefetch.runtime.pool import BufferPool
+from hf_prefetch.runtime.ring import byte_span
 
 CPU = torch.device("cpu")
 KEYS = [
@@ -124,4 +125,4 @@ def test_layers_laid_out_otherwise_are_copied_tensor_by_tensor():
     assert byte_span(device, [host[0], host[1].clone(), host[2]]) is None  # another storage
     transposed = torch.empty(4, 8).t()  # dense, but not the host's storage
     assert byte_span([device[0], device[1]], [host[0], transposed]) is None
-    assert ALIGN_BYTES == 4096  # what both layouts round to
+    assert TENSOR_ALIGN_BYTES == 4096  # what both layouts round to

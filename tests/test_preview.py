@@ -10,7 +10,7 @@ from models import tiny_llama
 
 import hf_prefetch
 from hf_prefetch import PrefetchConfig
-from hf_prefetch.planner import make_plan
+from hf_prefetch.planning.selection import make_plan
 
 RESERVE = 10_000
 

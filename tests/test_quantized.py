@@ -113,8 +113,8 @@ def test_reloading_fp8_weights_writes_packed_values():
 
 
 def test_a_budget_counts_fp8_layers_by_their_packed_bytes():
-    from hf_prefetch.host import padded_bytes
-    from hf_prefetch.layers import model_bytes
+    from hf_prefetch.host.arena import padded_bytes
+    from hf_prefetch.planning.layers import model_bytes
 
     model = fp8_llama()
     per_layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())

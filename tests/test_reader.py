@@ -5,10 +5,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hf_prefetch import diskio
-from hf_prefetch import reader as reader_module
-from hf_prefetch.checkpoint import Checkpoint
-from hf_prefetch.reader import TensorReader
+from hf_prefetch.host import diskio
+from hf_prefetch.loading import reader as reader_module
+from hf_prefetch.loading.checkpoint import Checkpoint
+from hf_prefetch.loading.reader import TensorReader
 
 
 @pytest.fixture
@@ -93,7 +93,7 @@ def test_a_file_truncated_after_opening_is_an_error_naming_it(shards, monkeypatc
 
 def test_real_direct_io_where_the_file_system_allows_it(shards):
     folder, tensors = shards
-    from hf_prefetch.diskio import open_direct
+    from hf_prefetch.host.diskio import open_direct
 
     fd = open_direct(folder / "one.safetensors")
     if fd is None:

@@ -16,7 +16,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MixtralConfig, Qwen2MoeConfig
 
 import hf_prefetch
-from hf_prefetch import reader as reader_module
+from hf_prefetch.loading import reader as reader_module
 
 ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 CONFIGS = {

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from hf_prefetch import PrefetchConfig, Source
-from hf_prefetch.memory_budget import MemoryBudget
-from hf_prefetch.placements import LayerPlan, OffloadPlan, ParamSpec, Placement, RingPlan
-from hf_prefetch.render import format_bytes, render_html, render_text
+from hf_prefetch.planning.memory import MemoryBudget
+from hf_prefetch.planning.offload_plan import OffloadPlan, format_bytes, render_html, render_text
+from hf_prefetch.planning.placements import LayerPlan, ParamSpec, Placement, RingPlan
 
 KiB, MiB = 2**10, 2**20
 STREAMED = Placement.STREAMED

@@ -11,8 +11,8 @@ import torch
 from models import prompt, tiny_llama
 
 import hf_prefetch
-from hf_prefetch.pool import BufferPool
-from hf_prefetch.ring import CopyEvent, LayerTransfer, RingState, RingTransfers, SlotTable
+from hf_prefetch.runtime.pool import BufferPool
+from hf_prefetch.runtime.ring import CopyEvent, LayerTransfer, RingState, RingTransfers, SlotTable
 
 
 def _ring(num_layers: int, num_slots: int) -> RingTransfers:

@@ -175,7 +175,7 @@ class _ListedExperts(torch.nn.Module):
 
 
 def test_an_unrecognised_experts_layout_streams_whole_with_a_warning_or_is_refused_when_routing_is_required():
-    from hf_prefetch.layers import experts_modules
+    from hf_prefetch.planning.layers import experts_modules
 
     layer = torch.nn.Module()
     layer.mlp = torch.nn.Module()
@@ -524,7 +524,7 @@ def test_a_prefill_ranks_the_cache_and_only_a_clear_winner_takes_a_row():
 
 
 def test_the_re_rank_swaps_an_expert_only_for_one_scored_more_than_twice_as_high():
-    from hf_prefetch.experts import _reranked
+    from hf_prefetch.runtime.experts import _reranked
 
     model = moe_model("qwen3_moe")
     hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=4), device="cpu")
@@ -571,7 +571,7 @@ def test_decode_re_ranks_every_refresh_and_stays_bitwise():
 
 
 def test_a_budget_spends_spare_memory_on_the_expert_cache():
-    from hf_prefetch.placements import expert_row_bytes
+    from hf_prefetch.planning.placements import expert_row_bytes
 
     model = moe_model("qwen3_moe")
     budget = dict(max_memory={0: 1_400_000}, reserve_bytes=0, device="cpu")
@@ -599,7 +599,7 @@ def test_a_budget_spends_spare_memory_on_the_expert_cache():
 )
 def test_a_cached_pick_is_read_from_its_cache_row_and_the_others_from_host_memory(device):
     # Cache rows marked with values no host row has: the slot's rows show where each pick was read from.
-    from hf_prefetch.experts import collect_tallies, gather_looked_up, load_cache
+    from hf_prefetch.runtime.experts import collect_tallies, gather_looked_up, load_cache
 
     model = moe_model("qwen3_moe").to(torch.bfloat16)
     hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=4), device=device)
@@ -627,7 +627,7 @@ def test_a_cached_pick_is_read_from_its_cache_row_and_the_others_from_host_memor
 
 
 def test_an_interrupt_while_the_cache_loads_leaves_no_row_found_for_another_expert():
-    from hf_prefetch.experts import load_cache
+    from hf_prefetch.runtime.experts import load_cache
 
     model = moe_model("qwen3_moe")
     reference = copy.deepcopy(model)
@@ -713,7 +713,7 @@ def test_cache_loads_are_counted_and_a_cache_larger_than_the_experts_is_capped()
     capped = hf_prefetch.plan(model, PrefetchConfig(**ROUTED, expert_cache=1000))
     exact = hf_prefetch.plan(model, PrefetchConfig(**ROUTED, expert_cache=16))
     assert capped.cache_bytes == exact.cache_bytes > 0 and capped.device_bytes == exact.device_bytes
-    from hf_prefetch.placements import cache_bytes  # what the budget planner adds for an explicit cache
+    from hf_prefetch.planning.placements import cache_bytes  # what the budget planner adds for an explicit cache
 
     assert cache_bytes(capped.rings, 1000) == exact.cache_bytes
     assert "expert cache" in str(capped) and "+ expert cache)" in str(capped)
@@ -797,8 +797,8 @@ def test_a_deleted_routed_model_frees_its_engine_and_cache_without_remove_offloa
     ],
 )
 def test_routed_rows_are_read_as_the_widest_elements_their_layout_allows(make, wide):
-    from hf_prefetch.experts import copy_routed_rows
-    from hf_prefetch.ring import LayerTransfer, RoutedTensor
+    from hf_prefetch.runtime.experts import copy_routed_rows
+    from hf_prefetch.runtime.ring import LayerTransfer, RoutedTensor
 
     host = make()
     device = torch.zeros_like(host)
@@ -869,7 +869,7 @@ def test_without_routing_forwards_a_token_is_counted_as_a_whole_forward():
 
 
 def test_the_prefetch_step_hint_of_a_budget_error_counts_an_explicit_cache():
-    from hf_prefetch.render import format_bytes
+    from hf_prefetch.planning.offload_plan import format_bytes
 
     model = moe_model("qwen3_moe")
 
@@ -951,7 +951,7 @@ def test_each_layer_remembers_its_latest_picks_and_its_next_copy_fetches_them():
 @pytest.mark.parametrize("cached", [0, 4])
 def test_a_fetched_pick_is_left_in_the_slot_and_a_cached_one_is_not_fetched(device, cached):
     # Slot rows marked with values no host row has: after the fetch and the gather, each row shows where it came from.
-    from hf_prefetch.experts import collect_tallies, fetch_recent, gather_looked_up, load_cache
+    from hf_prefetch.runtime.experts import collect_tallies, fetch_recent, gather_looked_up, load_cache
 
     model = moe_model("qwen3_moe").to(torch.bfloat16)
     hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=cached), device=device)
@@ -1043,9 +1043,9 @@ def test_an_expert_that_enters_the_cache_during_a_fetch_is_fetched_whole_or_not_
     # 5 enters the cache at delays swept across the fetch: every expert marked ready must have all its rows fetched.
     import types
 
-    from hf_prefetch.experts import fetch_recent
-    from hf_prefetch.host import HostArena
-    from hf_prefetch.ring import LayerTransfer, RecentPicks, RoutedTensor
+    from hf_prefetch.host.arena import HostArena
+    from hf_prefetch.runtime.experts import fetch_recent
+    from hf_prefetch.runtime.ring import LayerTransfer, RecentPicks, RoutedTensor
 
     device = torch.device("cuda", torch.cuda.current_device())
     experts, row = 16, 1 << 20  # two routed tensors of 8 MiB rows
@@ -1113,7 +1113,7 @@ def test_a_fetch_reads_as_many_recent_picks_as_the_forward_under_way_records():
     # A CUDA-graph replay records its picks without Python, so `recent.count` may be that of an older forward: a copy
     # during a forward of 2 tokens reads the entries of 2 tokens' picks all the same. Simulated on the CPU by writing 8
     # picks behind a count of 4; the entries past the picks are -1 and fetch nothing.
-    from hf_prefetch.experts import fetch_recent
+    from hf_prefetch.runtime.experts import fetch_recent
 
     model = moe_model("qwen3_moe")  # 16 experts, 4 per token
     hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED), device="cpu")

@@ -9,9 +9,9 @@ from models import tiny_llama
 from torch import nn
 
 import hf_prefetch
-from hf_prefetch.budget import plan_for_budget
-from hf_prefetch.memory_budget import MemoryBudget
-from hf_prefetch.schedule import forward_seconds
+from hf_prefetch.planning.budget import plan_for_budget
+from hf_prefetch.planning.memory import MemoryBudget
+from hf_prefetch.planning.schedule import forward_seconds
 
 
 class TwoLists(nn.Module):

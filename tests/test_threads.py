@@ -13,7 +13,7 @@ from moe_models import moe_model
 
 import hf_prefetch
 from hf_prefetch import PrefetchConfig
-from hf_prefetch.state import exclusive
+from hf_prefetch.lifecycle.state import exclusive
 
 CONFIG = PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1)
 OTHER = PrefetchConfig(group_size=4, num_in_group=2, prefetch_step=2)  # what a re-dispatch in a thread gives
@@ -217,7 +217,7 @@ def test_a_forward_between_the_old_gate_and_the_new_one_waits_and_computes_nothi
     # the new one: a forward started by another thread in between meets neither, and must not run on weights in
     # transit.
     from hf_prefetch import dispatch
-    from hf_prefetch.state import Lifecycle
+    from hf_prefetch.lifecycle.state import Lifecycle
 
     model = tiny_llama(4)
     hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
@@ -254,21 +254,21 @@ def test_the_old_gate_called_during_a_change_waits_for_it(monkeypatch, then):
     # A call that fetched the model's forward (the gate) just before another thread began to replace or remove the
     # dispatch reaches it after that thread took it away: it must wait for the change (never run on weights in
     # transit), then run under the model's new dispatch, or run the restored model if none is.
-    from hf_prefetch import attach
+    from hf_prefetch.lifecycle import detach
 
     model = tiny_llama(4)
     want = _logits(model)
     hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
     old_gate = model.forward  # as `_call_impl` fetched it
     between, go = threading.Event(), threading.Event()
-    end = attach._end
+    end = detach._end
 
     def paused_end(model_, state):  # the old gate and state are gone at its end; the weights may still move after
         end(model_, state)
         between.set()
         go.wait(30)
 
-    monkeypatch.setattr(attach, "_end", paused_end)
+    monkeypatch.setattr(detach, "_end", paused_end)
     outcome = {}
     run = _recorder(outcome)
     if then == "redispatched":
@@ -292,12 +292,12 @@ def test_the_old_gate_called_during_a_change_waits_for_it(monkeypatch, then):
 def test_a_forward_held_by_a_redispatch_that_stops_half_way_says_it_is_half_done(monkeypatch):
     # The hold comes before the old gate leaves (detach's last step): a forward that waited in it for a re-dispatch
     # that an interrupt stopped in the middle of detach is told the model is half-done, not that it was replaced.
-    from hf_prefetch import attach
+    from hf_prefetch.lifecycle import detach
 
     model = tiny_llama(4)
     hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
     detaching, go = threading.Event(), threading.Event()
-    quiesce = attach._quiesce
+    quiesce = detach._quiesce
 
     def interrupted_quiesce(state):
         if state.lifecycle.value == "detaching":
@@ -306,7 +306,7 @@ def test_a_forward_held_by_a_redispatch_that_stops_half_way_says_it_is_half_done
             raise KeyboardInterrupt
         return quiesce(state)
 
-    monkeypatch.setattr(attach, "_quiesce", interrupted_quiesce)
+    monkeypatch.setattr(detach, "_quiesce", interrupted_quiesce)
     outcome = {}
 
     def redispatch():

@@ -158,13 +158,13 @@ def test_an_interrupted_dispatch_gives_the_inner_tensors_back(monkeypatch, fail_
     values = copy.deepcopy(model.state_dict())
     weight = model.model.layers[1].mlp.up_proj.weight
     before = {name: tensor for name, tensor in _inner(weight).items()}
-    real = getattr(hf_prefetch.attach, fail_at)
+    real = getattr(hf_prefetch.lifecycle.attach, fail_at)
 
     def interrupted(*args):
         real(*args)
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(hf_prefetch.attach, fail_at, interrupted)
+    monkeypatch.setattr(hf_prefetch.lifecycle.attach, fail_at, interrupted)
     with pytest.raises(KeyboardInterrupt):
         hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
     assert hf_prefetch.get_state(model) is None
@@ -377,8 +377,8 @@ def test_two_quantized_parameters_whose_names_share_a_prefix_are_rebuilt_each_fr
     from safetensors.torch import save_file
     from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
 
-    from hf_prefetch import prequantized
-    from hf_prefetch.checkpoint import Checkpoint
+    from hf_prefetch.formats import prequantized
+    from hf_prefetch.loading.checkpoint import Checkpoint
 
     linears = nn.Linear(64, 32, dtype=torch.bfloat16), nn.Linear(64, 16, dtype=torch.bfloat16)
     for linear in linears:

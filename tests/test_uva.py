@@ -13,9 +13,11 @@ from models import prompt, tiny_llama
 from torch import nn
 
 import hf_prefetch
-from hf_prefetch import OffloadConfig, OffloadPlan, PrefetchConfig, UVAConfig, attach, host
-from hf_prefetch.host import HostArena
-from hf_prefetch.planner import make_uva_plan
+from hf_prefetch import OffloadConfig, OffloadPlan, PrefetchConfig, UVAConfig
+from hf_prefetch.host import arena as host
+from hf_prefetch.host.arena import HostArena
+from hf_prefetch.lifecycle import attach
+from hf_prefetch.planning.selection import make_uva_plan
 
 # tiny_llama: every layer has, in named_parameters order, q (16 KiB), k (8 KiB), v (8 KiB), o (16 KiB), gate, up,
 # down (32 KiB each) and two norms (256 B each) in float32: 147,968 bytes.
@@ -263,7 +265,7 @@ def test_failure_while_attaching_rolls_back(reference, monkeypatch):
     def broken(plan):
         raise RuntimeError("attach failed")
 
-    monkeypatch.setattr("hf_prefetch.attach._warn_uva_on_cpu", broken)
+    monkeypatch.setattr("hf_prefetch.lifecycle.attach._warn_uva_on_cpu", broken)
     with pytest.raises(RuntimeError, match="attach failed"):
         hf_prefetch.dispatch_model(model, hf_prefetch.UVAConfig(cpu_offload_gb=1), device="cpu")
     assert hf_prefetch.get_state(model) is None and not hasattr(model, "hf_device_map")

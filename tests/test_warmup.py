@@ -12,8 +12,8 @@ from accelerate import init_empty_weights
 from moe_models import FAMILIES, moe_model
 from zoo import ARCHS
 
-from hf_prefetch import warmup
-from hf_prefetch.warmup import Warmup
+from hf_prefetch.loading import warmup
+from hf_prefetch.loading.warmup import Warmup
 
 
 def _on_meta(model):
@@ -91,7 +91,7 @@ def test_the_thread_gets_a_twin_only_within_the_spare_memory_and_none_from_join(
 def test_a_failing_warmup_is_logged_and_the_load_goes_on(monkeypatch, caplog):
     model = _on_meta(ARCHS[0].build())
     monkeypatch.setattr(warmup.torch.cuda, "device", lambda device: (_ for _ in ()).throw(RuntimeError("no GPU")))
-    with caplog.at_level("DEBUG", logger="hf_prefetch.warmup"):
+    with caplog.at_level("DEBUG", logger="hf_prefetch.loading.warmup"):
         run = Warmup(torch.device("cuda", 0))
         run.run(model, spare_bytes=2**40)
         run.join()
@@ -208,7 +208,7 @@ def test_the_warmup_thread_asks_for_cublas_with_its_context_current():
     # cuBLAS warned "no current CUDA context" (a UserWarning, made an error here, which the warm-up stores).
     code = (
         "import torch\n"
-        "from hf_prefetch.warmup import Warmup\n"
+        "from hf_prefetch.loading.warmup import Warmup\n"
         "block = torch.empty(1, device='cuda'); del block\n"
         "run = Warmup(torch.device('cuda', 0)); run.join()\n"
         "assert run.error is None, repr(run.error)\n"

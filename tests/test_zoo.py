@@ -20,7 +20,7 @@ from transformers.utils import ModelOutput
 from zoo import ARCHS, ARCHS_BY_NAME, Arch, left_padded, prompt
 
 import hf_prefetch
-from hf_prefetch.layers import segment_matches
+from hf_prefetch.planning.layers import segment_matches
 
 NEW_TOKENS = 8
 # 8 layers -> layers 1, 3, 5, 7 stream through 2 slots, so every forward copies into reused slots.

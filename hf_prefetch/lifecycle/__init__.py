@@ -1,0 +1,3 @@
+"""Changing a model and undoing it: the state a dispatch leaves on the model, the journal of every change with its
+undo, the steps that execute a plan on a model (`attach`) and take it off again, the forward gate, the state-dict
+write-through and the refusals a dispatched model carries."""

@@ -1,0 +1,380 @@
+"""The loader: a safetensors checkpoint -> a dispatched model, every byte read once, straight into its final place.
+
+Offloaded parameters are read into their exact-size host arena slots, resident ones onto the execution device
+(through a small ring of pinned staging buffers on CUDA). Which checkpoint key fills which tensor, with
+transformers' own renames and conversions, is `keymap`'s job. Every header, key and shape is validated before anything
+large is allocated, and a failed load leaves the model as it was given. The loader knows checkpoints, plans and
+parameter names; building the buffer pool and hooking layers is `attach.attach`'s job.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..config import PrefetchConfig
+from ..interrupts import deferred_interrupts
+from ..lifecycle import attach
+from ..lifecycle.checks import refuse_other_offload, refuse_unknown_keywords, resolve_config, resolve_device
+from ..lifecycle.compressed_storage import compress_arena
+from ..lifecycle.detach import rollback
+from ..lifecycle.journal import Journal, Phase
+from ..lifecycle.state import get_state, model_lock
+from ..planning.choose import choose_plan
+from ..planning.links import resolve_links
+from ..planning.memory import MaxMemory, device_argument, parse_max_memory
+from ..planning.pipeline import home_of
+from .checkpoint import Checkpoint
+from .filling import (
+    Background,
+    LoadTimeline,
+    check_direct_io,
+    check_fp8_matmuls,
+    file_pieces,
+    install,
+    new_arena,
+    offloaded_param,
+    pin_on,
+    read_all,
+)
+from .keymap import filled_names, map_keys
+from .skeleton import FLOAT8, build_skeleton, checkpoint_folder, set_dtypes
+from .warmup import Warmup
+
+__all__ = ["from_pretrained", "load_checkpoint_and_dispatch"]
+
+logger = logging.getLogger(__name__)
+
+
+
+def from_pretrained(
+    path: str | os.PathLike,
+    offload: str | PrefetchConfig = "prefetch",
+    *,
+    device: str | int | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    layers: str | Sequence[str] | None = None,
+    model_class: type | None = None,
+    progress: bool | None = None,
+    timing: bool = False,
+    max_memory: dict[int | str, int | str] | str | None = None,
+    reserve_bytes: int | str | None = None,
+    links: str | Sequence[int | str | torch.device] | None = None,
+    direct_io: bool | None = None,
+    map_files: bool | None = None,
+    **unknown: Any,
+) -> nn.Module:
+    """Load a local transformers checkpoint straight into a dispatched model, without a full copy in host memory.
+
+    Reads `config.json`, builds the model on the meta device, plans which parameters stream, and reads every
+    safetensors shard once: offloaded weights into pinned host memory, the rest onto `device`. Nothing is downloaded.
+
+    Args:
+        path (`str` or `os.PathLike`): A folder with `config.json` and `model.safetensors` or a sharded
+            `model.safetensors.index.json`.
+        offload (`PrefetchConfig` or `str`): Which layers stream; `"prefetch"` is `PrefetchConfig()`.
+        device: Execution device. Defaults to the current CUDA device, or `"cpu"` without CUDA.
+        dtype (`torch.dtype`, *optional*): Floating-point dtype of the weights. Defaults to `config.dtype` (then to
+            the checkpoint's), as in transformers' `dtype="auto"`.
+        layers (`str` or list of `str`, *optional*): Path(s) of the layer list(s); found when omitted.
+        model_class (*optional*): A transformers Auto class or model class. Defaults to `AutoModelForCausalLM`.
+        progress (`bool`, *optional*): Show a progress bar over bytes; by default only on a terminal.
+        max_memory, reserve_bytes: Choose the streamed layers to fit a memory budget, as in `dispatch_model`.
+        links: Other GPUs whose host links carry a share of every streamed layer, as in `dispatch_model`.
+        direct_io (`bool`, *optional*): Read the shards with direct I/O (`O_DIRECT`), around the page cache. By
+            default each shard the page cache holds less than half of is read directly (a checkpoint fresh from the
+            disk: large reads, and no second copy of the weights in the cache) and the others through the cache.
+            `True` reads every shard directly where the file system allows it, `False` none.
+        map_files (`bool`, *optional*): Keep streamed weights in the page cache's own pages (the shards mapped
+            read-only and page-locked in place) instead of copying them into host memory: no copy and no fresh memory
+            at load, and no second copy of them in the page cache. By default, a weight stored as it is loaded (same
+            dtype, one tensor) in a shard the page cache holds is mapped; `True` maps such weights of every shard
+            (the pages the cache lacks are read as they are locked), `False` none. The first `state_dict()`,
+            `load_state_dict`, `reload_weights`, `sync_from_device` or `remove_offload(model, "cpu")` copies them
+            into private memory first. Do not write over a shard a model was loaded from while it lives (see
+            docs/design.md, [Note: mapped host storage]).
+
+    Returns:
+        The model, dispatched and in eval mode.
+
+    Example:
+
+    ```python
+    >>> import tempfile, torch
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> import hf_prefetch
+    >>> config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+    ...     num_key_value_heads=2, vocab_size=64)
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     LlamaForCausalLM(config).save_pretrained(folder)
+    ...     config = hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1)
+    ...     model = hf_prefetch.from_pretrained(folder, config, device="cpu")
+    >>> [layer.path for layer in hf_prefetch.get_state(model).plan.rings[0].streamed]
+    ['model.layers.1', 'model.layers.3']
+    >>> model(torch.tensor([[1, 2, 3]])).logits.shape
+    torch.Size([1, 3, 64])
+
+    ```
+    """
+    timeline = LoadTimeline()
+    refuse_unknown_keywords("from_pretrained", unknown)
+    config = resolve_config(offload, "from_pretrained")
+    max_memory = parse_max_memory(max_memory, reserve_bytes, config)
+    exec_device = resolve_device(device_argument(max_memory, device))
+    link_indices = resolve_links(links, exec_device)
+    check_direct_io(direct_io, map_files)
+    folder = checkpoint_folder(path)
+    warmup = None
+    try:
+        # The CUDA context and cuBLAS's handle are made in a thread while the model is built and planned (warmup.py).
+        warmup = Warmup(exec_device)
+        timeline.mark("device")
+        with Checkpoint.open(folder) as checkpoint:
+            timeline.mark("open")
+            model, torch_dtype = build_skeleton(folder, checkpoint, dtype, model_class)
+            timeline.mark("skeleton")
+            _load(
+                model,
+                checkpoint,
+                config,
+                exec_device,
+                torch_dtype,
+                cast=False,
+                layers=layers,
+                progress=progress,
+                timing=timing,
+                max_memory=max_memory,
+                links=link_indices,
+                timeline=timeline,
+                direct_io=direct_io,
+                map_files=map_files,
+                warmup=warmup,
+            )
+    finally:
+        if warmup is not None:
+            warmup.join()  # joined already unless the skeleton failed
+    if (folder / "generation_config.json").is_file() and model.can_generate():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
+    timeline.mark("generation config")
+    return model
+
+
+def load_checkpoint_and_dispatch(
+    model: nn.Module,
+    checkpoint: str | os.PathLike,
+    offload: str | PrefetchConfig = "prefetch",
+    *,
+    device: str | int | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    layers: str | Sequence[str] | None = None,
+    progress: bool | None = None,
+    timing: bool = False,
+    max_memory: dict[int | str, int | str] | str | None = None,
+    reserve_bytes: int | str | None = None,
+    links: str | Sequence[int | str | torch.device] | None = None,
+    direct_io: bool | None = None,
+    map_files: bool | None = None,
+    **unknown: Any,
+) -> nn.Module:
+    """Load a checkpoint into a model built on the meta device and dispatch it, like `from_pretrained`.
+
+    Build the model under `accelerate.init_empty_weights()` (which keeps buffers real, so rotary tables and other
+    non-persistent buffers are computed as usual). On any error the model is left as it was given.
+
+    Args:
+        model (`nn.Module`): The model skeleton, parameters on the meta device.
+        checkpoint (`str` or `os.PathLike`): A folder, a `.safetensors` file or a `model.safetensors.index.json`.
+        offload, device, layers, progress, max_memory, reserve_bytes, links, direct_io, map_files: As in
+            `from_pretrained`.
+        dtype (`torch.dtype`, *optional*): Cast floating-point parameters to this dtype; by default each parameter
+            keeps the model's dtype (the checkpoint's values are cast to it).
+
+    Returns:
+        The same model, loaded, dispatched and in eval mode.
+
+    Example:
+
+    ```python
+    >>> import tempfile, torch
+    >>> from accelerate import init_empty_weights
+    >>> from transformers import LlamaConfig, LlamaForCausalLM
+    >>> import hf_prefetch
+    >>> config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=2,
+    ...     num_key_value_heads=2, vocab_size=64)
+    >>> with init_empty_weights():
+    ...     model = LlamaForCausalLM(config)
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     LlamaForCausalLM(config).save_pretrained(folder)
+    ...     model = hf_prefetch.load_checkpoint_and_dispatch(
+    ...         model, folder, hf_prefetch.PrefetchConfig(prefetch_step=1), device="cpu", dtype=torch.bfloat16)
+    >>> model.lm_head.weight.dtype, hf_prefetch.get_state(model) is not None
+    (torch.bfloat16, True)
+
+    ```
+    """
+    refuse_unknown_keywords("load_checkpoint_and_dispatch", unknown)
+    config = resolve_config(offload, "load_checkpoint_and_dispatch")
+    max_memory = parse_max_memory(max_memory, reserve_bytes, config)
+    exec_device = resolve_device(device_argument(max_memory, device))
+    link_indices = resolve_links(links, exec_device)
+    check_direct_io(direct_io, map_files)
+    _refuse_dispatched(model)
+    refuse_other_offload(model)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype not in FLOAT8):
+        raise ValueError(
+            f"dtype={dtype!r} must be a floating-point torch.dtype to compute in, such as torch.bfloat16, or None "
+            "(float8 weights keep their dtype under any dtype)."
+        )
+    with Checkpoint.open(checkpoint) as opened:
+        _load(
+            model,
+            opened,
+            config,
+            exec_device,
+            dtype,
+            cast=True,
+            layers=layers,
+            progress=progress,
+            timing=timing,
+            max_memory=max_memory,
+            links=link_indices,
+            direct_io=direct_io,
+            map_files=map_files,
+        )
+    return model
+
+
+def _load(model: nn.Module, *args: Any, **kwargs: Any) -> None:
+    # Under the model's lock: a dispatch, a removal or a load of the same model in another thread waits, and so do
+    # forwards (the model is the caller's with load_checkpoint_and_dispatch).
+    with model_lock(model):
+        _refuse_dispatched(model)  # again: another thread may have dispatched it since the caller's check
+        _load_unlocked(model, *args, **kwargs)
+
+
+def _refuse_dispatched(model: nn.Module) -> None:
+    if get_state(model) is not None:
+        raise ValueError(
+            f"{type(model).__name__} is already dispatched; call hf_prefetch.remove_offload(model) before loading."
+        )
+
+
+def _load_unlocked(
+    model: nn.Module,
+    checkpoint: Checkpoint,
+    config: PrefetchConfig,
+    device: torch.device,
+    dtype: torch.dtype | None,
+    *,
+    cast: bool,
+    layers: str | Sequence[str] | None,
+    progress: bool | None,
+    timing: bool,
+    max_memory: MaxMemory | None = None,
+    links: tuple[int, ...] = (),
+    timeline: LoadTimeline | None = None,
+    direct_io: bool | None = None,
+    map_files: bool | None = None,
+    warmup: Warmup | None = None,
+) -> None:
+    from transformers import PreTrainedModel
+
+    timeline = timeline if timeline is not None else LoadTimeline()
+    if isinstance(model, PreTrainedModel):
+        # accelerate's init_empty_weights re-creates a parameter each time one is registered, which unties the
+        # weights that __init__ tied; tie them again so that a tied tensor is one parameter (kept resident).
+        model.tie_weights()
+    check_fp8_matmuls(model, device)
+    journal = Journal()
+    arena = state = pinning = None
+    try:
+        warmup = warmup if warmup is not None else Warmup(device)
+        set_dtypes(model, dtype, cast, journal)
+        keymap = map_keys(model, checkpoint)
+        plan = choose_plan(model, config, layers, device, max_memory, links)
+        timeline.mark("plan")
+        # The first forward's one-time costs, paid while the reads run, in device memory the pool gets afterwards.
+        warmup.run(model, spare_bytes=plan.gpu_bytes(device.index)[1] if device.type == "cuda" else 0)
+        # Everything is validated: allocate the host arena exactly as dispatch_model does, then the resident tensors.
+        layout = attach.host_layout(plan)
+        # A plan with compressed parameters pins the arena their encoded bytes move into instead (`compress_arena`).
+        compressing = plan.compressed_bytes[0] > 0
+        files = file_pieces(layout, keymap, checkpoint, device, plan, map_files, direct_io, compressing)
+        arena = new_arena(layout, files)
+        state = attach.begin(model, plan, device, arena, timing, journal)
+        state.load_timeline = timeline.phases
+        dests = {}
+        for i, (path, spec) in enumerate(layout):
+            dests[f"{path}.{spec.name}"] = arena.view(i, spec.shape, spec.stride, spec.dtype)
+        offloaded_names = list(dests)
+        home = home_of(plan, device)  # pipeline placement: a layer's resident tensors are read onto its GPU
+        for name in filled_names(keymap):
+            if name not in dests:
+                tensor = keymap.model_tensors[name]
+                dests[name] = torch.empty(tensor.shape, dtype=tensor.dtype, device=home(name))
+        timeline.mark("allocate", device)
+        # The arena's page-locking (CUDA only), in a thread while the tensors are installed and the warm-up ends: the
+        # reads touched every page (page-locking touched memory is ~10x faster than fresh); an arena that is all
+        # file pages is locked while the reads run. Writes meanwhile (the install's parts no tensor filled) do not
+        # disturb it; `compress_arena` and `attach`'s copies come after the join, and so does any release of the
+        # arena (the error path joins first).
+        if device.type == "cuda" and not compressing and arena.file_bytes == arena.nbytes > 0:
+            pinning = Background(lambda: pin_on(arena, device))
+            pinning.start()
+        mapped = {f"{path}.{spec.name}" for (path, spec), piece in zip(layout, files, strict=True) if piece}
+        seconds, read = read_all(checkpoint, keymap, dests, model, progress, direct_io, timeline, skip=mapped)
+        if device.type == "cuda" and not compressing and pinning is None:
+            pinning = Background(lambda: pin_on(arena, device))
+            pinning.start()
+        install(model, keymap, dests, journal)
+        warmup.join()
+        if warmup.seconds is not None:
+            torch.cuda.empty_cache()  # the twin's blocks: the pool is allocated next, in sizes of its own
+            logger.info("The warm-up thread worked %.2f s (its wait for the model left out)", warmup.seconds)
+        timeline.mark("warm-up")  # what was left of it after the reads
+        if pinning is not None:
+            pinning.join()  # on an error or interrupt here, the error path joins it again before any release
+            pinning = None
+        timeline.mark("pin")  # what was left of it
+        state.offloaded = [offloaded_param(model, keymap, name, dests[name]) for name in offloaded_names]
+        if compressing:
+            compress_arena(model, state, progress)
+            timeline.mark("compress")
+        attach.attach(model, state)
+        timeline.mark("attach", device)  # the pool, the hooks, and the copies of each ring's first layers
+    except BaseException:
+        # A second Ctrl-C waits for the end of this block: the threads are joined (the arena is released only after
+        # its page-locking ended) and the model is rolled back whatever comes meanwhile.
+        with deferred_interrupts():
+            if warmup is not None:
+                warmup.join()
+            if pinning is not None:
+                pinning.join(raise_error=False)
+            if state is not None:
+                rollback(model, state)
+            else:
+                journal.unwind(Phase.PLACE)
+                if arena is not None:
+                    arena.release()
+        raise
+    if isinstance(model, PreTrainedModel):
+        model._weight_conversions = keymap.used_conversions  # what save_pretrained reverts, as after from_pretrained
+    model.eval()
+    arena = state.arena
+    gb, pinned_gib = read.bytes_read / 1e9, (arena.nbytes if arena.pinned else 0) / 2**30
+    gpu_gib = (plan.device_bytes if device.type == "cuda" else 0) / 2**30
+    message = (
+        "Loaded %s: read %.2f GB (%.2f GB direct, %.2f GB copied from the page cache by the copy engine) in %.2f s "
+        "(%.2f GB/s); pinned host %.2f GiB, GPU %.2f GiB"
+    )
+    direct_gb, mapped_gb, rate = read.direct_bytes / 1e9, read.mapped_bytes / 1e9, gb / max(seconds, 1e-9)
+    logger.info(message, checkpoint.folder, gb, direct_gb, mapped_gb, seconds, rate, pinned_gib, gpu_gib)
+
+

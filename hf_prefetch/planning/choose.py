@@ -1,0 +1,78 @@
+"""`choose_plan`: the one entry of planning for the verbs: one GPU's memory budget, several GPUs' pipeline placement,
+or the config's group pattern."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from ..config import PrefetchConfig
+from ..formats.bnb import check_layout
+from .budget import plan_for_budget
+from .link_speed import measure_link_gbps
+from .memory import MaxMemory, resolve_budget, resolve_budgets
+from .offload_plan import OffloadPlan, format_bytes
+from .pipeline import plan_pipeline
+from .selection import make_plan
+
+__all__ = ["choose_plan"]
+
+
+def choose_plan(
+    model: nn.Module,
+    config: PrefetchConfig,
+    layers: str | Sequence[str] | None,
+    device: torch.device,
+    max_memory: MaxMemory | None,
+    links: tuple[int, ...] = (),
+) -> OffloadPlan:
+    """The plan `dispatch_model` and the loaders execute: the config's group pattern, or the plan for a budget; with
+    `links` (`links.resolve_links`), the other GPUs whose host links carry a share of every streamed layer."""
+    check_layout(model, device)
+    if config.compute_seconds is not None and max_memory is None:
+        raise ValueError(
+            "PrefetchConfig.compute_seconds chooses among the plans that fit a max_memory budget, and no max_memory "
+            "was given: pass max_memory (e.g. max_memory={0: '16GiB'}), or drop compute_seconds."
+        )
+    helpers = {index: None for index in links[1:]}
+    if max_memory is not None and helpers:
+        # The other links' entries bound their staging buffers; the execution device's entry plans the layers.
+        for index, limit in max_memory.gpus:
+            if index in helpers:
+                helpers[index] = limit
+        max_memory = replace(max_memory, gpus=tuple(e for e in max_memory.gpus if e[0] not in helpers))
+    if max_memory is None:
+        plan = make_plan(model, config, layers)
+    elif len(max_memory.gpus) > 1:
+        if helpers:
+            raise ValueError(
+                f"max_memory names the GPUs {[i for i, _ in max_memory.gpus]} for layers besides links={list(links)}: "
+                "placing layers on several GPUs (pipeline placement) and sharing host links do not combine yet. "
+                "Give max_memory entries only for the execution device and the GPUs of links=, or drop links=."
+            )
+        if config.compute_seconds is not None:
+            raise ValueError(
+                f"PrefetchConfig.compute_seconds plans one GPU's layers, and max_memory names the GPUs "
+                f"{[i for i, _ in max_memory.gpus]} (pipeline placement). Drop compute_seconds, or give one GPU."
+            )
+        plan = plan_pipeline(model, resolve_budgets(max_memory, device, model), config, layers)
+    else:
+        # Copies overlap compute only on a GPU; on the CPU they are synchronous and the fewest bytes is fastest.
+        link = None
+        if config.compute_seconds is not None and device.type == "cuda":
+            link = measure_link_gbps(device) * max(1, len(links))
+        plan = plan_for_budget(model, resolve_budget(max_memory, device, model), config, layers, link_gbps=link)
+    if not links:
+        return plan
+    plan = replace(plan, links=links)
+    for index, limit in helpers.items():
+        if limit is not None and plan.staging_bytes > limit:
+            raise ValueError(
+                f"max_memory[{index}] = {format_bytes(limit)} cannot hold GPU {index}'s staging buffers for links="
+                f"{list(links)}: {format_bytes(plan.staging_bytes)} ({len(links)} links, each copying 1/{len(links)} "
+                "of the largest streamed layer, twice). Raise that entry or drop the GPU from links=."
+            )
+    return plan

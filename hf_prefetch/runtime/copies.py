@@ -1,0 +1,52 @@
+"""One layer's copy into its slot: the (slot, host) pairs it brings, its bytes, and issuing them, on a stream, into a
+CUDA-graph capture, or through several links. The engine decides when; this module knows only what."""
+
+from __future__ import annotations
+
+import torch
+
+from .graph_copies import captured_copy
+from .ring import CopyEvent, LayerTransfer
+from .shared_links import SharedLinks
+from .timing import timing_event
+
+__all__ = ["copy_all", "copy_bytes", "copy_pairs", "loaded_on"]
+
+
+def loaded_on(layer: LayerTransfer, stream: torch.cuda.Stream, capturing: bool, timing: bool) -> None:
+    # The layer's latest copy ran on `stream`: `done` now marks its end. A fresh event, since a pending timing
+    # measurement may still hold the old one; a timing one when stalls are measured against it.
+    layer.done = timing_event() if timing and not capturing else torch.cuda.Event()
+    layer.event = CopyEvent.IN_GRAPH if capturing else CopyEvent.ON_STREAM
+    layer.done.record(stream)
+
+
+def copy_bytes(layer: LayerTransfer, whole: bool) -> int:
+    return layer.nbytes + (sum(t.nbytes for t in layer.routed) if whole else 0)
+
+
+def copy_pairs(layer: LayerTransfer, whole: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # (slot, host) of every tensor a copy brings (one byte range where they lie so): the routed ones only when whole.
+    pairs = [layer.span] if layer.span is not None else list(zip(layer.device, layer.host, strict=True))
+    if whole:
+        pairs += [(tensor.device, tensor.host) for tensor in layer.routed]
+    return pairs
+
+
+def copy_all(
+    layer: LayerTransfer,
+    non_blocking: bool,
+    captured_on: torch.cuda.Stream | None = None,
+    whole: bool = True,
+    links: SharedLinks | None = None,
+    slot_free: torch.cuda.Event | None = None,
+) -> None:
+    pairs = copy_pairs(layer, whole)
+    if links is not None:  # the helpers' shares are issued; the execution device copies the rest
+        pairs = links.copy(pairs, non_blocking, slot_free)
+    if captured_on is not None:
+        for dst, src in pairs:
+            captured_copy(dst, src, captured_on)
+        return
+    for dst, src in pairs:
+        dst.copy_(src, non_blocking=non_blocking)
