@@ -3,7 +3,8 @@ moves a run's inputs to its GPU."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,6 +30,26 @@ def _to(value, device: torch.device):
     if type(value) is dict:
         return {k: _to(v, device) for k, v in value.items()}
     return value
+
+
+def _on_its_engine(name: str) -> Callable[..., Any]:
+    # `PrefetchEngine.<name>(ring, position, ...)` on the engine of the ring's GPU, with the ring's index there.
+    def call(self: DeviceEngines, ring: int, position: int, *args: Any) -> Any:
+        engine, local = self._at(ring)
+        return getattr(engine, name)(local, position, *args)
+
+    call.__name__ = call.__qualname__ = name
+    return call
+
+
+def _on_every_engine(name: str) -> Callable[..., None]:
+    # `PrefetchEngine.<name>(...)` on every GPU's engine, in plan order.
+    def call(self: DeviceEngines, *args: Any) -> None:
+        for engine in self.engines:
+            getattr(engine, name)(*args)
+
+    call.__name__ = call.__qualname__ = name
+    return call
 
 
 class DeviceEngines:
@@ -63,43 +84,6 @@ class DeviceEngines:
         e, r = self._ring_of[ring]
         return self.engines[e], r
 
-    # A ring's calls, on its GPU's engine.
-    def prefetch(self, ring: int, position: int) -> None:
-        engine, r = self._at(ring)
-        engine.prefetch(r, position)
-
-    def wait(self, ring: int, position: int) -> None:
-        engine, r = self._at(ring)
-        engine.wait(r, position)
-
-    def release(self, ring: int, position: int) -> None:
-        engine, r = self._at(ring)
-        engine.release(r, position)
-
-    def gather(self, ring: int, position: int, index: torch.Tensor) -> None:
-        engine, r = self._at(ring)
-        engine.gather(r, position, index)
-
-    def holds(self, ring: int, position: int) -> bool:
-        engine, r = self._at(ring)
-        return engine.holds(r, position)
-
-    def load(self, ring: int, position: int) -> None:
-        engine, r = self._at(ring)
-        engine.load(r, position)
-
-    def encode_slot(self, ring: int, position: int) -> dict[int, torch.Tensor]:
-        engine, r = self._at(ring)
-        return engine.encode_slot(r, position)
-
-    def store(self, ring: int, position: int, encoded: dict[int, torch.Tensor] | None = None) -> None:
-        engine, r = self._at(ring)
-        engine.store(r, position, encoded)
-
-    def refresh(self, ring: int, position: int) -> None:
-        engine, r = self._at(ring)
-        engine.refresh(r, position)
-
     def invalidate(self, ring: int | None = None, position: int | None = None) -> None:
         if ring is None:
             for engine in self.engines:
@@ -108,35 +92,21 @@ class DeviceEngines:
         engine, r = self._at(ring)
         engine.invalidate(r, position)
 
-    # Every engine's.
-    def prepare(self, tokens: int | None = None) -> None:
-        for engine in self.engines:
-            engine.prepare(tokens)
-
-    def finish(self) -> None:
-        for engine in self.engines:
-            engine.finish()
-
-    def start(self) -> None:
-        for engine in self.engines:
-            engine.start()
-
-    def synchronize(self) -> None:
-        for engine in self.engines:
-            engine.synchronize()
-
-    def drain(self) -> None:
-        for engine in self.engines:
-            engine.drain()
-
-    def refill(self) -> None:
-        for engine in self.engines:
-            engine.refill()
-
-    def collect(self) -> None:
-        for engine in self.engines:
-            engine.collect()
-
-    def reset(self) -> None:
-        for engine in self.engines:
-            engine.reset()
+    # A ring's calls, on its GPU's engine; the calls around a forward, on every engine.
+    prefetch = _on_its_engine("prefetch")
+    wait = _on_its_engine("wait")
+    release = _on_its_engine("release")
+    gather = _on_its_engine("gather")
+    holds = _on_its_engine("holds")
+    load = _on_its_engine("load")
+    encode_slot = _on_its_engine("encode_slot")
+    store = _on_its_engine("store")
+    refresh = _on_its_engine("refresh")
+    prepare = _on_every_engine("prepare")
+    finish = _on_every_engine("finish")
+    start = _on_every_engine("start")
+    synchronize = _on_every_engine("synchronize")
+    drain = _on_every_engine("drain")
+    refill = _on_every_engine("refill")
+    collect = _on_every_engine("collect")
+    reset = _on_every_engine("reset")
