@@ -10,7 +10,10 @@ import time
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from hf_prefetch.planning.link_speed import LINK_BYTES, LINK_REPEATS, measure_link_gbps
+try:
+    from hf_prefetch.planning.link_speed import LINK_BYTES, LINK_REPEATS, measure_link_gbps
+except ModuleNotFoundError:  # a package of 0.2.0's layout (load.py's "hf_prefetch previous")
+    from hf_prefetch.link import LINK_BYTES, LINK_REPEATS, measure_link_gbps
 
 LLAMA_8B = dict(
     hidden_size=4096,
@@ -62,8 +65,8 @@ def build_model(
 
 def h2d_peak_gbps(nbytes: int = LINK_BYTES, repeats: int = LINK_REPEATS) -> float:
     """Pinned host -> device link speed of the current CUDA device in GB/s, measured now: the library's definition
-    (`hf_prefetch.planning.link_speed.measure_link_gbps`, the fastest of `repeats` copies of `nbytes` after two warm-up copies),
-    uncached, so that a benchmark can measure it next to each run it bounds."""
+    (`hf_prefetch.planning.link_speed.measure_link_gbps`, the fastest of `repeats` copies of `nbytes` after two
+    warm-up copies), uncached, so that a benchmark can measure it next to each run it bounds."""
     device = torch.device("cuda", torch.cuda.current_device())
     return measure_link_gbps(device, nbytes, repeats, cached=False)
 
@@ -167,7 +170,7 @@ def clone_to_cpu(model: LlamaForCausalLM) -> LlamaForCausalLM:
 
 
 def save_results(name: str, payload: dict) -> None:
-    """Write `payload` as JSON to $OUT/`name` when $OUT is set (the device tool's output folder)."""
+    """Write `payload` as JSON to $OUT/`name` when the environment variable $OUT names a results folder."""
     out = os.environ.get("OUT")
     if out:
         with open(os.path.join(out, name), "w") as f:

@@ -2,7 +2,7 @@
 transformers' own compile of static-cache decoding (inductor, mode "reduce-overhead").
 
 The two models live side by side on the GPU (the resident one and a dispatched copy) and are measured alternately,
-several pairs, medians reported: the lent machine's speed drifts. bound = max(compiled all-on-GPU s/token, streamed
+several pairs, medians reported: the machine's speed drifts. bound = max(compiled all-on-GPU s/token, streamed
 bytes per token / pinned H2D peak), the peak measured before each pair (the link's rate drifts by a few percent
 between moments and machines) and the median taken. Run on a GPU machine:
 

@@ -1,7 +1,7 @@
 """Compressed streaming (PrefetchConfig(compress=True)) against streaming the same layers uncompressed.
 
 8B shape, random bf16 weights (transformers' normal(0, 0.02) initialisation), half and all layers streamed. Systems
-are measured alternately in one process, several rounds, medians reported (the lent machine's speed drifts); the
+are measured alternately in one process, several rounds, medians reported (the machine's speed drifts); the
 speed-up is the median over rounds of each round's ratio. bound = max(all-on-GPU s/token, bytes per token / pinned
 H2D peak), with each system's own bytes (encoded ones where compressed). Also: decode of 2048-token prefills, the
 host's encoding rate, the compression ratio, and from `timing=True` stats the decoder's throughput and its share of

@@ -1,6 +1,6 @@
 """Decode and prefill with prefetch offloading against everything on the GPU, accelerate and diffusers.
 
-Systems are measured alternately in one process, several rounds, and medians reported, because the lent machine's
+Systems are measured alternately in one process, several rounds, and medians reported, because the machine's
 speed drifts. bound = max(all-on-GPU time, streamed bytes / measured pinned H2D peak). Run on a GPU machine:
 
     PYTHONUNBUFFERED=1 python benchmarks/decode.py [--rounds 3] [--shape 8b|14b] [--prefill 2048 8192] [--baselines]

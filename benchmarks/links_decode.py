@@ -1,4 +1,4 @@
-"""Decode with the streamed bytes over one host link against over every GPU's link (`links="all"`), issue 19.
+"""Decode with the streamed bytes over one host link against over every GPU's link (`links="all"`).
 
 The model computes on GPU 0; with links="all" GPU 1 (and any other) copies an equal share of every streamed layer from
 pinned host memory into a staging buffer and on over NVLink into the slot. Both dispatches stream the same layers;

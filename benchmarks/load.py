@@ -171,7 +171,7 @@ def run_system(system: str, folder: Path, budget_gib: int) -> dict:
             reader._READERS = int(system.split()[1])
         if system == "hf_prefetch device first":  # the device's reads submitted before the host's, not interleaved
             reader._interleave = lambda lists: [*lists[1], *lists[2], *lists[0]]
-        if system == "hf_prefetch late warm-up":  # the warm-up thread started after the plan, as before session 16
+        if system == "hf_prefetch late warm-up":  # the warm-up thread started after the plan, not at the first line
             from hf_prefetch.loading import loader, warmup
 
             class Late(warmup.Warmup):

@@ -4,7 +4,7 @@ A random bf16 model of the Qwen3-30B-A3B shape (48 layers, 128 experts, 8 per to
 768: about 61 GB) is built on the GPU, where it fits an 80 GB H100: that run gives the reference tokens and the
 all-on-GPU time. It is then dispatched at a GPU budget (max_memory, 24 GiB by default) and decoded twice on the same
 dispatch, alternately: with routed experts (a decode forward copies only the experts its token picks) and with routing
-off (`routed_max_tokens` 0: every forward copies whole expert tensors, what `offload_params={"experts"}` did before).
+off (`routed_max_tokens` 0: every forward copies whole expert tensors, as streaming without routing does).
 The bound of each row is `max(all-on-GPU time, bytes copied per token / pinned H2D peak)`, with the bytes read from the
 engine's counters. Then the forward time at a few token counts with routing forced on and off (where routing stops
 paying: the default `routed_max_tokens`), and prefill of 2048 tokens against its whole-layer transfer bound.

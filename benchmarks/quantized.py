@@ -5,7 +5,7 @@ weight-only with tile packing) or by bitsandbytes (nf4 with double quantization 
 replaced by `Linear4bit`, as transformers' `BitsAndBytesConfig(load_in_4bit=True)` does; `llm_int8`: by
 `Linear8bitLt`, as `load_in_8bit=True` does), then moved to the CPU and
 dispatched with half and all of the layers streamed. Every system is measured alternately in one process, several
-rounds, medians reported (the lent machine's speed drifts). bound = max(all-on-GPU s/token of the same quantized model,
+rounds, medians reported (the machine's speed drifts). bound = max(all-on-GPU s/token of the same quantized model,
 packed bytes per token / pinned H2D peak); the speed-up over bf16 is the median over rounds of each round's ratio.
 Tokens and logits of every streamed system are compared with the same model resident on the GPU. A method that torchao
 or the library refuses is reported with its error and skipped. `--accelerate` adds accelerate's offload of the same
@@ -14,8 +14,8 @@ quantized model (`accelerate.dispatch_model` with the same layers on "cpu") as a
 `--prefetch-steps 2 3` dispatches each quantized selection once per number of slots (bf16 keeps 2). `fp8` is
 transformers' fine-grained FP8 (`FP8Linear`, 128x128 blocks), whose matmul is the hub kernel
 `kernels-community/finegrained-fp8`: `--fp8-kernel PATH` loads a local copy of it where nothing can be downloaded.
-`ct_fp8` is compressed-tensors FP8 with a scale per row (`CompressedTensorsFP8Linear`, torch's scaled_mm);
-`ct_w4a16` compressed-tensors' packed 4-bit weights, decompressed at every forward (hf_prefetch/packed_forward.py).
+`ct_fp8` is compressed-tensors FP8 with a scale per row (`CompressedTensorsFP8Linear`, torch's scaled_mm); `ct_w4a16`
+compressed-tensors' packed 4-bit weights, decompressed at every forward (hf_prefetch/formats/compressed_tensors.py).
 Needs torchao and bitsandbytes (wheels installed with --no-deps). Run on a GPU machine:
 
     PYTHONUNBUFFERED=1 python benchmarks/quantized.py [--rounds 3] [--layers 32] [--methods float8,int8,int4,nf4]
@@ -196,8 +196,8 @@ def _to_compressed_tensors_fp8(model) -> None:
 def _to_compressed_tensors_w4a16(model) -> None:
     # compressed-tensors W4A16 (`pack-quantized`: 4-bit symmetric weights, a bf16 scale per 128, eight to an int32),
     # quantized and packed by compressed-tensors itself, then made to decompress at every forward as
-    # `hf_prefetch.from_pretrained` builds such a checkpoint (packed_forward.py): bitwise what transformers'
-    # once-decompressed model computes (tests/test_compressed_tensors.py).
+    # `hf_prefetch.from_pretrained` builds such a checkpoint (formats/compressed_tensors.py): bitwise what
+    # transformers' once-decompressed model computes (tests/test_compressed_tensors.py).
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.offload import remove_dispatch
     from compressed_tensors.quantization import (

@@ -1,12 +1,12 @@
 """How fast the GPU gathers routed experts' rows from pinned host memory, by the element width of the read. GPU only.
 
 One Qwen3-30B-A3B-shaped experts module (128 experts; gate_up_proj [128, 1536, 2048] and down_proj [128, 2048, 768],
-bf16) sits in a pinned `HostArena`. A decode token's gather (`hf_prefetch.runtime.experts.copy_routed_rows`) reads the 8
-picked experts' rows through the arena's mapped (UVA) view with `index_select`, a kernel whose loads cross the bus:
-its rate depends on how wide each load is. The rows are read as bf16 (2-byte loads) and reinterpreted as int32,
-int64 and 16-byte elements; the expert cache's Triton gather reads them as int64, with no pick cached and with half
-of them cached (GB/s: of the bytes that crossed the bus); the copy engine's rate (8 host-indexed row copies, and the
-whole tensors) is the reference.
+bf16) sits in a pinned `HostArena`. A decode token's gather (`hf_prefetch.runtime.experts.copy_routed_rows`) reads the
+8 picked experts' rows through the arena's mapped (UVA) view with `index_select`, a kernel whose loads cross the bus:
+its rate depends on how wide each load is. The rows are read as bf16 (2-byte loads) and reinterpreted as int32, int64
+and 16-byte elements; the expert cache's Triton gather reads them as int64, with no pick cached and with half of them
+cached (GB/s: of the bytes that crossed the bus); the copy engine's rate (8 host-indexed row copies, and the whole
+tensors) is the reference.
 
     python benchmarks/routed_gather.py [--picks 8] [--repeats 20]
 """
@@ -81,9 +81,9 @@ def main() -> None:
         seconds = device_seconds(lambda dtype=dtype: gather(dtype), args.repeats)
         print(f"{'UVA index_select, ' + label:<34} {seconds * 1e3:>7.3f} {moved / seconds / 1e9:>7.1f}  {check()}")
 
-    # The expert cache's gather (`hf_prefetch.runtime.experts.gather_looked_up`): one Triton kernel per tensor reads each
-    # picked row from the cache when the lookup table has it, else from the mapped view. With no row cached it moves
-    # the same bytes as index_select; with half the picks cached, half of them cross the bus.
+    # The expert cache's gather (`hf_prefetch.runtime.experts.gather_looked_up`): one Triton kernel per tensor reads
+    # each picked row from the cache when the lookup table has it, else from the mapped view. With no row cached it
+    # moves the same bytes as index_select; with half the picks cached, half of them cross the bus.
     from hf_prefetch.runtime.expert_kernels import gather_kernel
 
     launch = gather_kernel()
@@ -108,8 +108,9 @@ def main() -> None:
         label = f"Triton gather, {cached_picks}/{args.picks} cached"
         print(f"{label:<34} {seconds * 1e3:>7.3f} {crossed / seconds / 1e9:>7.1f}  {check()}")
 
-    # Fetching a layer's recent picks ahead (`hf_prefetch.runtime.experts.fetch_recent`): a kernel of few programs on the
-    # copy stream, each taking turns over the rows' blocks, so that the compute stream's kernels find SMs meanwhile.
+    # Fetching a layer's recent picks ahead (`hf_prefetch.runtime.experts.fetch_recent`): a kernel of few programs on
+    # the copy stream, each taking turns over the rows' blocks, so that the compute stream's kernels find SMs
+    # meanwhile.
     from hf_prefetch.runtime.expert_kernels import fetch_kernel
 
     fetch = fetch_kernel()

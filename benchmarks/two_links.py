@@ -1,4 +1,4 @@
-"""Two host links for one GPU: measure before choosing the design of several-GPU streaming (issue 19).
+"""Two host links for one GPU: do the GPUs' links add up, and how fast do shares relayed by a second GPU land?
 
 Prints, for a machine with two or more GPUs:
 - each GPU's pinned host-to-device rate alone, and both copying at once (host memory registered with and without

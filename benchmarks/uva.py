@@ -3,7 +3,7 @@
 The prefetch row streams every 2nd layer (2/1/2, the half-streamed row of decode.py); the UVA row keeps the same number
 of bytes in pinned host memory (UVA takes parameters in layer order: the first half of the layers) and its kernels read
 them over the bus. Systems alternate in one process, several rounds, and the tables give medians and the median of the
-paired UVA / prefetch ratios, because the lent machine's speed drifts. bound = max(all-on-GPU time, host bytes /
+paired UVA / prefetch ratios, because the machine's speed drifts. bound = max(all-on-GPU time, host bytes /
 measured pinned H2D peak): each host byte crosses the link at least once per forward, copied or read in place.
 
 Run on a GPU machine (8B shape: about 3 minutes on an H100 80GB; --small: under a minute):

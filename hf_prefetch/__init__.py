@@ -2,9 +2,9 @@
 
 One verb per step, each configured by one config object per backend (`PrefetchConfig`, `UVAConfig`, or the
 `OffloadConfig` that picks one): `plan` shows what a dispatch would do, `dispatch_model` / `from_pretrained` /
-`load_checkpoint_and_dispatch` do it (`time_layers` measures what a budget plan can weigh), `remove_offload` undoes
-it; `stats`, `reload_weights` and `sync_from_device`
-work on a dispatched model. Importing this package initialises neither CUDA nor `torch._dynamo`.
+`load_checkpoint_and_dispatch` do it (`time_layers` measures what a budget plan can weigh), `remove_offload` undoes it;
+`stats`, `reload_weights` and `sync_from_device` work on a dispatched model. Importing this package initialises neither
+CUDA nor `torch._dynamo`.
 """
 
 from .config import OffloadConfig, PrefetchConfig, UVAConfig
@@ -41,4 +41,4 @@ __all__ = [
     "time_layers",
 ]
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -1,9 +1,9 @@
 """The verbs: `dispatch_model` plans and executes a dispatch on a built model, `remove_offload` undoes it.
 
-Plan, then execute: the plan says where every parameter goes (`placements.py`); `attach` builds the buffer pool, the
-engine and the hooks for it, making every change to the model through the state's journal (`lifecycle/journal.py`), which
-removal, re-dispatch, failure and the collection of a deleted model replay. The loader fills host storage from the
-checkpoint instead of from the parameters, then calls the same `attach`.
+Plan, then execute: the plan says where every parameter goes (planning/placements.py); `attach` (lifecycle/attach.py)
+builds the buffer pool, the engine and the hooks for it, making every change to the model through the state's journal
+(lifecycle/journal.py), which removal, re-dispatch, failure and the collection of a deleted model replay. The loader
+fills host storage from the checkpoint instead of from the parameters, then calls the same `attach`.
 """
 
 from __future__ import annotations

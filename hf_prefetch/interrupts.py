@@ -1,5 +1,5 @@
 """Ctrl-C held back around the steps that must not stop half-way, and locks taken in turns so that a held-back Ctrl-C
-still lands while a thread waits: the one leaf every part of the package may use."""
+still lands while a thread waits. A leaf: every part of the package may import it."""
 
 from __future__ import annotations
 

@@ -4,7 +4,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from models import prompt, tiny_llama
+
+from tests.models import llama_and_logits
 
 
 def pytest_collection_modifyitems(config, items):
@@ -20,9 +21,6 @@ def pytest_collection_modifyitems(config, items):
 def llama_reference():
     """A tiny 8-layer Llama, never dispatched and never changed (copy it before changing it), with its prompt, its
     logits and a copy of its state dict: `.model`, `.ids`, `.logits`, `.state`."""
-    model = tiny_llama(8)
-    ids = prompt()
-    with torch.no_grad():
-        logits = model(ids).logits
+    model, ids, logits = llama_and_logits(8)
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     return SimpleNamespace(model=model, ids=ids, logits=logits, state=state)

@@ -1,12 +1,14 @@
-"""Tiny random-weight models built from transformers configs, for tests (nothing is downloaded)."""
+"""Tiny random-weight models built from transformers configs, for tests (nothing is downloaded), and the helpers that
+run them and compare what they compute."""
 
 from __future__ import annotations
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-# The tiny models' sizes (layers aside).
-_TINY = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+# The tiny models' attention sizes and vocabulary (ATTENTION), and all their sizes but the layer count (_TINY).
+ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+_TINY = dict(ATTENTION, intermediate_size=128)
 
 
 def tiny_llama(
@@ -44,6 +46,20 @@ def prompt(batch: int = 2, length: int = 7, vocab: int = 128, seed: int = 1) -> 
     return torch.randint(3, vocab, (batch, length), generator=generator)
 
 
+def logits(model: torch.nn.Module, vocab: int = 128) -> torch.Tensor:
+    """The model's logits for `prompt(vocab=vocab)`."""
+    with torch.no_grad():
+        return model(prompt(vocab=vocab)).logits
+
+
+def llama_and_logits(num_layers: int = 8) -> tuple[LlamaForCausalLM, torch.Tensor, torch.Tensor]:
+    """`tiny_llama(num_layers)`, `prompt()` and the model's logits for that prompt."""
+    model = tiny_llama(num_layers)
+    ids = prompt()
+    with torch.no_grad():
+        return model, ids, model(ids).logits
+
+
 def generate_with_logits(model, ids, **kwargs):
     """Greedy (unless kwargs say otherwise) generate of 6 new tokens that returns every step's logits."""
     with torch.no_grad():
@@ -63,6 +79,11 @@ def assert_same_generation(got, want) -> None:
     assert torch.equal(got.sequences, want.sequences)
     for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
         assert torch.equal(a, b), f"logits differ at step {step}"
+
+
+def bytes_of(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's values as flat bytes, to compare packed or quantized values bitwise."""
+    return tensor.detach().reshape(-1).view(torch.uint8)
 
 
 def rewrite_checkpoint(folder, change, metadata=None) -> None:

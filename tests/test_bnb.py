@@ -1,22 +1,29 @@
 """bitsandbytes' 4-bit models (transformers' `BitsAndBytesConfig(load_in_4bit=True)`) stream their packed bytes and
 quantization state (scales, code, the scales' own scales with double quantization), and 8-bit ones (`load_in_8bit`)
 their int8 values and row scales, never a dequantized copy: the same bits as the same quantized model resident, on
-every path that reads or writes the weights. bitsandbytes runs on the
-CPU, so CI runs the real thing; the GPU test runs the same on CUDA.
+every path that reads or writes the weights. bitsandbytes runs on the CPU, so CI runs the real thing; the GPU test runs
+the same on CUDA.
 
 On the CPU a dispatched model computes its 4-bit layers with bitsandbytes' portable kernels (its AVX512-BF16 kernels
-repack the weights at the first forward, which a slot would not follow: see hf_prefetch/bnb.py), so the resident
-reference here is loaded with those kernels too (`portable=True`)."""
+repack the weights at the first forward, which a slot would not follow: see hf_prefetch/formats/bnb.py), so the
+resident reference here is loaded with those kernels too (`portable=True`)."""
 
 import gc
 import weakref
 
 import pytest
 import torch
-from models import assert_same_generation, generate_with_logits, prompt, rewrite_checkpoint, tiny_llama, tiny_qwen2
 
 import hf_prefetch
 from hf_prefetch import PrefetchConfig
+from tests.models import (
+    assert_same_generation,
+    generate_with_logits,
+    prompt,
+    rewrite_checkpoint,
+    tiny_llama,
+    tiny_qwen2,
+)
 
 pytest.importorskip("bitsandbytes")
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: E402
@@ -41,7 +48,7 @@ def gpu_checkpoint(tmp_path_factory):
     # The GPU tests' bf16 checkpoint (hidden sizes bitsandbytes' CUDA kernels take), saved once.
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from models import gpu_llama
+    from tests.models import gpu_llama
 
     folder = tmp_path_factory.mktemp("bnb-gpu")
     gpu_llama(8).save_pretrained(folder)

@@ -5,12 +5,12 @@ import sys
 
 import pytest
 import torch
-from models import tiny_llama
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import hf_prefetch
 from hf_prefetch.cli import main
+from tests.models import tiny_llama
 
 WORDS = "the a cat dog sat on mat and ran to house tree big small red blue green one two three".split()
 WORDS += [f"w{i}" for i in range(128 - 3 - len(WORDS))]  # the tiny model's 128 ids

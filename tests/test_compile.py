@@ -9,10 +9,10 @@ import shutil
 
 import pytest
 import torch
-from models import gpu_llama, prompt, tiny_llama
 from transformers import CompileConfig, LlamaForCausalLM
 
 import hf_prefetch
+from tests.models import gpu_llama, prompt, tiny_llama
 
 HAS_CXX = shutil.which("g++") is not None or shutil.which("c++") is not None
 CPU_BACKENDS = [

@@ -11,7 +11,7 @@ import hf_prefetch
 from hf_prefetch.formats import lossless as codec
 from hf_prefetch.host.arena import padded_bytes
 from hf_prefetch.host.offloaded import host_value
-from tests.models import generate_with_logits, prompt, tiny_llama
+from tests.models import assert_same_generation, generate_with_logits, prompt, tiny_llama
 
 CONFIG = dict(group_size=2, num_in_group=1, prefetch_step=2, compress=True)
 
@@ -19,12 +19,6 @@ CONFIG = dict(group_size=2, num_in_group=1, prefetch_step=2, compress=True)
 def _model(dtype=torch.bfloat16, seed=0, layers=6) -> LlamaForCausalLM:
     # Projections of 16384 elements and more: large enough to be compressed (codec.MIN_NUMEL).
     return tiny_llama(layers, seed, dtype, hidden_size=128, intermediate_size=256)
-
-
-def _same(a, b) -> None:
-    assert torch.equal(a.sequences, b.sequences)
-    for got, want in zip(a.logits, b.logits, strict=True):
-        assert torch.equal(got, want)
 
 
 def _values(model) -> dict[str, torch.Tensor]:
@@ -48,7 +42,7 @@ def test_outputs_state_dict_and_removal_are_bitwise_the_resident_models(dtype, p
     values_bytes, encoded_bytes = state.plan.compressed_bytes
     assert encoded_bytes / values_bytes < (0.76 if dtype == torch.bfloat16 else 0.88)
     assert state.plan.host_bytes < state.plan.offloaded_bytes
-    _same(generate_with_logits(model, ids), want)
+    assert_same_generation(generate_with_logits(model, ids), want)
     assert all(torch.equal(values[k], v) for k, v in model.state_dict().items())
     stats = hf_prefetch.stats(model)
     assert stats.decodes > 0 and stats.decoded_bytes > 0
@@ -64,7 +58,7 @@ def test_outputs_state_dict_and_removal_are_bitwise_the_resident_models(dtype, p
     # Nothing keeps the compressed arena (encoded bytes and all) alive: the plain parameters got copies of their own.
     assert not any(p.data_ptr() in inside for p in model.parameters())
     del arena
-    _same(generate_with_logits(model, ids), want)
+    assert_same_generation(generate_with_logits(model, ids), want)
 
 
 def test_the_plan_counts_encoded_bytes_and_staging():
@@ -101,7 +95,7 @@ def test_misses_and_interrupted_forwards_decode_the_right_layer():
     with pytest.raises(KeyboardInterrupt), torch.no_grad():
         model(ids)
     handle.remove()
-    _same(generate_with_logits(model, ids), want)
+    assert_same_generation(generate_with_logits(model, ids), want)
     assert hf_prefetch.stats(model).misses > 0
 
 
@@ -112,7 +106,7 @@ def test_load_state_dict_encodes_the_new_values():
     hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**CONFIG), device="cpu")
     generate_with_logits(model, ids)
     model.load_state_dict(other.state_dict())
-    _same(generate_with_logits(model, ids), want)
+    assert_same_generation(generate_with_logits(model, ids), want)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in other.state_dict().items())
 
 
@@ -140,7 +134,7 @@ def test_values_that_do_not_fit_the_layout_are_refused_and_nothing_is_written(lo
     with pytest.raises(ValueError, match=rf"The new value of {name} has \d+ weights whose exponent is outside"):
         target.load_state_dict(new)
     assert all(torch.equal(values[k], v) for k, v in model.state_dict().items())
-    _same(generate_with_logits(model, ids), want)
+    assert_same_generation(generate_with_logits(model, ids), want)
 
 
 def test_a_tensor_that_does_not_compress_at_dispatch_stays_plain(caplog):
@@ -159,7 +153,7 @@ def test_a_tensor_that_does_not_compress_at_dispatch_stays_plain(caplog):
     state = hf_prefetch.get_state(model)
     assert next(o for o in state.offloaded if o.full_name == name).layout is None
     assert not next(p for p in state.plan.rings[0].layers[1].params if p.name == "mlp.down_proj.weight").compressed
-    _same(generate_with_logits(model, ids), want)
+    assert_same_generation(generate_with_logits(model, ids), want)
 
 
 def test_sync_from_device_writes_encoded_values_back():
@@ -169,7 +163,7 @@ def test_sync_from_device_writes_encoded_values_back():
     hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**CONFIG), device="cpu")
     generate_with_logits(model, ids)
     assert hf_prefetch.sync_from_device(model)
-    _same(generate_with_logits(model, ids), want)
+    assert_same_generation(generate_with_logits(model, ids), want)
 
 
 def test_sync_from_device_writes_no_layer_when_one_does_not_fit():
@@ -216,7 +210,7 @@ def test_a_failed_dispatch_leaves_the_model_as_it_was(monkeypatch, fail_at):
     monkeypatch.undo()
     assert hf_prefetch.get_state(model) is None
     assert all(torch.equal(values[k], v) for k, v in model.state_dict().items())
-    _same(generate_with_logits(model, ids), want)
+    assert_same_generation(generate_with_logits(model, ids), want)
 
 
 def test_from_pretrained_compresses_what_it_reads(tmp_path):
@@ -228,7 +222,7 @@ def test_from_pretrained_compresses_what_it_reads(tmp_path):
     state = hf_prefetch.get_state(loaded)
     assert any(o.layout is not None for o in state.offloaded)
     assert "compress" in state.load_timeline
-    _same(generate_with_logits(loaded, ids), want)
+    assert_same_generation(generate_with_logits(loaded, ids), want)
     assert torch.equal(host_value(state.offloaded[0]), loaded.state_dict()[state.offloaded[0].full_name])
 
 
@@ -255,11 +249,11 @@ def test_compressed_streaming_on_cuda_is_bitwise_the_resident_model(dtype):
         timing=True,
     )
     for _ in range(2):
-        _same(generate_with_logits(model, ids, max_new_tokens=24), want)
+        assert_same_generation(generate_with_logits(model, ids, max_new_tokens=24), want)
     stats = hf_prefetch.stats(model)
     assert stats.misses == 0 and stats.decodes > 0 and stats.decode_seconds > 0
     model.load_state_dict(values)  # write-through, encoded again
-    _same(generate_with_logits(model, ids, max_new_tokens=24), want)
+    assert_same_generation(generate_with_logits(model, ids, max_new_tokens=24), want)
     hf_prefetch.remove_offload(model)
     assert all(torch.equal(values[k].cuda(), v) for k, v in model.state_dict().items())
 

@@ -11,11 +11,11 @@ import re
 
 import pytest
 import torch
-from models import assert_same_generation, generate_with_logits, tiny_llama, tiny_qwen2
 from safetensors.torch import load_file, save_file
 
 import hf_prefetch
 from hf_prefetch import PrefetchConfig
+from tests.models import assert_same_generation, bytes_of, generate_with_logits, tiny_llama, tiny_qwen2
 
 pytest.importorskip("compressed_tensors")
 from transformers import AutoModelForCausalLM, CompressedTensorsConfig  # noqa: E402
@@ -97,7 +97,8 @@ def packed_moe_checkpoint(folder, family: str):
         QuantizationScheme,
         apply_quantization_config,
     )
-    from moe_models import moe_model
+
+    from tests.moe_models import moe_model
 
     settings = json.loads((packed_checkpoint(folder / "llama") / "config.json").read_text())["quantization_config"]
     moe_model(family).to(torch.bfloat16).save_pretrained(folder)
@@ -170,10 +171,6 @@ def _ids() -> torch.Tensor:
     return torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(3))
 
 
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().reshape(-1).view(torch.uint8)
-
-
 @pytest.mark.parametrize("strategy, static", [("channel", False), ("tensor", False), ("channel", True)])
 def test_from_pretrained_streams_fp8_bytes_and_computes_what_transformers_optimized_load_computes(
     tmp_path, fp8_everywhere, strategy, static
@@ -202,7 +199,7 @@ def test_from_pretrained_streams_fp8_bytes_and_computes_what_transformers_optimi
         got = model.state_dict()
         assert set(got) == set(expected)
         for name, value in got.items():
-            assert value.dtype == expected[name].dtype and torch.equal(_bytes(value), _bytes(expected[name])), name
+            assert value.dtype == expected[name].dtype and torch.equal(bytes_of(value), bytes_of(expected[name])), name
     finally:
         hf_prefetch.remove_offload(model)
 
@@ -221,7 +218,7 @@ def test_from_pretrained_of_a_model_with_biases_and_ignored_linears_equals_trans
         assert_same_generation(generate_with_logits(model, _ids()), want)
         expected = reference.state_dict()
         for name, value in model.state_dict().items():
-            assert value.dtype == expected[name].dtype and torch.equal(_bytes(value), _bytes(expected[name])), name
+            assert value.dtype == expected[name].dtype and torch.equal(bytes_of(value), bytes_of(expected[name])), name
     finally:
         hf_prefetch.remove_offload(model)
 
@@ -370,7 +367,7 @@ def test_from_pretrained_refuses_a_checkpoint_not_stored_compressed_naming_its_s
 def test_from_pretrained_of_an_fp8_mixture_of_experts_checkpoint_equals_transformers(tmp_path, fp8_everywhere, family):
     # The routers stay dense (`ignore`). Routed experts stream expert by expert; nothing of compressed-tensors'
     # first-forward decompression may wrap the experts module whose forward hf_prefetch replaced.
-    from moe_models import moe_model
+    from tests.moe_models import moe_model
 
     folder = fp8_checkpoint(tmp_path, model=moe_model(family).to(torch.bfloat16), skip="mlp.gate")
     want = generate_with_logits(transformers_fp8(folder), _ids())
@@ -388,12 +385,12 @@ def test_dispatch_model_refuses_a_model_still_compressed_and_takes_it_once_decom
     # ones: a dispatch before it would stream tensors about to be replaced.
     folder = fp8_checkpoint(tmp_path)
     model = AutoModelForCausalLM.from_pretrained(folder).eval()
-    before = {name: _bytes(value).clone() for name, value in model.state_dict().items()}
+    before = {name: bytes_of(value).clone() for name, value in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj' \(Linear\).*still holds compressed"):
         hf_prefetch.dispatch_model(model, STRIDE, device="cpu")
     assert hf_prefetch.get_state(model) is None
     assert not any(hasattr(module, "_hf_hook") for module in model.modules())
-    assert all(torch.equal(_bytes(value), before[name]) for name, value in model.state_dict().items())
+    assert all(torch.equal(bytes_of(value), before[name]) for name, value in model.state_dict().items())
     with torch.no_grad():
         model(_ids())  # decompresses
     assert model.model.layers[1].mlp.down_proj.weight.dtype == torch.bfloat16

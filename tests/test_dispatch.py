@@ -6,20 +6,17 @@ import weakref
 import pytest
 import torch
 from accelerate.hooks import ModelHook, add_hook_to_module
-from models import prompt, tiny_llama
 
 import hf_prefetch
 from hf_prefetch import PrefetchConfig
+from tests.models import llama_and_logits, prompt, tiny_llama
 
 PATTERNS = [(2, 1), (8, 2), (4, 3), (1, 1), (3, 1)]
 
 
 @pytest.fixture(scope="module")
 def reference():
-    model = tiny_llama(8)
-    ids = prompt()
-    with torch.no_grad():
-        logits = model(ids).logits
+    model, ids, logits = llama_and_logits(8)
     tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False)
     state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
     return model, ids, logits, tokens, state

@@ -5,12 +5,12 @@ import gc
 
 import pytest
 import torch
-from models import gpu_llama
 from transformers import LlamaForCausalLM
 
 import hf_prefetch
 from hf_prefetch.host.arena import _clear_last_cuda_error
 from hf_prefetch.planning.links import STAGES
+from tests.models import gpu_llama
 
 pytestmark = pytest.mark.gpu
 

@@ -1,7 +1,7 @@
-"""Hostile tests of a dispatched model's lifetime (issue 15): copies and pickling, forwards from several threads,
+"""A dispatched model's lifetime under misuse and bad timing: copies and pickling, forwards from several threads,
 freeing by reference counting, interrupts anywhere in the verbs that change a model, backward, the plan's numbers.
 
-Each test fails on the library as it was at commit 290ebb4. Everything runs on the CPU (synchronous copies)."""
+Everything runs on the CPU (synchronous copies)."""
 
 from __future__ import annotations
 
@@ -18,12 +18,12 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from models import prompt, tiny_llama
 
 import hf_prefetch
 from hf_prefetch import PrefetchConfig, UVAConfig
 from hf_prefetch.host.arena import pinned_bytes
 from hf_prefetch.lifecycle.state import Lifecycle
+from tests.models import llama_and_logits, prompt, tiny_llama
 
 # 6 layers: layers 1, 3, 5 stream through 2 slots (5 takes 1's slot each forward, 3 holds its own).
 SHARED = PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2)
@@ -32,11 +32,7 @@ SHARED = PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2)
 @pytest.fixture(scope="module")
 def six():
     """An undispatched 6-layer Llama (copy it before changing it), its prompt and its logits."""
-    model = tiny_llama(6)
-    ids = prompt()
-    with torch.no_grad():
-        logits = model(ids).logits
-    return model, ids, logits
+    return llama_and_logits(6)
 
 
 def _logits(model, ids):
@@ -60,7 +56,7 @@ def _leftovers(model) -> list[str]:
     return found
 
 
-# --- 3. copy.deepcopy, pickle, torch.save ------------------------------------------------------------------------
+# --- copy.deepcopy, pickle, torch.save ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
@@ -81,8 +77,8 @@ def test_copying_a_dispatched_model_refuses_and_leaves_it_computing(six, copy_it
 
 
 def test_torch_save_of_a_dispatched_models_state_dict_saves_each_value_alone(six):
-    # Streamed values in several dtypes live in one host arena (bf16 weights beside float32 norms): torch.save refused
-    # to save views of one storage in two dtypes, and would have written the whole arena for each.
+    # Streamed values in several dtypes live in one host arena (bf16 weights beside float32 norms): torch.save refuses
+    # to save views of one storage in two dtypes, and would write the whole arena for each.
     model = copy.deepcopy(six[0]).to(torch.bfloat16)
     for layer in model.model.layers:
         layer.input_layernorm.float()
@@ -106,9 +102,9 @@ def test_torch_save_of_a_dispatched_models_state_dict_saves_each_value_alone(six
     ids=["deepcopy", "pickle", "torch.save"],
 )
 def test_copying_a_part_of_a_dispatched_model_refuses_or_gives_an_independent_copy(six, copy_it):
-    # A copy of model.model held whatever the slots held (layer 5's parameters showed layer 1's weights) and hooks that
-    # copied into the copied pool, which its parameters no longer pointed at: a silently wrong model. A module that
-    # holds streamed layers refuses now; a resident one still copies, into a module of its own.
+    # A plain copy of model.model would hold whatever the slots hold (layer 5's parameters showing layer 1's weights)
+    # and hooks that copy into the copied pool, which its parameters do not point at: a silently wrong model. A module
+    # that holds streamed layers refuses; a resident one copies, into a module of its own.
     model, ids, logits = six
     model = _dispatched(copy.deepcopy(model))
     try:
@@ -132,7 +128,7 @@ def test_copying_a_part_of_a_dispatched_model_refuses_or_gives_an_independent_co
     assert torch.equal(_logits(copied, ids), logits) and _leftovers(copied) == []
 
 
-# --- 4. Forwards from several threads ----------------------------------------------------------------------------
+# --- Forwards from several threads -------------------------------------------------------------------------------
 
 ONE_SLOT = PrefetchConfig(group_size=1, prefetch_step=1)  # every layer streams through one slot
 
@@ -202,7 +198,8 @@ def test_two_threads_forward_the_logits_of_one(six):
 @pytest.mark.parametrize("error", [IndexError, KeyboardInterrupt])
 def test_a_forward_that_raises_does_not_block_another_threads_forward(six, error):
     # torch runs a forward hook registered with always_call=True when the forward raises an Exception, but not for a
-    # KeyboardInterrupt (Ctrl-C in the main thread): the gate stayed held and every other thread's forward hung.
+    # KeyboardInterrupt (Ctrl-C in the main thread): a gate released only there would stay held and every other
+    # thread's forward would hang.
     model, ids, logits = six
     model = _dispatched(copy.deepcopy(model), ONE_SLOT)
     mlp = model.model.layers[3].mlp
@@ -246,7 +243,7 @@ def test_a_forward_that_raises_in_one_thread_while_another_computes(six):
         hf_prefetch.remove_offload(model)
 
 
-# --- 5. A deleted model is freed by reference counting -----------------------------------------------------------
+# --- A deleted model is freed by reference counting --------------------------------------------------------------
 
 
 def _everything_of(model) -> dict[str, weakref.ref]:
@@ -275,8 +272,8 @@ def _generate(model, ids):
 
 @pytest.mark.parametrize("then", [None, _forward, _generate], ids=["dispatched", "forward", "generate"])
 def test_a_deleted_model_is_freed_by_reference_counting(six, tmp_path, then):
-    # Each layer that accelerate hooked stayed in a reference cycle after its hook was removed (by remove_offload, or
-    # by the journal when the model died): the layers and their weights lived on until the cyclic collector ran.
+    # A layer that accelerate hooked must leave no reference cycle once its hook is removed (by remove_offload, or by
+    # the journal when the model dies): else the layers and their weights live on until the cyclic collector runs.
     model, ids, _ = six
     model.save_pretrained(tmp_path)
     left: dict[str, list[str]] = {}
@@ -308,7 +305,7 @@ def test_a_deleted_model_is_freed_by_reference_counting(six, tmp_path, then):
     assert left == {load: [] for load in left}
 
 
-# --- 6. Interrupts anywhere ------------------------------------------------------------------------------------------
+# --- Interrupts anywhere ---------------------------------------------------------------------------------------------
 
 PACKAGE = os.path.dirname(hf_prefetch.__file__) + os.sep
 FOUR = PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1)  # layers 1 and 3 take turns in one slot
@@ -485,11 +482,11 @@ def test_an_interrupted_rewrite_computes_what_state_dict_shows(four, monkeypatch
     _interrupted_everywhere(monkeypatch, setup, rewrite, check)
 
 
-# --- 7. UVAConfig(cpu_offload_gb=-0.0) == UVAConfig(cpu_offload_gb=0.0), with equal hashes: covered by
+# --- UVAConfig(cpu_offload_gb=-0.0) == UVAConfig(cpu_offload_gb=0.0), with equal hashes: covered by
 # tests/test_offload_config.py::test_equal_configs_hash_equally.
 
 
-# --- 8. Backward --------------------------------------------------------------------------------------------------
+# --- Backward -----------------------------------------------------------------------------------------------------
 
 
 def test_backward_through_a_streamed_layer_raises_and_no_grad_forwards_are_unaffected(six):
@@ -515,7 +512,7 @@ def test_backward_through_a_streamed_layer_raises_and_no_grad_forwards_are_unaff
         hf_prefetch.remove_offload(model)
 
 
-# --- 9. The plan's numbers ----------------------------------------------------------------------------------------
+# --- The plan's numbers -------------------------------------------------------------------------------------------
 
 PLANS = [
     # (layers, group_size, num_in_group, prefetch_step)
@@ -641,8 +638,8 @@ def test_a_forward_set_after_the_dispatch_is_kept_by_remove_offload(six):
 
 
 def test_a_model_collected_inside_a_dispatch_mode_is_undone_outside_it(six):
-    # The cyclic collector runs a dead model's finalizer wherever it happens to run: CI saw it inside torch.compile's
-    # FakeTensorMode, where the journal's `param.data = ...` failed, and the host storage that `release` frees was
+    # The cyclic collector runs a dead model's finalizer wherever it happens to run, torch.compile's FakeTensorMode
+    # included, where the journal's `param.data = ...` would fail and the host storage that `release` frees would be
     # replaced by a fake tensor.
     from torch._subclasses.fake_tensor import FakeTensorMode
 

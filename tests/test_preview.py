@@ -6,11 +6,11 @@ import re
 
 import pytest
 import torch
-from models import tiny_llama
 
 import hf_prefetch
 from hf_prefetch import PrefetchConfig
 from hf_prefetch.planning.selection import make_plan
+from tests.models import tiny_llama
 
 RESERVE = 10_000
 

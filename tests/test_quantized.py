@@ -14,12 +14,12 @@ import os
 import pytest
 import torch
 import torch.nn.functional as F
-from models import assert_same_generation, generate_with_logits
 from transformers import FineGrainedFP8Config, LlamaConfig, LlamaForCausalLM
 from transformers.integrations import finegrained_fp8
 
 import hf_prefetch
 from hf_prefetch import PrefetchConfig
+from tests.models import assert_same_generation, bytes_of, generate_with_logits
 
 BLOCK = (128, 128)
 STRIDE = PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1)
@@ -65,10 +65,6 @@ def fp8_llama(seed: int = 0) -> LlamaForCausalLM:
     return model.eval()
 
 
-def _bytes(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().reshape(-1).view(torch.uint8)
-
-
 def _ids(seed: int = 3) -> torch.Tensor:
     return torch.randint(3, 128, (2, 6), generator=torch.Generator().manual_seed(seed))
 
@@ -89,11 +85,11 @@ def test_fp8_layers_stream_their_packed_bytes_and_compute_what_the_resident_mode
         assert stats.misses == 0 and stats.copied_bytes == stats.copies * packed
         for name, value in model.state_dict().items():
             want = reference.state_dict()[name]
-            assert value.dtype == want.dtype and torch.equal(_bytes(value), _bytes(want)), name
+            assert value.dtype == want.dtype and torch.equal(bytes_of(value), bytes_of(want)), name
     finally:
         hf_prefetch.remove_offload(model)
     for (name, got), want in zip(model.named_parameters(), reference.parameters(), strict=True):
-        assert got.dtype == want.dtype and torch.equal(_bytes(got), _bytes(want)), name
+        assert got.dtype == want.dtype and torch.equal(bytes_of(got), bytes_of(want)), name
 
 
 def test_reloading_fp8_weights_writes_packed_values():
@@ -105,8 +101,8 @@ def test_reloading_fp8_weights_writes_packed_values():
         assert_same_generation(generate_with_logits(model, _ids()), generate_with_logits(other, _ids()))
         hf_prefetch.sync_from_device(model)  # writes the slots back: the same bytes
         assert torch.equal(
-            _bytes(model.state_dict()["model.layers.3.mlp.down_proj.weight"]),
-            _bytes(other.model.layers[3].mlp.down_proj.weight),
+            bytes_of(model.state_dict()["model.layers.3.mlp.down_proj.weight"]),
+            bytes_of(other.model.layers[3].mlp.down_proj.weight),
         )
     finally:
         hf_prefetch.remove_offload(model)
@@ -158,7 +154,7 @@ def test_from_pretrained_reads_a_pre_quantized_fp8_checkpoint_as_packed_bytes(tm
         assert_same_generation(generate_with_logits(model, _ids()), generate_with_logits(reference, _ids()))
         want = reference.state_dict()
         for name, value in model.state_dict().items():
-            assert value.dtype == want[name].dtype and torch.equal(_bytes(value), _bytes(want[name])), name
+            assert value.dtype == want[name].dtype and torch.equal(bytes_of(value), bytes_of(want[name])), name
     finally:
         hf_prefetch.remove_offload(model)
 

@@ -7,11 +7,11 @@ import warnings
 
 import pytest
 import torch
-from models import assert_same_generation, generate_with_logits
-from moe_models import FAMILIES, VOCAB, moe_model
 
 import hf_prefetch
 from hf_prefetch import Placement, PrefetchConfig
+from tests.models import assert_same_generation, generate_with_logits
+from tests.moe_models import FAMILIES, VOCAB, moe_model
 
 ROUTED = dict(group_size=2, num_in_group=1, prefetch_step=1, routed_max_tokens=4)
 

@@ -3,10 +3,10 @@ import sys
 
 import pytest
 import torch
-from models import prompt, tiny_llama
 
 import hf_prefetch
 from hf_prefetch.stats import LayerStats, TransferStats
+from tests.models import prompt, tiny_llama
 
 
 def test_counts_follow_the_slot_plan():

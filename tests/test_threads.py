@@ -8,12 +8,12 @@ import threading
 
 import pytest
 import torch
-from models import tiny_llama
-from moe_models import moe_model
 
 import hf_prefetch
 from hf_prefetch import PrefetchConfig
 from hf_prefetch.lifecycle.state import exclusive
+from tests.models import tiny_llama
+from tests.moe_models import moe_model
 
 CONFIG = PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1)
 OTHER = PrefetchConfig(group_size=4, num_in_group=2, prefetch_step=2)  # what a re-dispatch in a thread gives

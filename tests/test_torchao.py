@@ -9,11 +9,11 @@ import weakref
 
 import pytest
 import torch
-from models import assert_same_generation, generate_with_logits, prompt, rewrite_checkpoint, tiny_llama
 from torch import nn
 
 import hf_prefetch
 from hf_prefetch import PrefetchConfig, UVAConfig
+from tests.models import assert_same_generation, generate_with_logits, prompt, rewrite_checkpoint, tiny_llama
 
 quantization = pytest.importorskip("torchao.quantization")
 

@@ -9,7 +9,6 @@ import weakref
 
 import pytest
 import torch
-from models import prompt, tiny_llama
 from torch import nn
 
 import hf_prefetch
@@ -18,6 +17,7 @@ from hf_prefetch.host import arena as host
 from hf_prefetch.host.arena import HostArena
 from hf_prefetch.lifecycle import attach
 from hf_prefetch.planning.selection import make_uva_plan
+from tests.models import llama_and_logits, tiny_llama
 
 # tiny_llama: every layer has, in named_parameters order, q (16 KiB), k (8 KiB), v (8 KiB), o (16 KiB), gate, up,
 # down (32 KiB each) and two norms (256 B each) in float32: 147,968 bytes.
@@ -38,11 +38,7 @@ GIB = 2**30
 
 @pytest.fixture(scope="module")
 def reference():
-    model = tiny_llama(8)
-    ids = prompt()
-    with torch.no_grad():
-        logits = model(ids).logits
-    return model, ids, logits
+    return llama_and_logits(8)
 
 
 @pytest.fixture(autouse=True)

@@ -17,10 +17,10 @@ import pytest
 import torch
 from torch import nn
 from transformers.utils import ModelOutput
-from zoo import ARCHS, ARCHS_BY_NAME, Arch, left_padded, prompt
 
 import hf_prefetch
 from hf_prefetch.planning.layers import segment_matches
+from tests.zoo import ARCHS, ARCHS_BY_NAME, Arch, left_padded, prompt
 
 NEW_TOKENS = 8
 # 8 layers -> layers 1, 3, 5, 7 stream through 2 slots, so every forward copies into reused slots.

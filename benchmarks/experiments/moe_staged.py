@@ -2,13 +2,13 @@
 
 The library fetches each layer's previous picks with a kernel on the copy stream that reads host memory through the
 mapped view (about 0.90 of the link), inside the CUDA graph, after the layer's slot is free; between two replays the
-link carries only the ring's first layers (session 17's profile: about 4 ms a token idle). This script tries the
-other way: `finish` queues a copy of the picks (`recent.experts`) back to pinned host memory, and the next routing
-forward's `prepare`, once that copy has landed (an event query, never a wait), copies the picked experts that the cache
-does not hold into 8 extra rows after each layer's expert-cache rows, with copy-engine copies on the copy stream, and
-points the cache's lookup (`slot_of`) at them: the graph's fetch skips them, as it skips cached experts, and the
-gather at the router reads them from the device. After its staging, each layer's external CUDA event is recorded on the
-copy stream; the gather waits for it (in the graph: a wait node). Variants:
+link carries only the ring's first layers (benchmarks/moe_profile.py's timeline: about 4 ms a token idle). This script
+tries the other way: `finish` queues a copy of the picks (`recent.experts`) back to pinned host memory, and the next
+routing forward's `prepare`, once that copy has landed (an event query, never a wait), copies the picked experts that
+the cache does not hold into 8 extra rows after each layer's expert-cache rows, with copy-engine copies on the copy
+stream, and points the cache's lookup (`slot_of`) at them: the graph's fetch skips them, as it skips cached experts,
+and the gather at the router reads them from the device. After its staging, each layer's external CUDA event is
+recorded on the copy stream; the gather waits for it (in the graph: a wait node). Variants:
 
 - `off`: nothing staged (the events are recorded all the same): the library as it is.
 - `firstN` / `lastN`: the first / last N streamed layers after the ring's first ones; with `-join` (`firstN-join`) the
@@ -21,7 +21,8 @@ routed-bytes bound (the picks the cache did not hold, per token, from the librar
 the fastest link reading) and each pair's ratio to `off`. `--timeline` records CUDA events around each staging and at
 each forward's end. The extra rows are not in the plan: a GPU with room to spare.
 
-    PYTHONPATH=. python benchmarks/experiments/moe_staged.py [--rounds 3] [--variants off first4-join all] [--modes greedy sampled]
+    PYTHONPATH=. python benchmarks/experiments/moe_staged.py [--rounds 3] [--variants off first4-join all]
+        [--modes greedy sampled]
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ from common import h2d_peak_gbps, static_decode  # noqa: E402
 from moe import build  # noqa: E402
 
 import hf_prefetch  # noqa: E402
-import hf_prefetch.runtime.routed as routed_module  # noqa: E402
 import hf_prefetch.runtime.experts as experts_module  # noqa: E402
+import hf_prefetch.runtime.routed as routed_module  # noqa: E402
 
 PROMPT_TOKENS = 16
 CACHE_TOKENS = PROMPT_TOKENS + 64

@@ -1,7 +1,7 @@
 """How long the loader's warm-up thread runs, alone and beside other work, to find what slows it during the reads.
 
-The warm-up (`hf_prefetch.loading.warmup.Warmup`: a one-layer twin's `generate()`, which pays the CUDA context, cuBLAS and
-kernel loading) runs while the loader reads the checkpoint, and a load ends only when both have. Each variant runs
+The warm-up (`hf_prefetch.loading.warmup.Warmup`: a one-layer twin's `generate()`, which pays the CUDA context, cuBLAS
+and kernel loading) runs while the loader reads the checkpoint, and a load ends only when both have. Each variant runs
 in a fresh process (the costs are one-time): the 8B-shaped skeleton of `benchmarks/load.py`'s checkpoint on the meta
 device, then the warm-up thread started, alone or beside 16 threads (`--threads`) doing one kind of work:
 
@@ -14,8 +14,8 @@ device, then the warm-up thread started, alone or beside 16 threads (`--threads`
 - `copy`: copies between host buffers written before (memory bandwidth; the GIL released, no page faults);
 - `python`: pure-Python loops (the GIL held), for 2 s;
 - `lock-files`: every shard mapped read-only in 64 MiB spans, each page-locked for the device and unlocked again
-  (`host.lock_read_only`, what a mapped read does before and after its copy), no copy; `lock-once`: the same with
-  each shard mapped once, before the spans;
+  (`hf_prefetch.host.arena.lock_read_only`, what a mapped read does before and after its copy), no copy; `lock-once`:
+  the same with each shard mapped once, before the spans;
 - `mapped-reads`: the loader's device reads (`TensorReader` onto the GPU, every tensor of the checkpoint: mapped
   spans of the page cache's pages, page-locked, copied by the copy engine); `window-reads`: the same through pinned
   bounce buffers (mapping off);
@@ -31,8 +31,8 @@ one process, to compare its time beside the warm-up with its time alone.
 Prints the warm-up's seconds and the other work's. Run on a GPU machine after `benchmarks/load.py` wrote its
 checkpoint:
 
-    PYTHONUNBUFFERED=1 python benchmarks/experiments/warmup_contention.py [--dir /tmp/ckpt8b] [--rounds 2] [--variants ...]
-        [--alone]
+    PYTHONUNBUFFERED=1 python benchmarks/experiments/warmup_contention.py [--dir /tmp/ckpt8b] [--rounds 2]
+        [--variants ...] [--alone]
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Pre-quantized checkpoints: the skeleton's quantized parameters made what the checkpoint stores, and which checkpoint
 key fills which of their parts.
 
-transformers' own quantizer prepares the skeleton (skeleton.py); its quantized parameters are then rebuilt on the meta
-device from the checkpoint's headers, so that a plan counts the stored bytes and the loader reads each stored tensor
-straight into its place, as a part of its parameter (`weight:qdata`, the names `parts.stored_parts` gives):
+transformers' own quantizer prepares the skeleton (loading/skeleton.py); its quantized parameters are then rebuilt on
+the meta device from the checkpoint's headers, so that a plan counts the stored bytes and the loader reads each stored
+tensor straight into its place, as a part of its parameter (`weight:qdata`, the names `parts.stored_parts` gives):
 
 - bitsandbytes 4-bit and 8-bit layers: `bnb.prepare_prequantized`, `bnb.checkpoint_parts`;
 - torchao tensor subclasses (`TorchAoConfig`, saved as safetensors): each subclass parameter is stored flattened, one

@@ -35,11 +35,12 @@ memory and no second copy in the page cache; `pin` page-locks the range for read
   atomic per region) at the same addresses, then page-locks the range again. Views and engine transfers keep their
   addresses and read the private pages.
 - *No CUDA graph records a copy from a file's pages that will be replaced.* A graph's recorded copy of page-locked
-  memory fails at its replay once the range was unregistered and registered again (`benchmarks/experiments/graph_mapped_host.py`).
-  So on CUDA the forward gate turns the pages private at the start of the first call after compiled code ran
-  (torch.compile warms a function up before its CUDA graphs record it), before that call computes; where that copy
-  is refused (the host's memory) it warns once and the pages stay. `private_host_storage` refuses (RuntimeError,
-  nothing changed) once a graph recorded copies from them (a bare `torch.cuda.graph` capture of the eager model).
+  memory fails at its replay once the range was unregistered and registered again
+  (`benchmarks/experiments/graph_mapped_host.py`). So on CUDA the forward gate turns the pages private at the start of
+  the first call after compiled code ran (torch.compile warms a function up before its CUDA graphs record it), before
+  that call computes; where that copy is refused (the host's memory) it warns once and the pages stay.
+  `private_host_storage` refuses (RuntimeError, nothing changed) once a graph recorded copies from them (a bare
+  `torch.cuda.graph` capture of the eager model).
 - *An interrupted move leaves the truth.* An error or Ctrl-C before the moves leaves every region as it was; the
   moves run with Ctrl-C deferred, and after any other exception (a signal handler's, or a failed `mremap`) what maps
   each region is read back from the kernel (`/proc/self/maps`): anonymous memory is a completed move, nothing (a

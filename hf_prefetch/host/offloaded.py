@@ -17,9 +17,10 @@ __all__ = ["OffloadedParam", "host_value", "encode_for", "write_encoded", "unenc
 
 @dataclass
 class OffloadedParam:
-    """A parameter kept in host memory: the `nn.Parameter` and the host tensor that holds its value (with `layout`,
-    its encoded bytes: see lifecycle/compressed_storage.py). For a tensor-subclass parameter (torchao's quantized tensors) there is one
-    per inner tensor: `inner` names the attribute of `param` that holds it (`full_name` ends in `:inner`)."""
+    """A parameter kept in host memory: the `nn.Parameter` and the host tensor that holds its value (with `layout`, its
+    encoded bytes: see lifecycle/compressed_storage.py). For a tensor-subclass parameter (torchao's quantized tensors)
+    there is one per inner tensor: `inner` names the attribute of `param` that holds it (`full_name` ends in
+    `:inner`)."""
 
     full_name: str
     param: nn.Parameter

@@ -70,7 +70,7 @@ def keep_int8_scales(model: nn.Module, journal: Journal) -> None:
     """Before the host storage is filled: each 8-bit layer in one form, its values and scales named by its parameter
     only (`weight.data`, `weight.SCB`; `weight.CB` and its matmul state's `CB` and `SCB` emptied, where bitsandbytes
     keeps them before and after a first forward), so that no other name keeps alive the storage the dispatch
-    replaces. A rollback rebuilds the form it had from the parameter: the undo holds no tensor (bnb.py)."""
+    replaces. A rollback rebuilds the form it had from the parameter: the undo holds no tensor (formats/bnb.py)."""
     for path, module in int8_modules(model):
         weight, state = module.weight, module.state
         ran = weight.SCB is None and state.SCB is not None  # its first forward moved them into its state
@@ -132,7 +132,7 @@ def begin(
         model.__dict__[STATE_ATTR] = state
         # A deleted model is freed by reference counting, dispatched or half-way: its journal is replayed then, which
         # detaches the hooks (an accelerate hook is a reference cycle through its module) and unpins the host
-        # storage. See [Note: the journal].
+        # storage. See [Note: the journal] in journal.py.
         state.finalizer = weakref.finalize(model, collected, state)
         # `_compiled_call_impl`: what `model.compile()` before the dispatch made of the class's `_call_impl`, which
         # torch then calls instead.
@@ -196,7 +196,7 @@ def attach(model: nn.Module, state: OffloadState) -> None:
 def _encoder_outputs_on_input_device(model: nn.Module, journal: Journal) -> None:
     # transformers' `generate` gives the encoder of a model with `hf_device_map` an accelerate hook that returns its
     # outputs on its inputs' device (or sets `io_same_device` on the hook it has): set by the dispatch, through the
-    # journal, it leaves with the dispatch; added by `generate`, it stayed on the encoder after `remove_offload`.
+    # journal, it leaves with the dispatch; added by `generate`, it would stay on the encoder after `remove_offload`.
     get_encoder = getattr(model, "get_encoder", None)
     if not getattr(getattr(model, "config", None), "is_encoder_decoder", False) or not callable(get_encoder):
         return
@@ -218,7 +218,7 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
                 journal.move_tensors(module, ring_device, skip=skip)
                 skip |= {id(t) for t in module.parameters()} | {id(t) for t in module.buffers()}
     journal.move_tensors(model, device, skip=skip)
-    if device.type == "cpu":  # 4-bit layers keep bitsandbytes' portable kernels, whose tensors stay put (bnb.py)
+    if device.type == "cpu":  # 4-bit layers keep bitsandbytes' portable kernels, tensors in place (formats/bnb.py)
         for path, module in model.named_modules():
             if repacks_on_cpu(module):
                 journal.set_attribute(module, "support_avx512bf16_for_cpu", False, f"CPU kernels of {path}")

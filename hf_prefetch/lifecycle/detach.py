@@ -42,7 +42,7 @@ def detach(model: nn.Module, state: OffloadState, target: torch.device | None) -
         raise
     if target is not None:
         unpack_for(model, target)  # 4-bit layers repacked for the CPU kernels, moved to a GPU: as .cuda() does
-    settle_int8(model)  # 8-bit layers as freshly quantized ones (bnb.py)
+    settle_int8(model)  # 8-bit layers as freshly quantized ones (formats/bnb.py)
     _end(model, state)
 
 

@@ -1,5 +1,6 @@
 """The model's forward gate: one forward at a time across threads, a half-done dispatch refusing to compute, and the
-engine's `prepare` / `finish` around each forward, outside any compiled graph."""
+engine's `prepare` / `finish` around each forward, outside any compiled graph; and the pre-hook that holds forwards
+back while a dispatch is replaced (`waits_then_refuses`)."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ class ForwardGate:
 
     A call of the model enters at `_call_impl`, which runs the model's hooks and its forward: whatever they raise, a
     KeyboardInterrupt included, the wrapper's `finally` leaves the gate (torch runs an `always_call` forward hook for
-    an Exception only, and a gate made of hooks stayed held after a Ctrl-C in a hook). The forward wrapper gates a
+    an Exception only, so a gate made of hooks would stay held after a Ctrl-C in a hook). The forward wrapper gates a
     direct `model.forward(...)`, and a call where the first is bypassed (`model.compile()` before the dispatch); under
     the first it passes through. If the forward wrapper is taken away (accelerate's `remove_hook_from_module` puts back
     the forward it had saved), calls of the model stay gated.
@@ -161,7 +162,8 @@ class ForwardGate:
                 raise RuntimeError(_REPLACED)
             if state.lifecycle is not Lifecycle.ATTACHED:
                 raise RuntimeError(_half_done(state))
-            if state.arena.file_bytes:  # [Note: mapped host storage]: never compute with a changed file's pages
+            # [Note: mapped host storage] in host/arena.py: never compute with a changed file's pages.
+            if state.arena.file_bytes:
                 state.arena.check_files()
                 state.private_before_graphs()
         except BaseException:

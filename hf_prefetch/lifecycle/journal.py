@@ -20,8 +20,10 @@ The journal holds modules by weak reference: the model holds its state, which ho
 reference back would keep a deleted model, its buffer pool and its pinned memory alive until the cyclic garbage
 collector ran. Tensors are held strongly (they do not refer to their modules).
 
-This is the only module that assigns `param.data`, replaces buffers or attaches hooks; it knows nothing about plans,
-streams or checkpoints.
+The dispatch's lasting changes (`param.data` assigned, buffers replaced, hooks attached) are made through this
+module; changes that last one call are undone by the code that makes them (a `load_state_dict`'s write-through,
+state_dict.py; the pre-hooks that hold forwards during a re-dispatch, `attach.forwards_held`). It knows nothing about
+plans, streams or checkpoints.
 """
 
 from __future__ import annotations

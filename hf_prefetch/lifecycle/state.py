@@ -58,24 +58,26 @@ class OffloadState:
     lifecycle: Lifecycle = Lifecycle.ATTACHING
     target: torch.device | None = None  # where a removal moves the weights (kept while it is DETACHING)
     finalizer: Any = None  # weakref.finalize that replays the journal when the model is collected (set by `begin`)
-    # The forward gate (hooks.ForwardGate: the model's `_call_impl` and `forward` wrapped) and the journal of its
+    # The forward gate (gate.ForwardGate: the model's `_call_impl` and `forward` wrapped) and the journal of its
     # arrival: they arrive with the state and leave with it, after everything else was undone (see `attach.begin`), so
     # that a half-done model refuses to compute until the end of its removal. The state holds the gate; the gate and
     # its wrappers hold the state and the gate only weakly.
     gate: Any = None
     gate_hooks: Journal = field(default_factory=Journal)
     write_throughs: list[WriteThrough] = field(default_factory=list)  # completed by the gate before each forward
-    # Seconds per phase of the load that built this dispatch (`loader.LoadTimeline`; empty after dispatch_model).
+    # Seconds per phase of the load that built this dispatch (`LoadTimeline`, loading/filling.py; empty after
+    # dispatch_model).
     load_timeline: dict[str, float] = field(default_factory=dict)
-    # Mapped host storage stays a file's pages: its copy into private memory before CUDA graphs failed (`private_before_graphs`).
+    # Mapped host storage stays a file's pages: its copy into private memory before CUDA graphs failed
+    # (`private_before_graphs`).
     private_refused: bool = False
 
     def private_host_storage(self) -> None:
-        """[Note: mapped host storage] Before host storage is written or handed out: streamed weights that are still
-        a checkpoint file's pages become private memory (`HostArena.make_writable`), after every copy and kernel
-        queued so far. Call under the model's lock. A no-op once done. Refused (RuntimeError, nothing changed) once a
-        CUDA graph recorded copies from those pages: page-locking the private pages again would leave the graph's
-        copies reading an address the device no longer maps."""
+        """[Note: mapped host storage] in host/arena.py. Before host storage is written or handed out: streamed weights
+        that are still a checkpoint file's pages become private memory (`HostArena.make_writable`), after every copy
+        and kernel queued so far. Call under the model's lock. A no-op once done. Refused (RuntimeError, nothing
+        changed) once a CUDA graph recorded copies from those pages: page-locking the private pages again would leave
+        the graph's copies reading an address the device no longer maps."""
         if not self.arena.file_bytes:
             return
         if self.engine is not None and self.engine.graphs:
@@ -91,10 +93,10 @@ class OffloadState:
         self.arena.make_writable()
 
     def private_before_graphs(self) -> None:
-        """[Note: mapped host storage] Before a forward (the gate's): a CUDA model that ran compiled code may record
-        CUDA graphs from this call on (torch warms a compiled function up before recording it), whose copies must
-        read private pages, never a file's, which could not be replaced under them. Where that copy fails (the
-        host's memory), it warns once and the pages stay."""
+        """[Note: mapped host storage] in host/arena.py. Before a forward (the gate's): a CUDA model that ran compiled
+        code may record CUDA graphs from this call on (torch warms a compiled function up before recording it), whose
+        copies must read private pages, never a file's, which could not be replaced under them. Where that copy fails
+        (the host's memory), it warns once and the pages stay."""
         engine = self.engine
         if (
             engine is None

@@ -1,5 +1,8 @@
 """`state_dict()` and `load_state_dict()` of a dispatched model: a streamed parameter's slot holds whichever layer ran
-last, so `state_dict` reports host values and `load_state_dict` writes through to host storage."""
+last, so `state_dict` reports host values and `load_state_dict` writes through to host storage. The hooks that do it,
+installed by the dispatch (lifecycle/attach.py): host storage made private before it is handed out, one
+`load_state_dict` at a time under the model's lock, and a compressed parameter's new value refused before anything is
+written when it does not fit its layout."""
 
 from __future__ import annotations
 
@@ -41,7 +44,8 @@ def host_values_in_state_dict(
     """`state_dict()` hook of a module that owns streamed parameters (`hosts`: their names in it, each with its
     tensors): a streamed parameter's slot holds whichever layer ran last; its value is in host storage (decoded where
     compressed; a tensor subclass rebuilt around its inner tensors' host storage). `writable()` first: host storage
-    that is a file's pages becomes private memory before it is handed out ([Note: mapped host storage])."""
+    that is a file's pages becomes private memory before it is handed out ([Note: mapped host storage] in
+    host/arena.py)."""
     if any(prefix + name in state_dict for name in hosts):
         writable()
     for name, tensors in hosts.items():
@@ -125,9 +129,9 @@ class WriteThrough:
 
 
 def writable_host_storage(state_ref: weakref.ref, lock: threading.RLock) -> None:
-    """[Note: mapped host storage] Before host storage is handed out (`state_dict`): if any of it is still a
-    checkpoint file's pages, turn it into private memory (`OffloadState.private_host_storage`), under the model's
-    `lock`. A no-op once done, and for a state that has ended."""
+    """[Note: mapped host storage] in host/arena.py. Before host storage is handed out (`state_dict`): if any of it is
+    still a checkpoint file's pages, turn it into private memory (`OffloadState.private_host_storage`), under the
+    model's `lock`. A no-op once done, and for a state that has ended."""
     state = state_ref()
     if state is None or not state.arena.file_bytes:
         return

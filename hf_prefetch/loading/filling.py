@@ -77,10 +77,10 @@ def file_pieces(
     direct_io: bool | None,
     compressing: bool,
 ) -> list[FilePiece | None]:
-    # [Note: mapped host storage] Which arena entries are their file's own pages: a tensor stored as it is loaded
-    # (one checkpoint tensor of the same dtype and size, laid out densely), in a shard the page cache holds (or any
-    # shard with map_files=True) that the driver page-locks read-only mappings of. Not for compressed plans (the
-    # encoded bytes are new), nor UVA or routed experts (kernels read the arena in place).
+    # Which arena entries are their file's own pages ([Note: mapped host storage] in host/arena.py): a tensor stored
+    # as it is loaded (one checkpoint tensor of the same dtype and size, laid out densely), in a shard the page cache
+    # holds (or any shard with map_files=True) that the driver page-locks read-only mappings of. Not for compressed
+    # plans (the encoded bytes are new), nor UVA or routed experts (kernels read the arena in place).
     pieces: list[FilePiece | None] = [None] * len(layout)
     # Routed experts' rows are read in place by kernels (through the arena's device view), as UVA's weights are.
     routed = any(spec.routing is not None for _, spec in layout)

@@ -73,7 +73,7 @@ def map_keys(model: nn.Module, checkpoint: Checkpoint) -> KeyMap:
 
     is_hf = isinstance(model, PreTrainedModel)
     # The compressed-tensors quantizer's conversions (FP8 scales reshaped for the row-wise matmul) belong to the
-    # mapping; the other quantizers' parts are mapped by prequantized.py.
+    # mapping; the other quantizers' parts are mapped by formats/prequantized.py.
     quantizer = getattr(model, "hf_quantizer", None)
     if prequantized.quant_method(getattr(quantizer, "quantization_config", None)) != "compressed-tensors":
         quantizer = None

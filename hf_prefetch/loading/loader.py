@@ -1,10 +1,12 @@
 """The loader: a safetensors checkpoint -> a dispatched model, every byte read once, straight into its final place.
 
-Offloaded parameters are read into their exact-size host arena slots, resident ones onto the execution device
-(through a small ring of pinned staging buffers on CUDA). Which checkpoint key fills which tensor, with
-transformers' own renames and conversions, is `keymap`'s job. Every header, key and shape is validated before anything
-large is allocated, and a failed load leaves the model as it was given. The loader knows checkpoints, plans and
-parameter names; building the buffer pool and hooking layers is `attach.attach`'s job.
+Offloaded parameters are read into their exact-size host arena slots, resident ones onto the execution device (through
+a small ring of pinned staging buffers on CUDA). Which checkpoint key fills which tensor, with transformers' own
+renames and conversions, is `keymap`'s job. Every header, key and shape is validated before anything large is
+allocated, and a failed load leaves the model as it was given. This module orders the load's steps; the steps
+themselves (the arena, the reads, the page-locking, the values installed) are filling.py's. The loader knows
+checkpoints, plans and parameter names; building the buffer pool and hooking layers is `attach.attach`'s job
+(lifecycle/attach.py).
 """
 
 from __future__ import annotations

@@ -7,16 +7,16 @@ the host storage of the layer that holds it. This module knows names, destinatio
 written; reading and mapping checkpoints is the job of `checkpoint` and `keymap`, slots and copies the engine's.
 
 [Note: rewriting weights]
-Host storage is the truth; a slot is a copy tagged with its owner. Code that rewrites weights outside the forward
-keeps it that way: (1) validate the whole source first, so that nothing is written if any of it does not fit; (2)
-`engine.drain()`: no copy may still read host storage about to be written, no kernel a slot or resident tensor;
-(3) `engine.invalidate()`: every slot forgets its owner before the first write, so that an interrupt anywhere after
-leaves layers that load their values from host storage when they run (a miss), never a slot with stale bytes that
-claims a layer; (4) write in place, allocating and re-pointing nothing (tensor identities, the pool and captured CUDA
-graphs stay valid); (5) `engine.refill()` copies each ring's first layers again, also when writing failed. With
-`process`, a streamed layer is loaded into its slot, processed there and stored back (`engine.load`, `engine.store`).
-`load_state_dict` follows the same order per module (`hooks.WriteThrough`), and `sync_from_device` stores each slot
-into the host storage of the layer that holds it.
+Host storage is the truth; a slot is a copy tagged with its owner. Code that rewrites weights outside the forward keeps
+it that way: (1) validate the whole source first, so that nothing is written if any of it does not fit; (2)
+`engine.drain()`: no copy may still read host storage about to be written, no kernel a slot or resident tensor; (3)
+`engine.invalidate()`: every slot forgets its owner before the first write, so that an interrupt anywhere after leaves
+layers that load their values from host storage when they run (a miss), never a slot with stale bytes that claims a
+layer; (4) write in place, allocating and re-pointing nothing (tensor identities, the pool and captured CUDA graphs
+stay valid); (5) `engine.refill()` copies each ring's first layers again, also when writing failed. With `process`, a
+streamed layer is loaded into its slot, processed there and stored back (`engine.load`, `engine.store`).
+`load_state_dict` follows the same order per module (`WriteThrough`, lifecycle/state_dict.py), and `sync_from_device`
+stores each slot into the host storage of the layer that holds it.
 """
 
 from __future__ import annotations

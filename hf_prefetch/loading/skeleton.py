@@ -2,10 +2,11 @@
 
 Finds the folder's `config.json` (nothing is downloaded), resolves `dtype="auto"` as transformers does, builds the
 model class (an Auto class or a model class) under `init_empty_weights` with buffers real, prepares a pre-quantized
-FP8, bitsandbytes, torchao or compressed-tensors FP8 checkpoint's model with transformers' own quantizer and makes its
-quantized parameters what the checkpoint stores (prequantized.py; other quantization methods are refused), and applies
-transformers' per-module dtype plan (`_keep_in_fp32_modules`). It reads no weights (but bitsandbytes' packed
-quantization settings): filling the model is the loader's job; `hf_prefetch.plan` of a folder uses the skeleton alone.
+FP8, bitsandbytes, torchao or compressed-tensors (FP8 or packed integer) checkpoint's model with transformers' own
+quantizer and makes its quantized parameters what the checkpoint stores (formats/prequantized.py,
+formats/compressed_tensors.py; other quantization methods are refused), and applies transformers' per-module dtype plan
+(`_keep_in_fp32_modules`). It reads no weights (but bitsandbytes' packed quantization settings): filling the model is
+the loader's job; `hf_prefetch.plan` of a folder uses the skeleton alone.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ def build_skeleton(
         if method == "compressed-tensors":
             # compressed-tensors' preparation hooks a decompression of the whole model onto its first forward, which
             # would also strip accelerate's hooks (hf_prefetch's) and put its own offloading in their place. FP8
-            # groups became FP8 matmul modules; packed ones decompress at every forward instead (compressed_tensors.py).
+            # groups became FP8 matmul modules; packed ones decompress at every forward instead
+            # (formats/compressed_tensors.py).
             quantizer.compressor.remove_decompression_hook(model)
             compressed_tensors.install(model)
             compressed_tensors.use_stored_zero_points(model, checkpoint)
@@ -86,10 +88,11 @@ def build_skeleton(
 
 # Pre-quantized checkpoints whose packed storage is plain tensors that transformers' quantizer declares on the meta
 # device (the loader fills them like any parameter).
-# bitsandbytes' layers and torchao's tensor subclasses are made to hold what the checkpoint stores (prequantized.py).
+# bitsandbytes' layers and torchao's tensor subclasses are made to hold what the checkpoint stores
+# (formats/prequantized.py).
 # compressed-tensors: FP8 schemes built as transformers builds them with `use_optimized_inference=True`
 # (`CompressedTensorsFP8Linear`, which computes with the stored bytes), and packed integer schemes kept packed and
-# decompressed at every forward (compressed_tensors.py) where transformers decompresses them once.
+# decompressed at every forward (formats/compressed_tensors.py) where transformers decompresses them once.
 PREQUANTIZED = ("fp8", "bitsandbytes", "torchao", "compressed-tensors")
 _PACKAGES = {"bitsandbytes": "bitsandbytes", "torchao": "torchao", "compressed-tensors": "compressed_tensors"}
 
@@ -154,7 +157,7 @@ def _compressed_tensors(where: str, quantization: Any) -> Any:
     """The settings of a compressed-tensors checkpoint that streams its stored bytes: every config group FP8 weights
     (symmetric, a scale per row or per tensor: `use_optimized_inference=True`, transformers' FP8 matmul), or every one
     packed integer weights without quantized activations (`pack-quantized`: decompressed at every forward,
-    compressed_tensors.py); `ValueError` naming what is neither."""
+    formats/compressed_tensors.py); `ValueError` naming what is neither."""
     from transformers import CompressedTensorsConfig
 
     raw = quantization if isinstance(quantization, dict) else quantization.to_dict()

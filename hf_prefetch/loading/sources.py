@@ -233,7 +233,7 @@ class CheckpointValues:
             _check_dtype(entry.key, entry.dtype, name, self.destinations[name])
 
     def _check_tied_values(self) -> None:
-        # A tied tensor stored twice must hold one value, as the loader requires (see loader._read_all).
+        # A tied tensor stored twice must hold one value, as the loader requires (see filling.read_all).
         for entry, name in self.keymap.duplicates:
             first, dtype = self.keymap.streamed[name][0][0], self.destinations[name].dtype
             if not torch.equal(self.reader.read_tensor(entry).to(dtype), self.reader.read_tensor(first).to(dtype)):

@@ -1,10 +1,10 @@
 """A process's first-forward costs, paid in the background while the loader builds the model and reads the checkpoint.
 
 The first forward of a process on a GPU pays for what no later forward does: the CUDA context, cuBLAS's handle and
-workspace, each kernel's module (CUDA loads them lazily, cuBLAS per GEMM shape), and transformers' first-call setup
-of `generate()`. Measured on an H100 (`benchmarks/experiments/first_forward.py`): 0.3-0.4 s for the context, then 0.5 s for the
-first forward of an 8B-shaped model against 0.005 s for the second, and 0.15 s for the first `generate()` call's own
-setup. None of it needs the weights, so `Warmup` runs it in a thread, in two steps:
+workspace, each kernel's module (CUDA loads them lazily, cuBLAS per GEMM shape), and transformers' first-call setup of
+`generate()`. Measured on an H100 (`benchmarks/experiments/first_forward.py`): 0.3-0.4 s for the context, then 0.5 s
+for the first forward of an 8B-shaped model against 0.005 s for the second, and 0.15 s for the first `generate()`
+call's own setup. None of it needs the weights, so `Warmup` runs it in a thread, in two steps:
 
 - at once (the loader starts it at the call's first line, before the skeleton and the plan): the CUDA context and
   cuBLAS's handle, which need no memory to speak of;

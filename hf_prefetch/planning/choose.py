@@ -1,5 +1,6 @@
 """`choose_plan`: the one entry of planning for the verbs: one GPU's memory budget, several GPUs' pipeline placement,
-or the config's group pattern."""
+or the config's group pattern; with several host links, the other GPUs' staging buffers checked against their
+`max_memory` entries."""
 
 from __future__ import annotations
 

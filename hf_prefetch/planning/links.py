@@ -80,8 +80,8 @@ def _index_of(link: Any, links: Any) -> int:
 def split_bytes(pairs: Sequence[Pair], num_links: int) -> list[list[Pair]]:
     """Cut the bytes of `pairs` (each a (destination, source) of the same shape and dtype), taken in order as one
     sequence, into `num_links` consecutive ranges of nearly equal size; return each range's (destination, source)
-    pieces, as flat byte views. Cut points fall on multiples of `LINK_SHARE_ALIGN_BYTES` (rounded up: the first ranges take
-    what is left over). A pair whose tensors are not both contiguous goes whole to the first range."""
+    pieces, as flat byte views. Cut points fall on multiples of `LINK_SHARE_ALIGN_BYTES` (rounded up: the first ranges
+    take what is left over). A pair whose tensors are not both contiguous goes whole to the first range."""
     ranges: list[list[Pair]] = [[] for _ in range(num_links)]
     flat = []
     for dst, src in pairs:
@@ -90,7 +90,8 @@ def split_bytes(pairs: Sequence[Pair], num_links: int) -> list[list[Pair]]:
         else:
             ranges[0].append((dst, src))
     total = sum(dst.numel() for dst, _ in flat)
-    # Rounded up: what rounding leaves over goes to the earlier links, a layer smaller than LINK_SHARE_ALIGN_BYTES to the first.
+    # Rounded up: what rounding leaves over goes to the earlier links, a layer smaller than LINK_SHARE_ALIGN_BYTES to
+    # the first.
     cuts = [min(total, round_up(total * r // num_links, LINK_SHARE_ALIGN_BYTES)) for r in range(num_links)] + [total]
     offset = 0
     for dst, src in flat:
@@ -108,5 +109,6 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def staged_bytes(pieces: Sequence[Pair]) -> int:
-    """Bytes a range of pieces takes in a staging buffer, each piece starting on a multiple of `LINK_SHARE_ALIGN_BYTES`."""
+    """Bytes a range of pieces takes in a staging buffer, each piece starting on a multiple of
+    `LINK_SHARE_ALIGN_BYTES`."""
     return sum(round_up(dst.numel(), LINK_SHARE_ALIGN_BYTES) for dst, _ in pieces)

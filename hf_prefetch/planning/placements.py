@@ -135,8 +135,8 @@ class ParamSpec:
     placement: Placement = Placement.RESIDENT
     routing: Routing | None = None  # the experts module of a ROUTED parameter (and of one that could be)
     # A STREAMED parameter kept losslessly compressed in host memory: where the parts of its encoded bytes lie (a
-    # function of dtype and size; see formats/lossless.py). Its copy brings these bytes into its slot's staging buffer, and the
-    # layer's wait decodes them into its slot buffer.
+    # function of dtype and size; see formats/lossless.py). Its copy brings these bytes into its slot's staging buffer,
+    # and the layer's wait decodes them into its slot buffer.
     compressed: Layout | None = None
 
     @property
@@ -256,7 +256,7 @@ class RingPlan:
         sizes: dict[PoolKey, int] = {}
         for layer in self.streamed:
             for spec in layer.offloaded:
-                sizes[spec.key] = padded_bytes(spec.nbytes)  # each at an aligned offset of its slot (pool.py)
+                sizes[spec.key] = padded_bytes(spec.nbytes)  # each at an aligned offset of its slot (runtime/pool.py)
         return (sum(sizes.values()) + padded_bytes(self.staging_bytes)) * self.num_slots
 
     @property

@@ -125,8 +125,9 @@ def ring_plan(
     num_slots = min(prefetch_step, n)
     for k, i in enumerate(streamed_at):
         slot = k % num_slots
-        # [Note: slot reuse]: the next streamed layer after k, cyclically, that uses the same slot: k + num_slots
-        # while it exists, else the first layer of the next pass with this slot (k itself when it is alone there).
+        # [Note: slot reuse] in runtime/ring.py: the next streamed layer after k, cyclically, that uses the same slot:
+        # k + num_slots while it exists, else the first layer of the next pass with this slot (k itself when it is
+        # alone there).
         next_k = k + num_slots if k + num_slots < n else slot
         planned[i] = replace(planned[i], position=k, slot=slot, next_in_slot=next_k)
         if compress and next_k != k:

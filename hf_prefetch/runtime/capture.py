@@ -6,7 +6,7 @@ Under torch.compile the hooks call the custom ops of `ops.py`, which call `wait`
 arguments each time the compiled code runs. Under CUDA-graph capture they run once, while the graph is recorded, and
 replays run no Python. So, per ring (`RingState` in ring.py):
 - Fork: a copy issued in a capture makes the copy stream wait on the capturing stream, which joins the copy stream
-  to the capture; its copies become memcpy nodes (`driver.captured_copy`), each followed by a fresh event that
+  to the capture; its copies become memcpy nodes (`graph_copies.captured_copy`), each followed by a fresh event that
   belongs to the graph (`CopyEvent.IN_GRAPH`).
 - Wait: for a copy recorded in the same capture the compute stream waits on its event (a graph edge). A copy issued
   before the capture (each ring's first layers) is not waited for: an event recorded outside a capture cannot be

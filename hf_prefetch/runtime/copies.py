@@ -1,5 +1,6 @@
-"""One layer's copy into its slot: the (slot, host) pairs it brings, its bytes, and issuing them, on a stream, into a
-CUDA-graph capture, or through several links. The engine decides when; this module knows only what."""
+"""One layer's copy into its slot: the (slot, host) pairs it brings, its bytes, issuing them (on a stream, into a
+CUDA-graph capture, or through several links) and the `done` event that marks their end (`loaded_on`). The engine
+decides when; this module knows only what."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def copy_all(
     slot_free: torch.cuda.Event | None = None,
 ) -> None:
     pairs = copy_pairs(layer, whole)
-    if links is not None:  # the helpers' shares are issued; the execution device copies the rest
+    if links is not None:  # the helper GPUs' shares are issued; the execution device copies the rest
         pairs = links.copy(pairs, non_blocking, slot_free)
     if captured_on is not None:
         for dst, src in pairs:

@@ -3,10 +3,10 @@ layer waits, between forwards on the decode stream, and encoded back when a slot
 (engine.py); the codec is formats/lossless.py.
 
 [Note: compressed streaming]
-A compressed parameter (`ParamSpec.compressed`; see formats/lossless.py) keeps its encoded bytes in host memory. Its copy is an
-ordinary copy of those bytes, on the copy stream like every other, into the slot's staging buffer (one per slot, a
-pool buffer like the others), and the layer's `wait` decodes them into the slot buffer on the compute stream, after
-the compute stream waited on `done` and before the layer's kernels. So:
+A compressed parameter (`ParamSpec.compressed`; see formats/lossless.py) keeps its encoded bytes in host memory. Its
+copy is an ordinary copy of those bytes, on the copy stream like every other, into the slot's staging buffer (one per
+slot, a pool buffer like the others), and the layer's `wait` decodes them into the slot buffer on the compute stream,
+after the compute stream waited on `done` and before the layer's kernels. So:
 - The slot buffer is written only on the compute stream, after every kernel of the layer that used the slot before
   (stream order): the same guarantee a copy gets from its fork. Between forwards (below) it is written on the decode
   stream after the layer's copy, whose fork gave that guarantee already.

@@ -9,7 +9,7 @@ its own file with its Note.
 
 [Note: stream ordering]
 Two streams: the compute stream (whatever stream is current when a layer runs) and the engine's copy stream (and a
-decode stream for compressed layers between forwards: see [Note: compressed streaming]).
+decode stream for compressed layers between forwards: see [Note: compressed streaming] in decodes.py).
 - Copy after compute (fork): before each copy the copy stream waits for everything queued so far on the compute
   stream (`copy_stream.wait_stream(compute)`): the slot's previous layer may still be reading it.
 - Compute after copy (join): each streamed layer's `done` event is recorded on the copy stream after its copy; its
@@ -68,7 +68,8 @@ class PrefetchEngine(CapturedCopies, RoutedFills, CompressedDecodes):
         self._cuda = device.type == "cuda"
         # [Note: stream ordering]: only copies from page-locked memory are asynchronous.
         self._non_blocking = self._cuda and pinned
-        # [Note: routed experts]: the most tokens a routing forward has (0: never route), and this forward's kind.
+        # [Note: routed experts] in routed.py: the most tokens a routing forward has (0: never route), and this
+        # forward's kind.
         has_routed = any(layer.routed for ring in self.rings for layer in ring.layers)
         # On CUDA routed rows are read through the arena's mapped view, which needs it pinned.
         self.routed_max_tokens = routed_max_tokens if has_routed and (pinned or not self._cuda) else 0
@@ -86,7 +87,8 @@ class PrefetchEngine(CapturedCopies, RoutedFills, CompressedDecodes):
         self.decode_stream = torch.cuda.Stream(device) if self._cuda else None
         self._pending_decodes: dict[tuple[int, int], torch.cuda.Event] = {}
         self._timings = Timings(device)
-        # [Note: shared links] in shared_links.py: other GPUs copy a share of every layer, joined into its `done` event.
+        # [Note: shared links] in shared_links.py: other GPUs copy a share of every layer, joined into its `done`
+        # event.
         self._links = (
             SharedLinks(device, links, [copy_pairs(layer, whole=True) for ring in self.rings for layer in ring.layers])
             if links
@@ -151,7 +153,7 @@ class PrefetchEngine(CapturedCopies, RoutedFills, CompressedDecodes):
         if transfers.slots.holds(layer.slot, position):
             return  # already there or on its way
         whole = self._whole(layer, position, capturing)
-        with transfers.slots.claim(layer.slot, position):  # [Note: slot reuse]: owned once the copy is issued
+        with transfers.slots.claim(layer.slot, position):  # [Note: slot reuse] in ring.py: owned once issued
             layer.decoded = not layer.decodes
             layer.counters.copies += 1
             layer.counters.copied_bytes += copy_bytes(layer, whole)
@@ -182,7 +184,8 @@ class PrefetchEngine(CapturedCopies, RoutedFills, CompressedDecodes):
                     fetch_ahead(layer, whole, self._tokens)
                     layer.done.record()
                     return
-                # [Note: shared links]: the helpers' peer copies into the slot wait on the compute stream as well.
+                # [Note: shared links] in shared_links.py: the helper GPUs' peer copies into the slot wait on the
+                # compute stream as well.
                 slot_free = torch.cuda.current_stream(self.device).record_event()
                 copy_all(layer, self._non_blocking, None, whole, self._links, slot_free)
                 fetch_ahead(layer, whole, self._tokens)
@@ -225,9 +228,9 @@ class PrefetchEngine(CapturedCopies, RoutedFills, CompressedDecodes):
 
     def prepare(self, tokens: int | None = None) -> None:
         """Before each forward of `tokens` tokens (None: unknown): choose whether it routes experts ([Note: routed
-        experts]); forget aborted captures; once a CUDA graph has recorded copies, load each ring's first layers that
-        are not in their slots and order the compute stream after every copy issued so far; on CUDA, before a whole
-        forward, complete first layers copied for routing."""
+        experts] in routed.py); forget aborted captures; once a CUDA graph has recorded copies, load each ring's first
+        layers that are not in their slots and order the compute stream after every copy issued so far; on CUDA, before
+        a whole forward, complete first layers copied for routing."""
         if self._capturing():
             return
         self.routing = tokens is not None and 0 < tokens <= self.routed_max_tokens
@@ -280,7 +283,7 @@ class PrefetchEngine(CapturedCopies, RoutedFills, CompressedDecodes):
 
     def holds_whole(self, ring: int, position: int) -> bool:
         """Whether layer `position`'s slot holds all of its tensors: not so after a copy for a routing forward, whose
-        routed tensors hold only the rows their router picked ([Note: routed experts])."""
+        routed tensors hold only the rows their router picked ([Note: routed experts] in routed.py)."""
         return self.rings[ring].layers[position].fill is Fill.WHOLE  # a layer without routed tensors always is
 
     def synchronize(self) -> None:

@@ -1,6 +1,6 @@
 """Copying routed experts' rows into a layer's slot: at the router, and ahead of it (the experts the layer picked in
 its previous forward); and the expert cache: its lookup, its counts and its policy ([Note: routed experts] in
-engine.py, `ring.ExpertCache`, `ring.RecentPicks`).
+routed.py, `ring.ExpertCache`, `ring.RecentPicks`).
 
 Tensor operations on one layer's tensors, queued on the current stream; the engine decides when they run (after the
 layer's wait, before its experts' forward; with a routing copy, on the copy stream; a cache's re-rank before a

@@ -1,9 +1,9 @@
 """The static device buffer pool: `num_slots` buffers for each distinct (name, shape, stride, dtype).
 
 Allocated once; offloaded parameters point at their slot's buffers for good. Which layer a slot holds is the ring's
-`SlotTable` (ring.py). Each slot is one allocation, its buffers at `alignment.TENSOR_ALIGN_BYTES` boundaries in key order, as a
-layer's tensors lie in the host arena: a layer whose tensors are the slot's keys in that order is one copy of one byte
-range (`ring.byte_span`). The pool knows nothing about models, streams or copies.
+`SlotTable` (ring.py). Each slot is one allocation, its buffers at `alignment.TENSOR_ALIGN_BYTES` boundaries in key
+order, as a layer's tensors lie in the host arena: a layer whose tensors are the slot's keys in that order is one copy
+of one byte range (`ring.byte_span`). The pool knows nothing about models, streams or copies.
 """
 
 from __future__ import annotations

@@ -5,13 +5,13 @@ Pure bookkeeping: no streams, no copies, no CUDA. The engine drives it; every tr
 once, in `RingTransfers`, and every change of the slot table goes through `SlotTable`.
 
 [Note: slot reuse]
-*When may a slot be overwritten?* Only when the layer that last used it has been queued on the compute stream, and
-the copy is ordered after it. The post-forward hook of streamed layer k starts the copy of `next_in_slot(k)`: the next
+*When may a slot be overwritten?* Only when the layer that last used it has been queued on the compute stream, and the
+copy is ordered after it. The post-forward hook of streamed layer k starts the copy of `next_in_slot(k)`: the next
 streamed layer, in cyclic order, that uses k's slot (`k + num_slots` while it exists, else the first layer of the next
-pass with that slot). With n streamed layers and n a multiple of `prefetch_step` this is vLLM's `(k + step) % n`;
-when it is not, vLLM's rule would copy into a slot whose current layer has not run yet (a miss each forward), while
-this one never does (tests/test_planner.py checks every n <= 9, step <= 4). A layer alone in its slot is its own
-next layer: it is copied once and keeps the slot.
+pass with that slot). With n streamed layers and n a multiple of `prefetch_step` this is vLLM's `(k + step) % n`; when
+it is not, vLLM's rule would copy into a slot whose current layer has not run yet (a miss each forward), while this one
+never does (tests/planning/test_selection.py checks every n <= 9, step <= 4). A layer alone in its slot is its own next
+layer: it is copied once and keeps the slot.
 
 *Who owns a slot?* The slot table names, for each slot, the layer whose weights it holds or is receiving. A copy
 clears the owner, is issued, and only then names its layer (`SlotTable.claim`): an interrupt between any two
@@ -181,9 +181,9 @@ class RoutedTensor:
 
 def byte_span(device: list[torch.Tensor], host: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`device[i].copy_(host[i])` for every i as one copy, (slot bytes, host bytes): where each side's tensors are
-    dense views of one storage, in the same order, each after the first starting at the first `TENSOR_ALIGN_BYTES` multiple
-    (counted from the first tensor) past the end of the one before, as the pool lays out a slot and the arena a layer;
-    the bytes in between are padding that no tensor uses. None otherwise, and for fewer than two tensors."""
+    dense views of one storage, in the same order, each after the first starting at the first `TENSOR_ALIGN_BYTES`
+    multiple (counted from the first tensor) past the end of the one before, as the pool lays out a slot and the arena
+    a layer; the bytes in between are padding that no tensor uses. None otherwise, and for fewer than two tensors."""
     if len(device) < 2:
         return None
     sides = []

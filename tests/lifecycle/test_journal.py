@@ -1,5 +1,5 @@
-"""The journal of model changes (hf_prefetch/changes.py) on small modules: each step and its undo, the two phases,
-resuming an interrupted unwind, weak references to modules, and Ctrl-C held back around each undo."""
+"""The journal of model changes (hf_prefetch/lifecycle/journal.py) on small modules: each step and its undo, the two
+phases, resuming an interrupted unwind, weak references to modules, and Ctrl-C held back around each undo."""
 
 from __future__ import annotations
 

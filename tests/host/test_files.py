@@ -13,7 +13,6 @@ import time
 
 import pytest
 import torch
-from models import prompt
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_prefetch
@@ -23,6 +22,7 @@ from hf_prefetch.host.arena import HostArena
 from hf_prefetch.host.files import FilePiece
 from hf_prefetch.lifecycle.state import Lifecycle
 from hf_prefetch.runtime.engine import PrefetchEngine
+from tests.models import logits, prompt
 
 CONFIG = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, vocab_size=128)  # fmt: skip
@@ -38,11 +38,6 @@ def _save(folder, seed: int = 0, shard: str = "200KB"):
 
 def _digest(folder) -> dict[str, str]:
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.glob("*.safetensors"))}
-
-
-def _logits(model) -> torch.Tensor:
-    with torch.no_grad():
-        return model(prompt(vocab=128)).logits
 
 
 @pytest.fixture
@@ -136,6 +131,20 @@ def test_a_file_changed_since_it_was_mapped_is_reported_and_nothing_is_copied(tm
     assert arena.file_bytes == 4096
 
 
+def test_a_file_replaced_or_deleted_after_it_was_mapped_is_not_a_change(tmp_path):
+    # What the Hub's cache does to a shard: a new file under its name, or the name removed. The mapping holds the old
+    # inode, whose status-change time moves with its link count: not a write.
+    arena, path, data = _mapped(tmp_path, [2000], [100])
+    replacement = tmp_path / "new.bin"
+    replacement.write_bytes(bytes(len(data)))
+    os.replace(replacement, path)
+    arena.check_files()
+    path.unlink()
+    arena.check_files()
+    arena.make_writable()
+    assert torch.equal(arena.view(0, (2000,), (1,), torch.uint8), data[100:2100])
+
+
 def test_a_copy_that_fails_half_way_leaves_every_entry_as_it_was(tmp_path, monkeypatch):
     arena, _, data = _mapped(tmp_path, [4000, 4000], [0, 8192 + 5])
     read_into, calls = host_files._read_into, []
@@ -170,12 +179,12 @@ def test_a_file_cut_short_since_it_was_mapped_raises_instead_of_faulting(tmp_pat
 
 def test_streamed_weights_stored_as_loaded_are_mapped_and_compute_bitwise(saved):
     folder, reference = saved
-    expected = _logits(reference)
+    expected = logits(reference)
     mapped = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
     copied = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu", map_files=False)
     arena, plain = hf_prefetch.get_state(mapped).arena, hf_prefetch.get_state(copied).arena
     assert arena.file_bytes == arena.nbytes > 0 and plain.file_bytes == 0
-    assert torch.equal(_logits(mapped), expected) and torch.equal(_logits(copied), expected)
+    assert torch.equal(logits(mapped), expected) and torch.equal(logits(copied), expected)
     cast = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu", dtype=torch.bfloat16)
     assert hf_prefetch.get_state(cast).arena.file_bytes == 0  # cast on the way in: nothing to map
 
@@ -201,20 +210,20 @@ def test_a_file_system_that_cannot_map_falls_back_to_reads(saved, monkeypatch, c
         model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
     assert hf_prefetch.get_state(model).arena.file_bytes == 0
     assert "Streamed weights are copied into host memory" in caplog.text
-    assert torch.equal(_logits(model), _logits(reference))
+    assert torch.equal(logits(model), logits(reference))
 
 
 def test_state_dict_makes_storage_private_and_a_save_over_the_loaded_folder_round_trips(saved):
     folder, reference = saved
-    expected = _logits(reference)
+    expected = logits(reference)
     model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
     arena = hf_prefetch.get_state(model).arena
     state_dict = model.state_dict()
     assert arena.file_bytes == 0
     assert all(torch.equal(state_dict[k], v) for k, v in reference.state_dict().items())
     model.save_pretrained(folder, max_shard_size="200KB")  # truncates and rewrites the files it was loaded from
-    assert torch.equal(_logits(model), expected)
-    assert torch.equal(_logits(hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")), expected)
+    assert torch.equal(logits(model), expected)
+    assert torch.equal(logits(hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")), expected)
 
 
 @pytest.mark.parametrize("how", ["load_state_dict", "reload_weights", "sync_from_device", "remove_offload"])
@@ -239,18 +248,18 @@ def test_writes_go_to_private_memory_never_to_the_checkpoint(saved, tmp_path_fac
     assert arena.file_bytes == 0
     assert _digest(folder) == before
     if how in ("load_state_dict", "reload_weights"):
-        assert torch.equal(_logits(model), _logits(other))
+        assert torch.equal(logits(model), logits(other))
 
 
 def test_state_dict_beside_another_threads_forwards(saved):
     folder, reference = saved
-    expected = _logits(reference)
+    expected = logits(reference)
     model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
     results, stop = [], threading.Event()
 
     def forwards():
         while not stop.is_set():
-            results.append(torch.equal(_logits(model), expected))
+            results.append(torch.equal(logits(model), expected))
 
     thread = threading.Thread(target=forwards)
     thread.start()
@@ -294,13 +303,13 @@ def test_a_cuda_model_running_compiled_code_turns_mapped_storage_private_before_
     # torch.compile warms a function up before its CUDA graphs record it: the gate's next call makes the pages
     # private first. The state's device is faked to take the CUDA path on the CPU.
     folder, reference = saved
-    expected = _logits(reference)
+    expected = logits(reference)
     model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
     state = hf_prefetch.get_state(model)
     monkeypatch.setattr(state, "device", torch.device("cuda"))
     outs = _compiled_forwards(model, 1)
     assert state.arena.file_bytes > 0  # the first compiled call: compiled code ran only inside it
-    outs.append(_logits(model))
+    outs.append(logits(model))
     assert state.arena.file_bytes == 0  # made private at the next call's start, before it computed
     assert all(torch.equal(out, expected) for out in outs)
 
@@ -308,7 +317,7 @@ def test_a_cuda_model_running_compiled_code_turns_mapped_storage_private_before_
 def test_the_cpu_keeps_mapped_storage_under_compiled_code(saved):
     folder, reference = saved
     model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
-    assert all(torch.equal(out, _logits(reference)) for out in _compiled_forwards(model, 2))
+    assert all(torch.equal(out, logits(reference)) for out in _compiled_forwards(model, 2))
     assert hf_prefetch.get_state(model).arena.file_bytes > 0  # no CUDA graphs to record: nothing copied
 
 
@@ -326,7 +335,7 @@ def test_a_refused_copy_before_graphs_warns_once_and_computes(saved, monkeypatch
         outs = _compiled_forwards(model, 2)
     assert record[0].filename == __file__  # the caller's line, past hf_prefetch's and torch's frames
     assert state.private_refused and state.arena.file_bytes > 0
-    assert all(torch.equal(out, _logits(reference)) for out in outs)
+    assert all(torch.equal(out, logits(reference)) for out in outs)
 
 
 def test_compiled_forwards_of_a_pipeline_placement(saved):
@@ -336,7 +345,7 @@ def test_compiled_forwards_of_a_pipeline_placement(saved):
     model = hf_prefetch.from_pretrained(folder, max_memory=two, reserve_bytes=0, device="cpu")
     state = hf_prefetch.get_state(model)
     assert type(state.engine).__name__ == "DeviceEngines" and state.arena.file_bytes > 0
-    assert all(torch.equal(out, _logits(reference)) for out in _compiled_forwards(model, 2))
+    assert all(torch.equal(out, logits(reference)) for out in _compiled_forwards(model, 2))
     assert state.engine.compiled
 
 
@@ -350,7 +359,7 @@ def test_state_dict_and_writes_are_refused_once_graphs_recorded_copies_from_the_
             attempt()
         assert arena.file_bytes > 0
     monkeypatch.undo()
-    assert torch.equal(_logits(model), _logits(reference))
+    assert torch.equal(logits(model), logits(reference))
 
 
 def test_a_module_kept_after_its_model_was_dropped_can_be_written_without_touching_the_file(saved):
@@ -375,7 +384,7 @@ def test_a_shard_whose_data_is_not_aligned_to_its_dtype_is_read_not_mapped(tmp_p
     path.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + length :])
     model = hf_prefetch.from_pretrained(tmp_path, EVERY_SECOND, device="cpu")
     assert hf_prefetch.get_state(model).arena.file_bytes == 0
-    assert torch.equal(_logits(model), _logits(reference))
+    assert torch.equal(logits(model), logits(reference))
 
 
 def test_a_shard_changed_on_disk_stops_forwards_and_removals_before_anything_changes(saved):
@@ -388,17 +397,18 @@ def test_a_shard_changed_on_disk_stops_forwards_and_removals_before_anything_cha
     stat = shard.stat()
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # as a write over it would
     attempts = (
-        lambda: _logits(model),
+        lambda: logits(model),
         lambda: model.model(prompt(vocab=128)),  # the decoder called on its own: gated like the model
         lambda: hf_prefetch.remove_offload(model, "cpu"),
-        lambda: detaching.detach(model, state, torch.device("cuda")),  # to a GPU: refused before any move (no GPU here)
+        # to a GPU: refused before any move (no GPU here)
+        lambda: detaching.detach(model, state, torch.device("cuda")),
     )
     for attempt in attempts:
         with pytest.raises(RuntimeError, match=f"{shard.name} changed on disk since it was loaded"):
             attempt()
     assert state.lifecycle is Lifecycle.ATTACHED and state.arena.file_bytes > 0
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
-    assert torch.equal(_logits(model), _logits(reference))
+    assert torch.equal(logits(model), logits(reference))
 
 
 def _out_of_memory(module, target):
@@ -425,7 +435,7 @@ def test_a_removal_to_a_gpu_that_stops_half_way_leaves_no_weight_on_the_file_s_p
     from hf_prefetch.lifecycle import detach as detaching
 
     folder, reference = saved
-    expected, files = _logits(reference), _digest(folder)
+    expected, files = logits(reference), _digest(folder)
     model = hf_prefetch.from_pretrained(folder, EVERY_SECOND, device="cpu")
     state = hf_prefetch.get_state(model)
     assert state.arena.file_bytes > 0
@@ -448,7 +458,7 @@ def test_a_removal_to_a_gpu_that_stops_half_way_leaves_no_weight_on_the_file_s_p
     monkeypatch.undo()
     hf_prefetch.remove_offload(model, "cpu")  # a removal stopped half-way goes where it is told now
     assert hf_prefetch.get_state(model) is None and all(p.device.type == "cpu" for p in model.parameters())
-    assert torch.equal(_logits(model), expected)
+    assert torch.equal(logits(model), expected)
     assert _digest(folder) == files  # the checkpoint never changed
 
 

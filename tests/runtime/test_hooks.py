@@ -1,6 +1,6 @@
-"""The hooks (hf_prefetch/hooks.py): what runs inside a dispatched model's forward, `state_dict` and
+"""The hooks (hf_prefetch/runtime/hooks.py): what runs inside a dispatched model's forward, `state_dict` and
 `load_state_dict`, observed from outside: the values a layer computes with, the order of the engine's steps, one
-forward at a time, and refusals. tests/test_reload.py covers load_state_dict's write-through in depth."""
+forward at a time, and refusals. tests/loading/test_reload.py covers load_state_dict's write-through in depth."""
 
 from __future__ import annotations
 
@@ -262,7 +262,8 @@ def test_a_forward_left_by_an_exception_or_a_ctrl_c_opens_the_gate_for_other_thr
 @pytest.mark.parametrize("where", ["pre-hook registered after the dispatch", "forward hook registered before it"])
 def test_a_ctrl_c_in_a_hook_of_the_model_itself_leaves_the_gate_open(llama_reference, where):
     # Hooks of the model run outside its gate (the gate is its forward): torch skips the `always_call` forward hooks
-    # for a KeyboardInterrupt, and for any error in a pre-hook after the gate's, so a gate made of hooks stayed held.
+    # for a KeyboardInterrupt, and for any error in a pre-hook after the gate's, so a gate made of hooks would stay
+    # held.
     def interrupt(*args):
         raise KeyboardInterrupt
 

@@ -1,6 +1,6 @@
-"""The ring's bookkeeping (hf_prefetch/ring.py): the slot table, the CUDA-graph state and its transitions, through the
-public methods the engine drives, and what the engine makes of them on the CPU (the triggers themselves need a CUDA
-capture: tests/test_gpu.py and tests/test_compile.py run them for real)."""
+"""The ring's bookkeeping (hf_prefetch/runtime/ring.py): the slot table, the CUDA-graph state and its transitions,
+through the public methods the engine drives, and what the engine makes of them on the CPU (the triggers themselves
+need a CUDA capture: tests/test_gpu.py and tests/test_compile.py run them for real)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ import copy
 
 import pytest
 import torch
-from models import prompt, tiny_llama
 
 import hf_prefetch
 from hf_prefetch.runtime.pool import BufferPool
 from hf_prefetch.runtime.ring import CopyEvent, LayerTransfer, RingState, RingTransfers, SlotTable
+from tests.models import prompt, tiny_llama
 
 
 def _ring(num_layers: int, num_slots: int) -> RingTransfers:

@@ -1,15 +1,16 @@
-"""The walk over a model's layer lists (hf_prefetch/layers.py): what tests/test_planner.py does not check (nested and
-mixed lists, `resolve_layer_lists`, each candidate parameter's exact layout and flags, `model_bytes`)."""
+"""The walk over a model's layer lists (hf_prefetch/planning/layers.py): what tests/planning/test_selection.py does not
+check (nested and mixed lists, `resolve_layer_lists`, each candidate parameter's exact layout and flags,
+`model_bytes`)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from models import tiny_llama
 from torch import nn
 
 from hf_prefetch.planning.layers import candidate_layers, find_layer_lists, model_bytes, resolve_layer_lists
 from hf_prefetch.planning.placements import Placement
+from tests.models import tiny_llama
 
 
 class Block(nn.Module):
@@ -212,9 +213,8 @@ class _Params4bit(nn.Parameter):
 
 
 def test_quantized_parameters_are_refused_with_the_parameter_and_the_fix():
-    from models import tiny_llama
-
     import hf_prefetch
+    from tests.models import tiny_llama
 
     model = tiny_llama(4)
     up = model.model.layers[1].mlp.up_proj

@@ -10,15 +10,14 @@ import json
 
 import pytest
 import torch
-from models import prompt, tiny_llama
 from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MixtralConfig, Qwen2MoeConfig
 
 import hf_prefetch
 from hf_prefetch.loading import reader as reader_module
+from tests.models import ATTENTION, logits, prompt, tiny_llama
 
-ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 CONFIGS = {
     "llama": lambda: LlamaConfig(intermediate_size=128, num_hidden_layers=4, **ATTENTION),
     "gpt2-tied": lambda: GPT2Config(n_embd=64, n_layer=4, n_head=4, vocab_size=128, bos_token_id=1, eos_token_id=2),
@@ -55,11 +54,6 @@ def saved(tmp_path_factory):
         return folders[name, seed]
 
     return get
-
-
-def logits(model: nn.Module) -> torch.Tensor:
-    with torch.no_grad():
-        return model(prompt()).logits
 
 
 def identities(model: nn.Module) -> tuple:
@@ -260,7 +254,7 @@ def _tie_differently(tensors):
 
 
 def _tie_as_int8(tensors):
-    # Keys sort "lm_head.weight" first: the int8 copy is the second of the two, which reload used to skip unread.
+    # Keys sort "lm_head.weight" first: the int8 copy is the second of the two, which a reload must read too.
     tensors["lm_head.weight"] = tensors["transformer.wte.weight"].clone()
     tensors["transformer.wte.weight"] = tensors["transformer.wte.weight"].to(torch.int8)
 

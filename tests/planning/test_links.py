@@ -1,13 +1,11 @@
-"""Several host links (hf_prefetch/links.py): the cut of a layer's bytes between links, the engine copying through
-helper staging buffers (on the CPU: synchronously, the same pieces and buffers), GPU selection and its errors, and the
-plan. Real copies over two GPUs: tests/test_gpu.py (two GPUs)."""
+"""Several host links (hf_prefetch/planning/links.py): the cut of a layer's bytes between links, the engine copying
+through helper staging buffers (on the CPU: synchronously, the same pieces and buffers), GPU selection and its errors,
+and the plan. Real copies over two GPUs: tests/test_gpu.py (two GPUs)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from models import tiny_llama
-from test_engine import copies, misses
 
 import hf_prefetch
 from hf_prefetch.alignment import LINK_SHARE_ALIGN_BYTES
@@ -19,6 +17,8 @@ from hf_prefetch.runtime.engine import PrefetchEngine
 from hf_prefetch.runtime.pool import BufferPool
 from hf_prefetch.runtime.ring import LayerTransfer, RingTransfers
 from hf_prefetch.runtime.shared_links import SharedLinks
+from tests.engines import copies, misses
+from tests.models import tiny_llama
 
 CPU = torch.device("cpu")
 
@@ -126,7 +126,11 @@ def test_every_layer_computes_with_its_own_values_through_shared_links(num_layer
     )
     for helper in links.helpers:
         per_copy = helper.copied_bytes / sum(copies(engine))
-        assert contiguous / (1 + helpers) - LINK_SHARE_ALIGN_BYTES <= per_copy <= contiguous / (1 + helpers) + LINK_SHARE_ALIGN_BYTES
+        assert (
+            contiguous / (1 + helpers) - LINK_SHARE_ALIGN_BYTES
+            <= per_copy
+            <= contiguous / (1 + helpers) + LINK_SHARE_ALIGN_BYTES
+        )
 
 
 def test_a_skipped_layer_is_a_miss_and_loads_its_own_values_with_shared_links():

@@ -9,7 +9,6 @@ import os
 import pytest
 import torch
 from accelerate import init_empty_weights
-from models import prompt
 from safetensors.torch import load_file, save_file
 from transformers import (
     AutoConfig,
@@ -28,8 +27,8 @@ from hf_prefetch.lifecycle import attach
 from hf_prefetch.loading import filling, loader
 from hf_prefetch.loading import reader as reader_module
 from hf_prefetch.loading.checkpoint import Checkpoint
+from tests.models import ATTENTION, logits, prompt
 
-ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 CONFIGS = {
     "llama": lambda: LlamaConfig(intermediate_size=128, num_hidden_layers=4, **ATTENTION),
     "llama-tied": lambda: LlamaConfig(
@@ -82,11 +81,6 @@ def saved(tmp_path_factory):
         return folders[name]
 
     return get
-
-
-def logits(model: torch.nn.Module, vocab: int = 128) -> torch.Tensor:
-    with torch.no_grad():
-        return model(prompt(vocab=vocab)).logits
 
 
 def reference(folder, dtype=None) -> torch.nn.Module:

@@ -5,13 +5,13 @@ import dataclasses
 
 import pytest
 import torch
-from models import tiny_llama
 from torch import nn
 
 import hf_prefetch
 from hf_prefetch.planning.budget import plan_for_budget
 from hf_prefetch.planning.memory import MemoryBudget
 from hf_prefetch.planning.schedule import forward_seconds
+from tests.models import tiny_llama
 
 
 class TwoLists(nn.Module):

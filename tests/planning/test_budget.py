@@ -10,8 +10,6 @@ import re
 import pytest
 import torch
 from accelerate import init_empty_weights
-from models import prompt, tiny_llama
-from zoo import ARCHS_BY_NAME
 
 import hf_prefetch
 from hf_prefetch import PrefetchConfig
@@ -26,6 +24,8 @@ from hf_prefetch.planning.memory import (
 )
 from hf_prefetch.planning.offload_plan import format_bytes
 from hf_prefetch.planning.selection import make_plan
+from tests.models import llama_and_logits, tiny_llama
+from tests.zoo import ARCHS_BY_NAME
 
 GiB, MiB = 2**30, 2**20
 RESERVE = 10_000  # bytes kept free in the tests' budgets: the tiny models' layers take 147,968 bytes each
@@ -348,10 +348,7 @@ def test_offload_params_with_a_budget_streams_only_those():
 
 @pytest.fixture(scope="module")
 def reference():
-    model = tiny_llama(8)
-    ids = prompt()
-    with torch.no_grad():
-        logits = model(ids).logits
+    model, ids, logits = llama_and_logits(8)
     tokens = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=10, do_sample=False)
     return model, ids, logits, tokens
 

@@ -1,6 +1,6 @@
-"""The plan renderer (hf_prefetch/render.py) on hand-made plans, cell by cell: what tests/test_planner.py,
-test_preview.py and test_uva.py do not check (the `next` column names layer indices, layers that own their slot,
-several rings, a negative spare, HTML escaping, the text and the HTML saying the same)."""
+"""The plan renderer (hf_prefetch/planning/offload_plan.py) on hand-made plans, cell by cell: what
+tests/planning/test_selection.py, test_preview.py and test_uva.py do not check (the `next` column names layer indices,
+layers that own their slot, several rings, a negative spare, HTML escaping, the text and the HTML saying the same)."""
 
 from __future__ import annotations
 

@@ -9,11 +9,11 @@ import weakref
 import pytest
 import torch
 from accelerate import init_empty_weights
-from moe_models import FAMILIES, moe_model
-from zoo import ARCHS
 
 from hf_prefetch.loading import warmup
 from hf_prefetch.loading.warmup import Warmup
+from tests.moe_models import FAMILIES, moe_model
+from tests.zoo import ARCHS
 
 
 def _on_meta(model):
@@ -188,7 +188,7 @@ def test_no_thread_that_cannot_start_fails_a_load(monkeypatch):
 
 @pytest.mark.gpu
 def test_the_warmup_runs_on_cuda_and_leaves_no_memory_behind():
-    from models import gpu_llama
+    from tests.models import gpu_llama
 
     model = _on_meta(gpu_llama(2))
     torch.cuda.synchronize()

@@ -1,18 +1,18 @@
-"""Pipeline placement (hf_prefetch/pipeline.py): a `max_memory` naming several GPUs puts consecutive runs of layers on
-each. On the CPU every GPU entry is planned for as if the CPU were that GPU, and executed there: one engine per entry
-behind `DeviceEngines`, the hooks that move inputs, `hf_device_map`, all bitwise against the unmodified model. Real
-GPUs: tests/test_gpu.py (two GPUs)."""
+"""Pipeline placement (hf_prefetch/planning/pipeline.py): a `max_memory` naming several GPUs puts consecutive runs of
+layers on each. On the CPU every GPU entry is planned for as if the CPU were that GPU, and executed there: one engine
+per entry behind `DeviceEngines`, the hooks that move inputs, `hf_device_map`, all bitwise against the unmodified
+model. Real GPUs: tests/test_gpu.py (two GPUs)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from models import tiny_llama
 
 import hf_prefetch
 from hf_prefetch.planning.memory import parse_max_memory, resolve_budgets
 from hf_prefetch.planning.pipeline import split_layers
 from hf_prefetch.runtime.devices import DeviceEngines
+from tests.models import tiny_llama
 
 CPU = torch.device("cpu")
 # The tiny Llama: 8 layers of 144.5 KiB (fp32), 64.3 KiB outside them.
@@ -150,9 +150,8 @@ def test_pipeline_placement_and_shared_links_do_not_combine(monkeypatch):
 
 
 def test_routed_experts_on_a_later_gpu_are_refused_with_the_fix():
-    from moe_models import moe_model
-
     from hf_prefetch.planning.layers import model_bytes
+    from tests.moe_models import moe_model
 
     model = moe_model("qwen3_moe")
     layer = model_bytes(model.model.layers[0])
@@ -211,9 +210,8 @@ def test_the_host_budget_holds_for_all_gpus_together():
 
 
 def test_offload_params_may_match_nothing_in_one_gpus_run():
-    from moe_models import moe_model
-
     from hf_prefetch.planning.layers import model_bytes
+    from tests.moe_models import moe_model
 
     model = moe_model("deepseek_v3")  # layer 0 is dense: no experts
     layer = model_bytes(model.model.layers[1])
@@ -233,9 +231,8 @@ def test_offload_params_may_match_nothing_in_one_gpus_run():
 
 
 def test_the_expert_cache_of_the_first_gpu_is_kept():
-    from moe_models import moe_model
-
     from hf_prefetch.planning.layers import model_bytes
+    from tests.moe_models import moe_model
 
     model = moe_model("qwen3_moe")
     layer = model_bytes(model.model.layers[0])
@@ -247,9 +244,8 @@ def test_the_expert_cache_of_the_first_gpu_is_kept():
 
 
 def test_routed_max_tokens_0_never_routes_so_a_later_gpu_may_hold_expert_layers():
-    from moe_models import moe_model
-
     from hf_prefetch.planning.layers import model_bytes
+    from tests.moe_models import moe_model
 
     model = moe_model("qwen3_moe")
     ids = torch.tensor([[5, 6, 7]])

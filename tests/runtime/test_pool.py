@@ -1,6 +1,6 @@
-"""The static buffer pool (hf_prefetch/pool.py): `num_slots` buffers per distinct key, in the key's exact layout, each
-slot one storage with its buffers at aligned offsets in key order; and `ring.byte_span`, which turns a layer's copies
-into one where the slot and the host arena lay its tensors out alike."""
+"""The static buffer pool (hf_prefetch/runtime/pool.py): `num_slots` buffers per distinct key, in the key's exact
+layout, each slot one storage with its buffers at aligned offsets in key order; and `ring.byte_span`, which turns a
+layer's copies into one where the slot and the host arena lay its tensors out alike."""
 
 from __future__ import annotations
 

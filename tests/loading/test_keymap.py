@@ -1,8 +1,9 @@
-"""Checkpoint keys -> model tensors (hf_prefetch/keymap.py) on tiny checkpoints written by `save_pretrained`: every
-model tensor is filled once, by the right bytes in the right place, with transformers' renames and expert merges;
+"""Checkpoint keys -> model tensors (hf_prefetch/loading/keymap.py) on tiny checkpoints written by `save_pretrained`:
+every model tensor is filled once, by the right bytes in the right place, with transformers' renames and expert merges;
 tied tensors stored twice are recorded; bad checkpoints are refused with the key and the fix.
 
-Loading end to end is tests/test_loader.py's; here the map itself is checked, byte for byte, against transformers."""
+Loading end to end is tests/loading/test_loader.py's; here the map itself is checked, byte for byte, against
+transformers."""
 
 from __future__ import annotations
 
@@ -26,8 +27,8 @@ from transformers.core_model_loading import WeightConverter
 
 from hf_prefetch.loading.checkpoint import Checkpoint
 from hf_prefetch.loading.keymap import filled_names, map_keys, region_view
+from tests.models import ATTENTION
 
-ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 CONFIGS = {
     "llama": lambda: LlamaConfig(intermediate_size=128, num_hidden_layers=2, **ATTENTION),
     "llama-tied": lambda: LlamaConfig(

@@ -2,7 +2,6 @@ import dataclasses
 
 import pytest
 import torch
-from models import tiny_llama
 from torch import nn
 
 from hf_prefetch import PrefetchConfig, Source, find_layer_lists
@@ -10,6 +9,7 @@ from hf_prefetch.host.arena import padded_bytes
 from hf_prefetch.planning.layers import segment_matches
 from hf_prefetch.planning.offload_plan import format_bytes
 from hf_prefetch.planning.selection import make_plan
+from tests.models import tiny_llama
 
 
 @pytest.mark.parametrize(
@@ -207,7 +207,7 @@ def test_explicit_selection_errors(streamed, match):
 
 
 def test_explicit_selection_of_a_model_with_two_layer_lists_names_them():
-    from zoo import ARCHS_BY_NAME
+    from tests.zoo import ARCHS_BY_NAME
 
     model = ARCHS_BY_NAME["t5"].build()
     with pytest.raises(ValueError, match=r"has 2 layer lists \['encoder.block', 'decoder.block'\]; pass \{path"):

@@ -1,7 +1,7 @@
-"""The transfer engine (hf_prefetch/engine.py) on the CPU, built directly from rings of small tensors: what each slot
-holds after every `wait` and `release`, what is counted, and the calls that rewrite or re-read host storage.
+"""The transfer engine (hf_prefetch/runtime/engine.py) on the CPU, built directly from rings of small tensors: what
+each slot holds after every `wait` and `release`, what is counted, and the calls that rewrite or re-read host storage.
 
-The slot bookkeeping itself (SlotTable, RingState) is tests/test_ring.py's; CUDA streams and graphs are
+The slot bookkeeping itself (SlotTable, RingState) is tests/runtime/test_ring.py's; CUDA streams and graphs are
 tests/test_gpu.py's and tests/test_compile.py's.
 """
 
@@ -15,6 +15,7 @@ import torch
 from hf_prefetch.runtime.engine import PrefetchEngine
 from hf_prefetch.runtime.pool import BufferPool
 from hf_prefetch.runtime.ring import LayerCounters, LayerTransfer, RingTransfers
+from tests.engines import copies, counters, misses
 
 CPU = torch.device("cpu")
 # Three parameters per layer: two dtypes, one transposed (non-contiguous) layout.
@@ -37,7 +38,8 @@ def values(layer: int, version: int = 0) -> list[torch.Tensor]:
 
 def slot_plan(num_layers: int, num_slots: int) -> tuple[list[int], list[int]]:
     """Layer k uses slot k % num_slots and hands it to k + num_slots, or to the first layer of the next forward that
-    uses the slot ([Note: slot reuse] in ring.py; tests/test_planner.py checks the planner makes the same)."""
+    uses the slot ([Note: slot reuse] in ring.py; tests/planning/test_selection.py checks the planner makes the
+    same)."""
     slots = [k % num_slots for k in range(num_layers)]
     following = [k + num_slots if k + num_slots < num_layers else k % num_slots for k in range(num_layers)]
     return slots, following
@@ -80,18 +82,6 @@ def run(engine: PrefetchEngine, order: list[int], ring: int = 0, offset: int = 0
         slot = transfers.layers[position].slot
         assert_slot_holds(engine, ring, slot, values(offset + position, version))  # never another layer's weights
         engine.release(ring, position)
-
-
-def counters(engine: PrefetchEngine, ring: int = 0) -> list[LayerCounters]:
-    return [layer.counters for layer in engine.rings[ring].layers]
-
-
-def copies(engine: PrefetchEngine, ring: int = 0) -> list[int]:
-    return [c.copies for c in counters(engine, ring)]
-
-
-def misses(engine: PrefetchEngine, ring: int = 0) -> int:
-    return sum(c.misses for c in counters(engine, ring))
 
 
 COMBOS = [(1, 1), (2, 1), (2, 2), (3, 2), (4, 2), (5, 3), (4, 4), (6, 4), (7, 3), (8, 1)]
