@@ -15,7 +15,7 @@ from .loading.loader import from_pretrained, load_checkpoint_and_dispatch
 from .loading.reload import reload_weights, sync_from_device
 from .planning.layers import find_layer_lists
 from .planning.offload_plan import OffloadPlan
-from .planning.placements import Placement, Source
+from .planning.placements import Compute, Placement, Source, Storage
 from .preview import plan
 from .stats import TransferStats, reset_stats, stats
 
@@ -27,6 +27,8 @@ __all__ = [
     "OffloadPlan",
     "Placement",
     "Source",
+    "Storage",
+    "Compute",
     "dispatch_model",
     "from_pretrained",
     "load_checkpoint_and_dispatch",

@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Literal
 
-__all__ = ["PrefetchConfig", "config_hash", "warn_at_caller"]
+__all__ = ["PrefetchConfig", "UVAConfig", "OffloadConfig", "resolve_offload", "config_hash", "warn_at_caller"]
 
 _warned_prefetch_step: set[tuple[int, int]] = set()
 

@@ -34,21 +34,21 @@ def _to(value, device: torch.device):
 
 def _on_its_engine(name: str) -> Callable[..., Any]:
     # `PrefetchEngine.<name>(ring, position, ...)` on the engine of the ring's GPU, with the ring's index there.
-    def call(self: DeviceEngines, ring: int, position: int, *args: Any) -> Any:
+    def call(self: DeviceEngines, ring: int, position: int, *args: Any, **kwargs: Any) -> Any:
         engine, local = self._at(ring)
-        return getattr(engine, name)(local, position, *args)
+        return getattr(engine, name)(local, position, *args, **kwargs)
 
-    call.__name__ = call.__qualname__ = name
+    call.__name__, call.__qualname__ = name, f"DeviceEngines.{name}"
     return call
 
 
 def _on_every_engine(name: str) -> Callable[..., None]:
     # `PrefetchEngine.<name>(...)` on every GPU's engine, in plan order.
-    def call(self: DeviceEngines, *args: Any) -> None:
+    def call(self: DeviceEngines, *args: Any, **kwargs: Any) -> None:
         for engine in self.engines:
-            getattr(engine, name)(*args)
+            getattr(engine, name)(*args, **kwargs)
 
-    call.__name__ = call.__qualname__ = name
+    call.__name__, call.__qualname__ = name, f"DeviceEngines.{name}"
     return call
 
 
