@@ -153,7 +153,7 @@ class OffloadPlan:
             return 0
         largest = max(
             (
-                round_up(layer.offloaded_bytes // self.num_links, LINK_SHARE_ALIGN_BYTES)
+                round_up(-(-layer.offloaded_bytes // self.num_links), LINK_SHARE_ALIGN_BYTES)
                 + 2 * LINK_SHARE_ALIGN_BYTES * len(layer.offloaded)
                 for ring in self.rings
                 for layer in ring.streamed
