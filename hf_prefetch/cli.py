@@ -1,28 +1,40 @@
 """The command line: `hf-prefetch plan|generate|bench PATH ...` (also `python -m hf_prefetch ...`).
 
-- `plan PATH --max-memory 0=10GiB,cpu=64GiB`: the plan table for a local checkpoint folder; nothing is loaded.
-- `generate PATH --prompt "..." --max-new-tokens N`: loads the folder with its tokenizer, streams the new text to the
-  terminal as it comes, then prints seconds per token and the ratio to the transfer bound.
+- `plan PATH --max-memory 0=10GiB,cpu=64GiB`: the plan table for a checkpoint; nothing is loaded.
+- `generate PATH --prompt "..." --max-new-tokens N`: loads the checkpoint with its tokenizer, streams the new text to
+  the terminal as it comes, then prints seconds per token and the ratio to the transfer bound.
 - `bench PATH`: measures this machine's link, decodes, and prints seconds per token, bound and ratio.
 
-Every command reads only local files. Bad input (a missing folder, a folder without config.json or weights, a budget
-that does not parse) ends with `hf-prefetch <command>: error: ...` and exit status 2, like argparse's own errors.
+PATH is a checkpoint folder or a Hugging Face Hub id (`org/name`, `--revision`; `loading/hub.py`): `plan` downloads
+no weights, `generate` and `bench` what a load reads and the tokenizer. The model class is `--model-class`, else the
+one `config.json`'s `architectures` names (as transformers' pipelines choose it), else the Auto class that maps its
+`model_type`. Bad input ends with `hf-prefetch <command>: error: ...` and exit status 2, like argparse's own errors;
+the library's messages name the flags (`--reserve`) for its arguments (`reserve_bytes`), and its warnings are printed
+as `hf-prefetch <command>: warning: ...`.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import contextlib
 import json
+import re
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 __all__ = ["main"]
 
-_EPILOG = "Sizes: bytes or '10GiB', '9.5GB', '500MB'. Every path is a local folder: nothing is downloaded."
+_EPILOG = (
+    "Sizes: bytes or '10GiB', '9.5GB', '500MB'. PATH is a local folder or a Hugging Face Hub id (org/name), whose "
+    "files are downloaded into the Hugging Face cache unless cached (HF_HUB_OFFLINE=1: the cache only; a private "
+    "model: `hf auth login` or HF_TOKEN)."
+)
 
 
 class CommandError(Exception):
@@ -39,14 +51,55 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help()
         return 2
     try:
-        return args.run(args)
+        with warnings.catch_warnings():
+            # A warning's location would be this script's line; the library's text says what to change.
+            warnings.showwarning = lambda message, *_, **__: print(
+                f"hf-prefetch {args.command}: warning: {flags(str(message))}", file=sys.stderr
+            )
+            return args.run(args)
     except CommandError as error:
         print(f"hf-prefetch {args.command}: error: {error}", file=sys.stderr)
         return 2
-    except (ValueError, TypeError, OSError, KeyError) as error:
+    except (ValueError, TypeError, OSError, KeyError, ImportError) as error:
         # The library's own validation (budgets, configs, checkpoints): its message names the field and the fix.
-        print(f"hf-prefetch {args.command}: error: {error}", file=sys.stderr)
+        text = str(error.args[0]) if isinstance(error, KeyError) and error.args else str(error)
+        print(f"hf-prefetch {args.command}: error: {flags(text)}", file=sys.stderr)
         return 2
+
+
+# The library's argument names -> the flags that set them, for its messages.
+_FLAGS = dict(
+    reserve_bytes="--reserve", max_memory="--max-memory", group_size="--group-size", num_in_group="--num-in-group",
+    prefetch_step="--prefetch-step", offload_params="--offload-params", routed_experts="--no-routed-experts",
+    model_class="--model-class", revision="--revision", links="--links", device="--device", dtype="--dtype",
+    compress="--compress",
+)  # fmt: skip
+_VALUE = r"\{[^{}]*\}|\[[^\]]*\]|'[^']*'|\"[^\"]*\"|[\w.:+-]+"
+_ASSIGNED = re.compile(rf"(?<![\w.])({'|'.join(_FLAGS)})(?:(\[[^\]]+\])(?!=)|(\[[^\]]+\])?=({_VALUE}))")
+_NAMED = re.compile(rf"(?<![\w.-])({'|'.join(name for name in _FLAGS if '_' in name)})\b(?!\()")
+
+
+def flags(message: str) -> str:
+    """A library message with its argument names as the command line's flags: `reserve_bytes='1x'` -> `--reserve 1x`,
+    `max_memory={0: '10GiB'}` -> `--max-memory 0=10GiB`, `max_memory[0]='x'` -> `--max-memory 0=x`."""
+
+    def assigned(match: re.Match) -> str:
+        name, entry, key, value = match.groups()
+        if entry is not None:  # `max_memory[0] = 1.00 GiB`
+            return f"{_FLAGS[name]} {entry[1:-1].strip(chr(39))}"
+        try:
+            parsed = ast.literal_eval(value)
+        except (ValueError, SyntaxError, MemoryError, RecursionError):
+            parsed = value.removeprefix("transformers.")
+        if name in ("routed_experts", "compress"):  # flags without a value
+            return _FLAGS[name] if parsed is (name == "compress") else match.group(0)
+        if isinstance(parsed, dict):
+            parsed = ",".join(f"{k}={v}" for k, v in parsed.items())
+        elif isinstance(parsed, list | tuple):
+            parsed = ",".join(str(v) for v in parsed)
+        return f"{_FLAGS[name]} {key[1:-1].strip(chr(39)) + '=' if key else ''}{parsed}"
+
+    return _NAMED.sub(lambda match: _FLAGS[match.group(1)], _ASSIGNED.sub(assigned, message))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -60,10 +113,11 @@ def _parser() -> argparse.ArgumentParser:
 
     plan = commands.add_parser(
         "plan",
-        help="print the plan for a checkpoint folder (nothing is loaded)",
+        help="print the plan for a checkpoint (nothing is loaded)",
         description="Print which layers would stream, the pool, pinned and streamed bytes and, on a GPU, the transfer "
-        "time per forward, for a local checkpoint folder. Nothing is loaded: only config.json and the safetensors "
-        "headers are read.",
+        "time per forward, for a checkpoint folder or Hub id. Nothing is loaded: only config.json and the "
+        "safetensors headers are read (of a Hub id's shards that are not cached, from the Hub: no weights are "
+        "downloaded).",
         epilog=_EPILOG,
     )
     _common(plan)
@@ -71,15 +125,15 @@ def _parser() -> argparse.ArgumentParser:
 
     generate = commands.add_parser(
         "generate",
-        help="load a checkpoint folder and generate from a prompt",
-        description="Load a local checkpoint folder with hf_prefetch, stream the generated text to the terminal, then "
-        "print seconds per token and the ratio to the transfer bound.",
+        help="load a checkpoint and generate from a prompt",
+        description="Load a checkpoint folder or Hub id with hf_prefetch, stream the generated text to the terminal, "
+        "then print seconds per token and the ratio to the transfer bound.",
         epilog=_EPILOG,
     )
     _common(generate)
     generate.add_argument("--prompt", required=True, help="the text to continue")
     generate.add_argument("--max-new-tokens", type=_positive_int, default=64, help="tokens to generate (64)")
-    generate.add_argument("--tokenizer", help="a folder with the tokenizer (default: the checkpoint folder)")
+    generate.add_argument("--tokenizer", help="a folder or Hub id with the tokenizer (default: the checkpoint's)")
     generate.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     generate.add_argument("--seed", type=int, default=0, help="random seed for --sample (0)")
     generate.set_defaults(command="generate", run=_generate)
@@ -87,8 +141,8 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench",
         help="measure the link and decode speed on this machine",
-        description="Measure this machine's host-to-device link, load a local checkpoint folder with hf_prefetch, "
-        "decode from a random prompt, and print seconds per token against the transfer bound.",
+        description="Measure this machine's host-to-device link, load a checkpoint folder or Hub id with "
+        "hf_prefetch, decode from a random prompt, and print seconds per token against the transfer bound.",
         epilog=_EPILOG,
     )
     _common(bench)
@@ -100,7 +154,16 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("path", help="a local checkpoint folder (config.json and safetensors weights)")
+    parser.add_argument(
+        "path", help="a checkpoint folder (config.json and safetensors weights) or a Hugging Face Hub id (org/name)"
+    )
+    parser.add_argument("--revision", help="of a Hub id: a branch, tag or commit (default: main)")
+    parser.add_argument(
+        "--model-class",
+        metavar="NAME",
+        help="a transformers model class or Auto class, e.g. AutoModelForSeq2SeqLM (default: the class config.json's "
+        "architectures names)",
+    )
     parser.add_argument(
         "--max-memory",
         metavar="BUDGET",
@@ -112,11 +175,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefetch-step", type=_positive_int, help="layers a copy starts ahead (buffer slots)")
     parser.add_argument("--offload-params", metavar="SEGMENTS", help="comma-separated name segments, e.g. experts")
     parser.add_argument("--no-routed-experts", action="store_true", help="stream expert tensors whole")
-    parser.add_argument(
-        "--compress",
-        action="store_true",
-        help="stream bf16/fp32 weights losslessly compressed (fewer bytes per token)",
-    )
+    parser.add_argument("--compress", action="store_true", help="stream bf16/fp32 weights losslessly compressed")
     parser.add_argument("--device", help="execution device (default: the current GPU, else cpu)")
     parser.add_argument(
         "--links", metavar="GPUS", help="GPUs whose host links share the streamed bytes: all, or indices like 0,1"
@@ -172,31 +231,99 @@ def parse_budget(text: str | None) -> dict[int | str, str] | str | None:
     return budget
 
 
-def _check_folder(path: str) -> Path:
+@contextlib.contextmanager
+def _checkpoint(args: argparse.Namespace, *, weights: bool) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """The checkpoint's local folder and its config.json: a folder as given; a Hub id's snapshot with what a load
+    reads (`weights`) and the tokenizer, or what `plan` reads (`loading/hub.py`)."""
+    from .loading import hub
+
+    if hub.hub_id(args.path) is None:
+        if args.revision is not None:
+            raise CommandError(f"--revision {args.revision} reads a Hub id, but {args.path} is a local folder")
+        yield _check_folder(args.path, args.path)
+    elif weights:
+        tokenizer = args.command == "generate" and args.tokenizer is None
+        yield _check_folder(str(hub.local_folder(args.path, revision=args.revision, tokenizer=tokenizer)), args.path)
+    else:
+        with hub.header_folder(args.path, revision=args.revision) as folder:
+            yield _check_folder(str(folder), args.path)
+
+
+def _check_folder(path: str, shown: str) -> tuple[Path, dict[str, Any]]:
     if not path.strip():
-        raise CommandError("the checkpoint folder is an empty string; give a local folder")
+        raise CommandError("the checkpoint folder is an empty string; give a folder or a Hub id (org/name)")
     try:
         folder = Path(path).expanduser()
     except RuntimeError:  # ~user that does not exist
         folder = Path(path)
     if not folder.exists():
-        raise CommandError(f"{path}: no such folder. Give a local checkpoint folder (nothing is downloaded).")
+        raise CommandError(f"{path}: no such folder, and not a Hub id (org/name). Give a checkpoint folder or an id.")
     if not folder.is_dir():
         raise CommandError(f"{path}: not a folder. Give the checkpoint folder, not a file in it.")
     if not (folder / "config.json").is_file():
-        raise CommandError(f"{path}: no config.json in this folder; is it a transformers checkpoint?")
+        raise CommandError(f"{shown}: no config.json in this folder; is it a transformers checkpoint?")
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise CommandError(f"{path}/config.json is not valid JSON ({error})") from None
+        raise CommandError(f"{shown}/config.json is not valid JSON ({error})") from None
     if not isinstance(config, dict):
-        raise CommandError(f"{path}/config.json holds a JSON {type(config).__name__}, not an object of settings")
+        raise CommandError(f"{shown}/config.json holds a JSON {type(config).__name__}, not an object of settings")
     if not any(folder.glob("*.safetensors")):
         raise CommandError(
-            f"{path}: no *.safetensors weights in this folder (hf_prefetch reads safetensors checkpoints; convert "
+            f"{shown}: no *.safetensors weights in this folder (hf_prefetch reads safetensors checkpoints; convert "
             "others with save_pretrained)."
         )
-    return folder
+    return folder, config
+
+
+_AUTO_CLASSES = ("AutoModelForCausalLM", "AutoModelForSeq2SeqLM", "AutoModelForImageTextToText", "AutoModel")
+
+
+def _transformers_class(name: Any) -> type | None:
+    # A transformers model class or Auto class of that name; None for any other name.
+    import transformers
+
+    if not isinstance(name, str) or not name.isidentifier():
+        return None
+    try:
+        found = getattr(transformers, name, None)
+    except Exception:  # a class whose optional dependency is missing
+        return None
+    auto = isinstance(found, type) and hasattr(found, "_model_mapping") and hasattr(found, "from_config")
+    return found if auto or (isinstance(found, type) and issubclass(found, transformers.PreTrainedModel)) else None
+
+
+def _model_class(args: argparse.Namespace, folder: Path, config: dict[str, Any]) -> type:
+    """`--model-class`; else the first class `architectures` names, as transformers' pipelines choose it; else the
+    first Auto class that maps the config's model type."""
+    import transformers
+
+    architectures = config.get("architectures") or []
+    names = architectures if args.model_class is None else [args.model_class]
+    chosen = next((found for found in map(_transformers_class, names) if found is not None), None)
+    if chosen is None and args.model_class is not None:
+        named = f" (config.json's architectures: {', '.join(map(str, architectures))})" if architectures else ""
+        raise CommandError(
+            f"--model-class {args.model_class!r} is not a transformers model class; give an Auto class such as "
+            f"{', '.join(_AUTO_CLASSES)}, or a model class such as LlamaForCausalLM or "
+            f"T5ForConditionalGeneration{named}"
+        )
+    if chosen is None:
+        model_config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+        fitting = [getattr(transformers, name) for name in _AUTO_CLASSES]
+        fitting = [auto for auto in fitting if type(model_config) in auto._model_mapping]
+        if not fitting:
+            raise CommandError(
+                f"{args.path}: no transformers class builds model_type {config.get('model_type')!r} "
+                f"(architectures: {architectures}); pass --model-class NAME"
+            )
+        chosen = fitting[0]
+    if args.command != "plan" and issubclass(chosen, transformers.PreTrainedModel) and not chosen.can_generate():
+        raise CommandError(
+            f"{chosen.__name__} (from {'--model-class' if args.model_class else 'config.json'}) does not generate "
+            "text; pass --model-class AutoModelForCausalLM or AutoModelForSeq2SeqLM"
+        )
+    return chosen
 
 
 def _config(args: argparse.Namespace):
@@ -219,7 +346,7 @@ def _config(args: argparse.Namespace):
     return PrefetchConfig(**fields)
 
 
-def _load_options(args: argparse.Namespace) -> dict[str, Any]:
+def _load_options(args: argparse.Namespace, folder: Path, config: dict[str, Any]) -> dict[str, Any]:
     device = args.device
     if device is not None and device.isascii() and device.isdigit():
         device = int(device)  # a GPU index
@@ -229,23 +356,17 @@ def _load_options(args: argparse.Namespace) -> dict[str, Any]:
         device=device,
         dtype=args.dtype,
         links=parse_links(args.links),
+        model_class=_model_class(args, folder, config),
     )
 
 
 def _plan(args: argparse.Namespace) -> int:
     import hf_prefetch
 
-    folder = _check_folder(args.path)
-    print(hf_prefetch.plan(str(folder), _config(args), **_load_options(args)))
+    with _checkpoint(args, weights=False) as (folder, config):
+        options = _load_options(args, folder, config)
+        print(hf_prefetch.plan(str(folder), _config(args), **options))
     return 0
-
-
-def _load(args: argparse.Namespace):
-    import hf_prefetch
-
-    folder = _check_folder(args.path)
-    model = hf_prefetch.from_pretrained(str(folder), _config(args), **_load_options(args))
-    return folder, model
 
 
 def _bound_seconds(model) -> tuple[float | None, str]:
@@ -273,20 +394,24 @@ def _generate(args: argparse.Namespace) -> int:
 
     import hf_prefetch
 
-    _check_folder(args.path)
-    tokenizer_path = args.tokenizer or args.path
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
-    except (OSError, ValueError) as error:
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
-        raise CommandError(
-            f"no tokenizer could be loaded from {tokenizer_path} ({type(error).__name__}: {first_line[:160]}); "
-            "pass --tokenizer FOLDER"
-        ) from None
-    ids = tokenizer(args.prompt, return_tensors="pt").input_ids
-    if ids.shape[1] == 0:
-        raise CommandError(f"--prompt {args.prompt!r} gives no tokens")
-    folder, model = _load(args)
+    from .loading import hub
+
+    with _checkpoint(args, weights=True) as (folder, config):
+        options = _load_options(args, folder, config)  # every flag and the model class, before anything is read
+        try:
+            given, only = args.tokenizer, dict(config=False, weights=False, tokenizer=True)
+            tokenizer_path = folder if given is None else hub.local_folder(given, **only)
+            tokenizer = AutoTokenizer.from_pretrained(tokenizer_path, local_files_only=True)
+        except (OSError, ValueError) as error:
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            raise CommandError(
+                f"no tokenizer could be loaded from {args.tokenizer or args.path} ({type(error).__name__}: "
+                f"{first_line[:300]}); pass --tokenizer FOLDER"
+            ) from None
+        ids = tokenizer(args.prompt, return_tensors="pt").input_ids
+        if ids.shape[1] == 0:
+            raise CommandError(f"--prompt {args.prompt!r} gives no tokens")
+        model = hf_prefetch.from_pretrained(str(folder), _config(args), **options)
     device = hf_prefetch.get_state(model).device
     ids = ids.to(device)
     stamps: list[float] = []
@@ -324,7 +449,8 @@ def _bench(args: argparse.Namespace) -> int:
 
     import hf_prefetch
 
-    folder, model = _load(args)
+    with _checkpoint(args, weights=True) as (folder, config):
+        model = hf_prefetch.from_pretrained(str(folder), _config(args), **_load_options(args, folder, config))
     state = hf_prefetch.get_state(model)
     device = state.device
     vocab = model.config.get_text_config().vocab_size
@@ -351,17 +477,15 @@ def _bench(args: argparse.Namespace) -> int:
     bound, link = _bound_seconds(model)
     stats = hf_prefetch.stats(model)
     plan = state.plan
-    print(f"{folder}: {plan.streamed_bytes_per_token / 1e9:.3f} GB streamed per decoded token on {device}")
+    print(f"{args.path}: {plan.streamed_bytes_per_token / 1e9:.3f} GB streamed per decoded token on {device}")
     print(link)
     header = f"{'s/token':>9} {'bound':>9} {'x bound':>8} {'misses':>7}"
-    row = (
-        f"{per_token:>9.4f} {bound:>9.4f} {per_token / bound:>8.2f}"
-        if bound
-        else f"{per_token:>9.4f} {'-':>9} {'-':>8}"
-    )
+    row = f"{per_token:>9.4f} " + (f"{bound:>9.4f} {per_token / bound:>8.2f}" if bound else f"{'-':>9} {'-':>8}")
     print(header)
     print(f"{row} {stats.misses:>7}")
-    print(f"(median of {args.rounds} rounds of {args.tokens} - {short} tokens, greedy, batch 1)")
+    what = f"decoding {args.tokens} tokens less decoding {short}, per token between them"
+    what = what if args.tokens > short else "decoding 1 token, the prompt included"
+    print(f"(s/token: the median of {args.rounds} round{'s' * (args.rounds > 1)}, each the time of {what}; greedy)")
     return 0
 
 

@@ -76,10 +76,11 @@ def dispatch_model(
         timing (`bool`): Measure copy and stall seconds per layer with CUDA events (see `hf_prefetch.stats`).
         replace (`bool`): Re-dispatch a dispatched model with a new configuration, without reloading it.
 
-    A dispatched model refuses `.to()`, `.cuda()`, `.half()` and other conversions, `copy.deepcopy` and pickling: call
-    `remove_offload` first. It is for inference: a backward through a streamed layer raises (streamed parameters keep
-    their `requires_grad`, on which the numbers of aten's matmul depend). Forwards from several threads run one at a
-    time.
+    A dispatched model refuses `.to()`, `.cpu()`, `.cuda()`, `.half()` and the other conversions that would change its
+    tensors (one that changes nothing, such as `.cpu()` of a model dispatched to the CPU, returns the model),
+    `copy.deepcopy` and pickling: call `remove_offload` first. It is for inference: a backward through a streamed
+    layer raises (streamed parameters keep their `requires_grad`, on which the numbers of aten's matmul depend).
+    Forwards from several threads run one at a time.
 
     Returns:
         The same model, dispatched.
@@ -130,11 +131,13 @@ def _dispatch(
     timing: bool,
     uva: bool,
 ) -> nn.Module:
-    # From the old forward gate's removal to the new one's arrival, forwards in other threads wait and refuse.
+    # From the old forward gate's removal to the new one's arrival, forwards in other threads wait and refuse; the
+    # new gate's arrival ends the holds (`begin`).
     with contextlib.ExitStack() as gateless:
+        held = []
         finished = state is not None and state.lifecycle is not Lifecycle.ATTACHED
         if finished:
-            gateless.enter_context(forwards_held(model, state.plan))
+            held.append(gateless.enter_context(forwards_held(model, state.plan)))
             finish_interrupted(model, state)  # an interrupted dispatch or removal: complete it first
             state = None
         if state is not None and not replace:
@@ -153,14 +156,14 @@ def _dispatch(
         layout = [] if uva and exec_device.type == "cpu" else host_layout(plan)
         if state is not None:
             _check_replacement_arena(model, state, layout)  # while the old dispatch still stands
-            gateless.enter_context(forwards_held(model, state.plan, plan))
+            held.append(gateless.enter_context(forwards_held(model, state.plan, plan)))
             detach(model, state, target=None)
         elif finished:  # an interrupted dispatch was finished: the new gate's parts wait and refuse as well
-            gateless.enter_context(forwards_held(model, plan))
+            held.append(gateless.enter_context(forwards_held(model, plan)))
         # Host memory the arena takes back as it fills: each offloaded parameter's original storage, if on the CPU.
         on_host = sum(spec.nbytes for path, spec in layout if _param(model, path, spec).device.type == "cpu")
         arena = HostArena([spec.nbytes for _, spec in layout], freed_bytes=on_host)
-        state = begin(model, plan, exec_device, arena, timing)
+        state = begin(model, plan, exec_device, arena, timing, held=held)
     try:
         keep_int8_scales(model, state.journal)
         for index, (layer_path, spec) in enumerate(layout):

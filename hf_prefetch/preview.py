@@ -1,8 +1,9 @@
 """`hf_prefetch.plan`: the plan that `dispatch_model` or `from_pretrained` would execute, without executing it.
 
 For a checkpoint folder it builds the model on the meta device as the loader does, reading only `config.json` and
-the safetensors headers. It moves and allocates no weights; it touches CUDA only when the device is a GPU, to read
-its free memory for `max_memory="auto"` and to measure the link speed when `link_gbps` is not given.
+the safetensors headers; for a Hub id it downloads no weights (`loading/hub.py`, `header_folder`). It moves and
+allocates no weights; it touches CUDA only when the device is a GPU, to read its free memory for
+`max_memory="auto"` and to measure the link speed when `link_gbps` is not given.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from .config import OffloadConfig, PrefetchConfig, UVAConfig, resolve_offload
 from .lifecycle.checks import refuse_unknown_keywords, resolve_device
 from .loading import skeleton
 from .loading.checkpoint import Checkpoint
+from .loading.hub import header_folder
+from .loading.loader import check_building, set_attention
 from .planning.choose import choose_plan
 from .planning.link_speed import measure_link_gbps
 from .planning.links import resolve_links
@@ -41,6 +44,11 @@ def plan(
     dtype: torch.dtype | str | None = None,
     model_class: type | None = None,
     link_gbps: float | None = None,
+    revision: str | None = None,
+    token: bool | str | None = None,
+    subfolder: str | None = None,
+    attn_implementation: str | dict[str, str] | None = None,
+    trust_remote_code: bool = False,
     **unknown: Any,
 ) -> OffloadPlan:
     """The plan `dispatch_model` (for a model) or `from_pretrained` (for a checkpoint folder) would execute.
@@ -49,10 +57,14 @@ def plan(
     resident, pool and pinned bytes, bytes streamed per forward and, with a link speed, the time those bytes take.
 
     Args:
-        model_or_checkpoint: A built model (its parameters may be on the meta device), or a checkpoint folder as
-            `from_pretrained` takes it.
+        model_or_checkpoint: A built model (its parameters may be on the meta device), or a checkpoint folder or
+            Hub id (`"org/name"`) as `from_pretrained` takes it. A Hub id's weights are not downloaded: its
+            `config.json` is, and the headers of the shards that are not cached are read from the Hub (a few byte
+            ranges of each file). Offline (`HF_HUB_OFFLINE`) the shards must be cached. A bitsandbytes checkpoint's
+            shards are downloaded: its model is built from settings stored in them.
         offload, max_memory, reserve_bytes, device, layers, links: As in `dispatch_model`.
-        dtype, model_class: For a checkpoint folder, as in `from_pretrained`.
+        dtype, model_class, revision, token, subfolder, attn_implementation, trust_remote_code: For a checkpoint,
+            as in `from_pretrained`.
         link_gbps (`float`, *optional*): Host-to-device link speed in GB/s, for the transfer time per forward. On a
             GPU it is measured when not given (a few 256 MiB pinned copies, once per process and device, then
             cached); on the CPU the line is left out.
@@ -87,17 +99,23 @@ def plan(
         raise ValueError(f"link_gbps={link_gbps!r} must be a number of GB/s, e.g. link_gbps=55.0, or None.")
     if link_gbps is not None and not link_gbps > 0:
         raise ValueError(f"link_gbps={link_gbps!r} must be > 0 (GB/s), or None.")
+    building = dict(dtype=dtype, model_class=model_class, revision=revision, token=token, subfolder=subfolder)
+    building.update(attn_implementation=attn_implementation, trust_remote_code=trust_remote_code or None)
     if isinstance(model_or_checkpoint, nn.Module):
-        if dtype is not None or model_class is not None:
+        if given := [f"{name}=" for name, value in building.items() if value is not None]:
+            names = " and ".join(given) if len(given) < 3 else ", ".join(given[:-1]) + " and " + given[-1]
             raise ValueError(
-                "dtype= and model_class= describe how a checkpoint folder is built; a built model already has them. "
-                "Convert the model, or pass the checkpoint folder instead."
+                f"{names} {'describes' if len(given) == 1 else 'describe'} how a checkpoint is found and built; a "
+                "built model already has them. Convert the model, or pass the checkpoint folder or Hub id instead."
             )
         model = model_or_checkpoint
     else:
-        folder = skeleton.checkpoint_folder(model_or_checkpoint)
-        with Checkpoint.open(folder) as checkpoint:
-            model, _ = skeleton.build_skeleton(folder, checkpoint, dtype, model_class)
+        check_building(attn_implementation, trust_remote_code)
+        with header_folder(model_or_checkpoint, revision=revision, token=token, subfolder=subfolder) as found:
+            folder = skeleton.checkpoint_folder(found)
+            with Checkpoint.open(folder) as checkpoint:
+                model, _ = skeleton.build_skeleton(folder, checkpoint, dtype, model_class)
+            set_attention(model, attn_implementation)
     if uva:
         result = make_uva_plan(model, config, layers)
     else:

@@ -2,8 +2,9 @@
 
 Counting is always on and costs a few integer additions per layer. Seconds need `dispatch_model(..., timing=True)`:
 they come from CUDA events read after they completed, so collecting them adds no host synchronisation to the
-forward. This module only reads the engine's counters; it changes nothing. A snapshot prints as a table, renders as
-HTML in Jupyter, and plots with matplotlib, an optional dependency imported only by `TransferStats.plot`.
+forward. This module only reads the engine's counters; it changes nothing. A snapshot prints (and shows in a REPL) as
+a table, renders as HTML in Jupyter, and plots with matplotlib, an optional dependency imported only by
+`TransferStats.plot`.
 """
 
 from __future__ import annotations
@@ -61,9 +62,9 @@ class LayerStats:
         return self.compressed_bytes / self.decoded_bytes if self.decoded_bytes else 0.0
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class TransferStats:
-    """A snapshot of the transfer counters. `print(stats)` shows a table; Jupyter shows it as HTML."""
+    """A snapshot of the transfer counters. `print(stats)` and a REPL show a table; Jupyter shows it as HTML."""
 
     layers: tuple[LayerStats, ...]
     timing: bool
@@ -220,6 +221,9 @@ class TransferStats:
             lines.append("(seconds need dispatch_model(..., timing=True))")
         return "\n".join(lines)
 
+    def __repr__(self) -> str:
+        return str(self)  # the table, where a REPL shows the value (`.layers` holds each LayerStats)
+
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{cell}</th>" for cell in self._header)
         body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in self._rows())
@@ -285,7 +289,7 @@ class TransferStats:
         ax.set_ylabel("ms (total)")
         ax.set_title(
             f"copy {self.copy_seconds * 1e3:.2f} ms ({self.gbps:.1f} GB/s), compute {self.compute_seconds * 1e3:.2f} "
-            f"ms, stall {self.stall_seconds * 1e3:.2f} ms, {self.misses} misses"
+            f"ms, stall {self.stall_seconds * 1e3:.2f} ms, {self.misses} miss{'es' if self.misses != 1 else ''}"
             if self.layers
             else "no streamed layers: nothing is copied",
             fontsize="medium",

@@ -1,5 +1,6 @@
 """The command line (`hf-prefetch plan|generate|bench`, `python -m hf_prefetch`) on tiny local checkpoints."""
 
+import os
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import hf_prefetch
-from hf_prefetch.cli import main
+from hf_prefetch.cli import flags, main
 from tests.models import tiny_llama
 
 WORDS = "the a cat dog sat on mat and ran to house tree big small red blue green one two three".split()
@@ -105,7 +106,7 @@ def test_module_entry_point_and_help(checkpoint):
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["plan", "{missing}"], "no such folder"),
+        (["plan", "{missing}"], "no such folder, and not a Hub id (org/name)"),
         (["plan", "{file}"], "not a folder"),
         (["plan", "{empty}"], "no config.json in this folder"),
         (["plan", "{config_only}"], "no *.safetensors weights"),
@@ -115,9 +116,16 @@ def test_module_entry_point_and_help(checkpoint):
         (["plan", "{folder}", "--offload-params", "nothing", "--device", "cpu"], "matched no parameter"),
         (
             ["plan", "{folder}", "--dtype", "foo", "--device", "cpu"],
-            "dtype='foo' must be a floating-point torch.dtype",
+            "--dtype foo must be a floating-point torch.dtype",
         ),
-        (["plan", "{folder}", "--device", "tpu"], "device='tpu' is not a device"),
+        (["plan", "{folder}", "--device", "tpu"], "--device tpu is not a device"),
+        (["plan", "{folder}", "--reserve", "1GiB"], "--reserve 1GiB is only used with a memory budget; pass --max"),
+        (["plan", "{folder}", "--max-memory", "0=1GiB", "--group-size", "3"], "--max-memory chooses the streamed"),
+        (["plan", "{folder}", "--revision", "v1"], "--revision v1 reads a Hub id, but"),
+        (["plan", "{folder}", "--model-class", "Nope"], "--model-class 'Nope' is not a transformers model class"),
+        (["plan", "{folder}", "--model-class", "os"], "an Auto class such as AutoModelForCausalLM"),
+        (["generate", "{folder}", "--prompt", "x", "--model-class", "LlamaModel"], "LlamaModel (from --model-class) "
+                                                                                   "does not generate text"),
         (["plan", "{bad_json}"], "config.json is not valid JSON"),
         (["plan", "{json_list}"], "config.json holds a JSON list"),
         (["plan", ""], "empty string"),
@@ -189,7 +197,7 @@ def test_links_reach_the_library_and_wrong_ones_are_errors(checkpoint, capsys, m
     assert code == 2 and out == "" and "--links '0,cuda': give 'all' or GPU indices" in err
     monkeypatch.undo()
     code, out, err = _run(capsys, "plan", checkpoint[0], "--links", "0,1", "--device", "cpu")
-    assert code == 2 and "links=[0, 1] spreads copies over several GPUs' host links" in err
+    assert code == 2 and "--links 0,1 spreads copies over several GPUs' host links" in err
     assert "Traceback" not in err
 
 
@@ -238,3 +246,133 @@ def test_a_prequantized_bitsandbytes_checkpoint_plans_and_generates_what_transfo
     code, out, err = _run(capsys, *argv)
     assert code == 0, err
     assert out.strip() == tokenizer.decode(want[0, ids.shape[1] :], skip_special_tokens=True).strip()
+
+
+def test_library_messages_name_the_flags():
+    assert flags("reserve_bytes='1x' is not a size; pass max_memory too, e.g. max_memory={0: '10GiB', 'cpu': "
+                 "'64GiB'} or max_memory='auto'.") == (
+        "--reserve 1x is not a size; pass --max-memory too, e.g. --max-memory 0=10GiB,cpu=64GiB or --max-memory auto."
+    )  # fmt: skip
+    assert flags("max_memory['cpu']='ten GiB' is not a size") == "--max-memory cpu=ten GiB is not a size"
+    assert flags("max_memory[0] = 1.00 GiB leaves nothing after reserve_bytes = 1.00 GiB") == (
+        "--max-memory 0 = 1.00 GiB leaves nothing after --reserve = 1.00 GiB"
+    )
+    assert flags("Stream more layers than prefetch_step (or lower prefetch_step)") == (
+        "Stream more layers than --prefetch-step (or lower --prefetch-step)"
+    )
+    assert flags("pass model_class=transformers.AutoModelForSeq2SeqLM") == "pass --model-class AutoModelForSeq2SeqLM"
+    assert flags("with routed_experts=False, or compress=True") == "with --no-routed-experts, or --compress"
+    assert flags("config.group_size and hf_prefetch.dispatch_model(model, links=[0, 1])") == (
+        "config.group_size and hf_prefetch.dispatch_model(model, --links 0,1)"
+    )  # a name in code is left alone, an argument in it is named as its flag
+
+
+def test_warnings_are_the_commands_own_lines(tmp_path, capsys):
+    # Two layers, one streamed through one slot: the library warns that the pool saves nothing.
+    tiny_llama(2, eos_token_id=None).save_pretrained(tmp_path)
+    _save_tokenizer(tmp_path)
+    argv = ["generate", tmp_path, "--prompt", "the cat", "--max-new-tokens", "2", "--device", "cpu"]
+    code, out, err = _run(capsys, *argv, "--group-size", "2")
+    assert code == 0, err
+    warning = [line for line in err.splitlines() if "saves no device memory" in line]
+    assert warning and warning[0].startswith("hf-prefetch generate: warning: This dispatch saves no device memory")
+    assert "--prefetch-step" in warning[0] and "UserWarning" not in err and ".py:" not in err
+    result = subprocess.run(
+        [sys.executable, "-m", "hf_prefetch", *map(str, argv), "--group-size", "2"], capture_output=True, text=True
+    )
+    assert result.returncode == 0 and "hf-prefetch generate: warning: This dispatch" in result.stderr
+    assert "UserWarning" not in result.stderr and "__main__.py" not in result.stderr, result.stderr
+
+
+def test_bench_says_what_it_measured_in_words(checkpoint, capsys):
+    code, out, err = _run(capsys, "bench", checkpoint[0], "--rounds", "1", "--tokens", "8", "--device", "cpu")
+    assert code == 0, err
+    assert out.splitlines()[-1] == (
+        "(s/token: the median of 1 round, each the time of decoding 8 tokens less decoding 2, per token between "
+        "them; greedy)"
+    )
+    code, out, err = _run(capsys, "bench", checkpoint[0], "--rounds", "2", "--tokens", "1", "--device", "cpu")
+    assert code == 0 and out.splitlines()[-1].startswith("(s/token: the median of 2 rounds, each the time of "
+                                                         "decoding 1 token, the prompt included")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def t5(tmp_path_factory):
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    folder = tmp_path_factory.mktemp("cli_t5")
+    torch.manual_seed(0)
+    config = T5Config(
+        d_model=32, d_ff=64, num_layers=4, num_heads=2, d_kv=16, vocab_size=128, eos_token_id=None,
+        decoder_start_token_id=0,
+    )  # fmt: skip
+    model = T5ForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0, 0.5)  # transformers' initialisation makes a tiny T5 repeat token 0
+    model.save_pretrained(folder)
+    return folder, model, _save_tokenizer(folder)
+
+
+def test_a_seq2seq_checkpoint_plans_and_generates_with_the_class_its_config_names(t5, capsys):
+    from transformers import AutoModelForSeq2SeqLM
+
+    folder, model, tokenizer = t5
+    code, out, err = _run(capsys, "plan", folder, "--group-size", "2", "--device", "cpu")
+    assert code == 0, err
+    config = hf_prefetch.PrefetchConfig(group_size=2)
+    expected = hf_prefetch.plan(folder, config, device="cpu", model_class=AutoModelForSeq2SeqLM)
+    assert out.strip() == str(expected).strip()
+    ids = tokenizer("the cat sat on", return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
+                              pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    argv = ["generate", folder, "--prompt", "the cat sat on", "--max-new-tokens", "8", "--device", "cpu"]
+    code, out, err = _run(capsys, *argv, "--group-size", "2")
+    assert code == 0, err
+    assert out.strip() == tokenizer.decode(want[0], skip_special_tokens=True).strip()
+    code, out, err = _run(capsys, *argv, "--model-class", "AutoModelForCausalLM")
+    assert code == 2 and "pass --model-class AutoModelForSeq2SeqLM" in err, err
+    code, out, err = _run(capsys, *argv, "--group-size", "2", "--model-class", "T5ForConditionalGeneration")
+    assert code == 0 and out.strip() == tokenizer.decode(want[0], skip_special_tokens=True).strip(), err
+
+
+def test_a_hub_id_plans_and_generates_from_the_cache(checkpoint, tmp_path, monkeypatch, capsys):
+    from huggingface_hub import constants
+
+    from tests.loading.test_hub import COMMIT, cache_repo
+
+    folder, model = checkpoint
+    cache = tmp_path / "hf_cache"
+    for name, value in (("HF_HUB_CACHE", str(cache)), ("HF_HUB_OFFLINE", True)):
+        monkeypatch.setenv(name, str(value) if name == "HF_HUB_CACHE" else "1")
+        monkeypatch.setattr(constants, name, value)
+    code, out, err = _run(capsys, "plan", "tiny-org/cli-llama", "--device", "cpu")
+    assert code == 2 and out == "" and "'tiny-org/cli-llama' is not a local folder" in err, err
+    assert "hf download tiny-org/cli-llama" in err and "Traceback" not in err
+    cache_repo(cache, "tiny-org/cli-llama", folder)
+    options = ["--group-size", "2", "--device", "cpu"]
+    code, out, err = _run(capsys, "plan", "tiny-org/cli-llama", "--revision", COMMIT, *options)
+    assert code == 0, err
+    assert out.strip() == out_plan_of(folder)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(folder)
+    ids = tokenizer("the cat sat on", return_tensors="pt").input_ids
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False)
+    argv = ["generate", "tiny-org/cli-llama", "--prompt", "the cat sat on", "--max-new-tokens", "6", *options]
+    code, out, err = _run(capsys, *argv)
+    assert code == 0, err
+    assert out.strip() == tokenizer.decode(want[0, ids.shape[1] :], skip_special_tokens=True).strip()
+    code, out, err = _run(capsys, "plan", "tiny-org/cli-llama", "--revision", "v2", *options)
+    assert code == 2 and "revision 'v2' of the Hub model 'tiny-org/cli-llama' is not in the Hugging Face cache" in err
+    result = subprocess.run(  # a fresh process: huggingface_hub reads the environment as it is imported
+        [sys.executable, "-m", "hf_prefetch", "plan", "tiny-org/cli-llama", *options],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 0 and result.stdout.strip() == out_plan_of(folder), result.stderr
+
+
+def out_plan_of(folder) -> str:
+    return str(hf_prefetch.plan(folder, hf_prefetch.PrefetchConfig(group_size=2), device="cpu")).strip()

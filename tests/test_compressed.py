@@ -2,6 +2,7 @@
 reads or writes the offloaded weights."""
 
 import logging
+import warnings
 
 import pytest
 import torch
@@ -42,6 +43,7 @@ def test_outputs_state_dict_and_removal_are_bitwise_the_resident_models(dtype, p
     values_bytes, encoded_bytes = state.plan.compressed_bytes
     assert encoded_bytes / values_bytes < (0.76 if dtype == torch.bfloat16 else 0.88)
     assert state.plan.host_bytes < state.plan.offloaded_bytes
+    assert state.arena.nbytes == state.plan.host_bytes  # the plan's pinned bytes are the arena's, padding and all
     assert_same_generation(generate_with_logits(model, ids), want)
     assert all(torch.equal(values[k], v) for k, v in model.state_dict().items())
     stats = hf_prefetch.stats(model)
@@ -79,6 +81,90 @@ def test_layers_alone_in_their_slot_are_not_compressed():
     # 3 streamed layers, 4 slots: each is copied once, compressing it would only add a decode.
     plan = hf_prefetch.plan(_model(), hf_prefetch.PrefetchConfig(prefetch_step=4, compress=True))
     assert plan.compressed_bytes == (0, 0)
+
+
+def _compress_warnings(caught) -> list[warnings.WarningMessage]:
+    return [w for w in caught if "PrefetchConfig(compress=True) changes nothing" in str(w.message)]
+
+
+@pytest.mark.parametrize(
+    "dtype, size, why",
+    [
+        (torch.bfloat16, {}, f"18 under the codec's minimum of {codec.MIN_NUMEL} elements"),  # 64 x 128 at most
+        (torch.float16, dict(hidden_size=128, intermediate_size=256), "18 of dtype float16, not bfloat16 or float32"),
+    ],
+)
+def test_compress_that_compresses_nothing_says_so_once_and_the_plan_shows_it(tmp_path, dtype, size, why):
+    model = tiny_llama(4, 0, dtype, **size)
+    ids = prompt(1, 6)
+    want = generate_with_logits(model, ids)
+    config = hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1, compress=True)  # 1 and 3 share
+    nothing = f"all 18 streamed tensors stay plain ({why})"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf_prefetch.dispatch_model(model, config, device="cpu")
+    (warned,) = _compress_warnings(caught)
+    assert str(warned.message) == (
+        f"PrefetchConfig(compress=True) changes nothing in this plan: {nothing}. Drop compress=True."
+    )
+    assert warned.filename == __file__  # at the caller's line
+    plan = hf_prefetch.get_state(model).plan
+    assert plan.compressed_bytes == (0, 0) and f"compressed             nothing: {nothing}" in str(plan)
+    assert_same_generation(generate_with_logits(model, ids), want)
+    hf_prefetch.remove_offload(model)
+    model.save_pretrained(tmp_path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = hf_prefetch.from_pretrained(tmp_path, config, device="cpu")
+    assert len(_compress_warnings(caught)) == 1 and _compress_warnings(caught)[0].filename == __file__
+    want = generate_with_logits(LlamaForCausalLM.from_pretrained(tmp_path, dtype=dtype), ids)
+    assert_same_generation(generate_with_logits(loaded, ids), want)
+
+
+def test_compress_that_compresses_some_tensors_warns_nothing_and_the_plan_lists_the_plain_ones():
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = hf_prefetch.plan(_model(), hf_prefetch.PrefetchConfig(**CONFIG), device="cpu")
+        model = hf_prefetch.dispatch_model(_model(), hf_prefetch.PrefetchConfig(**CONFIG), device="cpu")
+    hf_prefetch.remove_offload(model)
+    assert not _compress_warnings(caught)
+    # Layers 1, 3 and 5 stream in 2 slots: 3 is alone in its slot; of 1 and 5, the k and v projections and the
+    # norms are too small.
+    assert plan.kept_plain == {
+        f"under the codec's minimum of {codec.MIN_NUMEL} elements": 8,
+        "in layers alone in their slot, which are copied once": 9,
+    }
+    assert (
+        f"kept plain             17 streamed tensors: 8 under the codec's minimum of {codec.MIN_NUMEL} elements; 9 in "
+        "layers alone in their slot, which are copied once"
+    ) in str(plan)
+    assert hf_prefetch.plan(_model(), hf_prefetch.PrefetchConfig(**{**CONFIG, "compress": False})).kept_plain == {}
+
+
+def test_compress_whose_values_all_stay_plain_at_dispatch_says_so_once(caplog):
+    model = _model(layers=2)  # both layers stream, taking turns in one slot
+    config = hf_prefetch.PrefetchConfig(group_size=1, num_in_group=1, prefetch_step=1, compress=True)
+    with torch.no_grad():  # every compressible weight: 38 exponents equally common, 23 of them escape
+        for name, weight in model.named_parameters():
+            if "layers." in name and weight.numel() >= codec.MIN_NUMEL:
+                i = torch.arange(weight.numel(), dtype=torch.int32)
+                bits = ((90 + i % 38) << 7) | (i * 37 % 128) | ((i % 3 == 0).int() << 15)
+                weight.copy_(bits.to(torch.int16).view(torch.bfloat16).view(weight.shape))
+    ids = prompt(1, 6)
+    want = generate_with_logits(model, ids)
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level(logging.WARNING, logger="hf_prefetch"):
+        warnings.simplefilter("always")
+        hf_prefetch.dispatch_model(model, config, device="cpu")
+    (warned,) = _compress_warnings(caught)
+    assert str(warned.message) == (
+        "PrefetchConfig(compress=True) changes nothing for these weights: all 18 streamed tensors stay plain (10 "
+        "whose values have too many rare exponents for their layout; 8 under the codec's minimum of "
+        f"{codec.MIN_NUMEL} elements). Drop it."
+    )
+    assert warned.filename == __file__
+    assert caplog.text.count("stays uncompressed") == 10  # each named in the log
+    assert hf_prefetch.get_state(model).plan.compressed_bytes == (0, 0)
+    assert_same_generation(generate_with_logits(model, ids), want)
 
 
 def test_misses_and_interrupted_forwards_decode_the_right_layer():

@@ -300,7 +300,7 @@ def test_from_pretrained_of_a_packed_mixture_of_experts_checkpoint_equals_transf
 
 
 def test_from_pretrained_refuses_packed_weights_with_quantized_activations_naming_the_group(tmp_path):
-    # W4A8: transformers quantizes each input at every forward, which packed_forward.py does not.
+    # W4A8: transformers quantizes each input at every forward, which formats/compressed_tensors.py does not.
     folder = packed_checkpoint(tmp_path)
     config = json.loads((folder / "config.json").read_text())
     activations = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}

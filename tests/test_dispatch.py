@@ -64,7 +64,7 @@ def test_streamed_parameters_point_at_pool_slots(reference):
         assert layers[0].mlp.up_proj.weight.data_ptr() != layers[2].mlp.up_proj.weight.data_ptr()
         assert layers[1].mlp.up_proj.weight.requires_grad  # as before: aten's matmul picks its path by it
         assert model.device == torch.device("cpu") and model.dtype == torch.float32
-        assert model.hf_device_map == {"": "cpu"}
+        assert not hasattr(model, "hf_device_map")  # set under pipeline placement only
     finally:
         hf_prefetch.remove_offload(model)
     assert model.model.layers[1].mlp.up_proj.weight.requires_grad
@@ -158,6 +158,50 @@ def test_generate_of_an_encoder_decoder_leaves_no_hook_after_the_removal():
     leftovers = [name for name, m in model.named_modules() if {"_hf_hook", "_old_forward", "forward"} & set(vars(m))]
     assert leftovers == []
     assert torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False), expected)
+
+
+def _word_tokenizer():
+    # A word-level tokenizer over the tiny models' 128 ids, built here (nothing is downloaded).
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = "the a cat dog sat on mat and ran".split()
+    vocab = {
+        "<unk>": 0,
+        "<eos>": 1,
+        "<pad>": 2,
+        **{w: i + 3 for i, w in enumerate(words + [f"w{i}" for i in range(116)])},
+    }
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eos>", pad_token="<pad>")
+
+
+def test_a_dispatched_model_generates_in_a_transformers_pipeline_and_saves_without_a_warning(tmp_path):
+    # The dispatch set `hf_device_map` = {"": "cpu"} on every model: transformers' pipeline then refused `device=`
+    # ("loaded with `accelerate`"), and save_pretrained warned of offloaded modules.
+    import copy
+    import warnings
+
+    from safetensors.torch import load_file
+    from transformers import pipeline
+
+    model, tokenizer = tiny_llama(4, eos_token_id=None), _word_tokenizer()
+    settings = dict(max_new_tokens=8, do_sample=False, return_tensors=True)
+    expected = pipeline("text-generation", model=copy.deepcopy(model), tokenizer=tokenizer, device="cpu")
+    expected = expected("the cat sat on", **settings)
+    hf_prefetch.dispatch_model(model, PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1), device="cpu")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            generator = pipeline("text-generation", model=model, tokenizer=tokenizer, device="cpu")
+            assert generator("the cat sat on", **settings) == expected  # the same token ids
+            model.save_pretrained(tmp_path)
+        assert [str(w.message) for w in caught if "offload" in str(w.message)] == []
+        saved, state = load_file(tmp_path / "model.safetensors"), model.state_dict()
+        assert saved.keys() == state.keys() and all(torch.equal(saved[name], state[name]) for name in state)
+    finally:
+        hf_prefetch.remove_offload(model)
 
 
 def test_state_dict_holds_true_values_not_slot_contents(reference):
@@ -342,7 +386,7 @@ def test_failure_during_execution_rolls_back(reference, monkeypatch):
         assert torch.equal(model(ids).logits, logits)
 
 
-@pytest.mark.parametrize("convert", [lambda m: m.half(), lambda m: m.to("meta"), lambda m: m.model.layers.float()])
+@pytest.mark.parametrize("convert", [lambda m: m.half(), lambda m: m.to("meta"), lambda m: m.model.layers.double()])
 def test_moving_a_dispatched_model_is_refused_before_anything_changes(reference, convert):
     model, ids, logits, *_ = reference
     hf_prefetch.dispatch_model(

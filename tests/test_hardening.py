@@ -482,6 +482,97 @@ def test_an_interrupted_rewrite_computes_what_state_dict_shows(four, monkeypatch
     _interrupted_everywhere(monkeypatch, setup, rewrite, check)
 
 
+# --- A Ctrl-C at every point of the paths that open, register or submit something (tests/interrupting.py) ----------
+
+# Two ways to dispatch a 2-layer model: its second layer streamed (saving no device memory, which warns), or both.
+TWO_WAYS = [
+    PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1),
+    PrefetchConfig(group_size=1, prefetch_step=1),
+]
+
+
+@pytest.fixture
+def two():
+    """A 2-layer Llama, its prompt and its logits, computed on one thread (see `four`)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    model = tiny_llama(2)
+    ids = prompt(1, 5)
+    yield model, ids, _logits(model, ids)
+    torch.set_num_threads(threads)
+
+
+def _computes_or_refuses(model, ids, expected, where) -> None:
+    """A model after an interrupt computes `expected`, or is half-done and says so (and `remove_offload` then brings it
+    back); no hook that holds forwards back is left on it; a dispatch that follows computes `expected`."""
+    state = hf_prefetch.get_state(model)
+    if state is not None and state.lifecycle is not Lifecycle.ATTACHED:
+        with pytest.raises(RuntimeError, match="remove_offload"):
+            _logits(model, ids)
+        hf_prefetch.remove_offload(model)
+        assert _leftovers(model) == [], where
+    assert not [name for name, m in model.named_modules() if m._forward_pre_hooks], where
+    assert torch.equal(_logits(model, ids), expected), where
+    replace = hf_prefetch.get_state(model) is not None
+    hf_prefetch.dispatch_model(model, TWO_WAYS[0], device="cpu", replace=replace)
+    assert torch.equal(_logits(model, ids), expected), where
+
+
+@pytest.mark.filterwarnings("ignore:This dispatch saves no device memory")
+def test_a_ctrl_c_anywhere_as_a_dispatch_is_replaced_leaves_no_hook_that_holds_forwards_back(two):
+    # A Ctrl-C as the hooks that hold other threads' forwards back during a re-dispatch were removed (as the block
+    # that held them ended, after the new gate arrived) left them on the model, refusing every forward for good.
+    from hf_prefetch.lifecycle.attach import begin, forwards_held
+    from hf_prefetch.lifecycle.detach import detach
+    from tests.interrupting import at_every_point
+
+    base, ids, logits = two
+    model = hf_prefetch.dispatch_model(copy.deepcopy(base), TWO_WAYS[0], device="cpu")
+
+    def replace(model):
+        hf_prefetch.dispatch_model(model, TWO_WAYS[1], device="cpu", replace=True)
+
+    def check(model, where):
+        _computes_or_refuses(model, ids, logits, where)
+
+    assert at_every_point(lambda: model, replace, check, [forwards_held, detach, begin], opcodes=True) > 100
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+@pytest.mark.filterwarnings("ignore:This dispatch saves no device memory")
+def test_a_ctrl_c_anywhere_as_from_pretrained_closes_its_reader_leaves_no_descriptor_open(two, tmp_path, monkeypatch):
+    # A Ctrl-C as the reader closed (its direct-I/O descriptors swapped out, then closed one by one) left them open for
+    # the process's life: no finalizer closed them.
+    from hf_prefetch.host.diskio import open_direct
+    from hf_prefetch.loading import reader
+    from tests.interrupting import at_every_point
+
+    base, ids, logits = two
+    base.save_pretrained(tmp_path, max_shard_size="200KB")
+    fd = open_direct(next(tmp_path.glob("*.safetensors")))
+    if fd is None:  # a file system that refuses O_DIRECT (tmpfs): ordinary descriptors read the same windows
+        monkeypatch.setattr(reader, "open_direct", lambda path: os.open(path, os.O_RDONLY))
+    else:
+        os.close(fd)
+    opened, loaded = len(os.listdir("/proc/self/fd")), []
+
+    def load(_):
+        loaded.append(hf_prefetch.from_pretrained(tmp_path, TWO_WAYS[0], device="cpu", direct_io=True))
+
+    def check(_, where):
+        if len(os.listdir("/proc/self/fd")) != opened:
+            gc.collect()  # what a reference cycle kept: closed by its finalizer
+        assert len(os.listdir("/proc/self/fd")) == opened, where
+
+    closing = [
+        reader.TensorReader.close,
+        reader.TensorReader.__exit__,
+        getattr(reader, "_close_all", reader.TensorReader.close),
+    ]
+    assert at_every_point(lambda: None, load, check, closing, opcodes=True) > 10
+    assert len(loaded) == 1 and torch.equal(_logits(loaded[0], ids), logits)
+
+
 # --- UVAConfig(cpu_offload_gb=-0.0) == UVAConfig(cpu_offload_gb=0.0), with equal hashes: covered by
 # tests/test_offload_config.py::test_equal_configs_hash_equally.
 

@@ -65,7 +65,12 @@ def test_plan_table_and_html_show_the_budget_and_the_transfer_time():
     [
         (dict(link_gbps=0), r"link_gbps=0 must be > 0"),
         (dict(link_gbps="fast"), r"link_gbps='fast' must be a number of GB/s"),
-        (dict(dtype=torch.bfloat16), r"dtype= and model_class= describe how a checkpoint folder is built"),
+        (dict(dtype=torch.bfloat16), r"dtype= describes how a checkpoint is found and built; a built model"),
+        (dict(revision="main", attn_implementation="eager"), r"revision= and attn_implementation= describe how a"),
+        (
+            dict(token="x", subfolder="a", trust_remote_code=True),
+            r"token=, subfolder= and trust_remote_code= describe",
+        ),
         (
             dict(max_memory={0: "1GiB"}, offload=PrefetchConfig(group_size=4)),
             r"max_memory chooses the streamed layers",
@@ -79,3 +84,17 @@ def test_plan_table_and_html_show_the_budget_and_the_transfer_time():
 def test_plan_argument_errors(kwargs, match):
     with pytest.raises((ValueError, TypeError), match=match):
         hf_prefetch.plan(tiny_llama(2), device="cpu", **kwargs)
+
+
+def test_plan_of_a_folder_takes_the_loaders_keywords(tmp_path):
+    tiny_llama(4).save_pretrained(tmp_path / "text_model")
+    with torch.device("meta"):
+        skeleton = tiny_llama(4)
+    assert hf_prefetch.plan(tmp_path, device="cpu", subfolder="text_model") == make_plan(skeleton, PrefetchConfig())
+    assert hf_prefetch.plan(tmp_path / "text_model", device="cpu", attn_implementation="eager") == make_plan(
+        skeleton, PrefetchConfig()
+    )
+    with pytest.raises(ValueError, match=r"revision='v1' choose what is read from the Hugging Face Hub"):
+        hf_prefetch.plan(tmp_path / "text_model", device="cpu", revision="v1")
+    with pytest.raises(ValueError, match=r"trust_remote_code=True is not supported yet"):
+        hf_prefetch.plan(tmp_path / "text_model", device="cpu", trust_remote_code=True)

@@ -53,6 +53,36 @@ def test_timing_on_cpu_counts_copy_and_stall_seconds():
         hf_prefetch.remove_offload(model)
 
 
+def test_a_snapshot_shows_as_its_table_in_a_repl_and_says_1_miss():
+    # Outside Jupyter a snapshot showed as the dataclass, every LayerStats field of every layer.
+    layers = (
+        LayerStats("model.layers.1", 3, 4096, 1, 1e-3, 2e-4, 3e-3),
+        LayerStats("model.layers.3", 2, 4096, 0, 0, 0, 0),
+    )
+    s = TransferStats(layers, timing=True)
+    assert repr(s) == str(s) and str(s).splitlines()[0].split() == [
+        "layer",
+        "copies",
+        "copied",
+        "MiB",
+        "copy",
+        "ms",
+        "GB/s",
+        "stall",
+        "ms",
+        "compute",
+        "ms",
+        "misses",
+    ]
+    assert "LayerStats(" not in repr(s) and repr(s).splitlines()[-1].split()[0] == "total"
+    assert repr(s.layers[0]).startswith("LayerStats(path='model.layers.1'")  # each layer's fields where asked
+
+
+def test_the_plot_title_counts_1_miss(pyplot):
+    s = TransferStats((LayerStats("model.layers.1", 3, 4096, 1, 1e-3, 2e-4, 3e-3),), timing=True)
+    assert s.plot().get_title().endswith(", 1 miss")
+
+
 def test_stats_of_an_undispatched_model_is_an_error():
     with pytest.raises(ValueError, match="not dispatched"):
         hf_prefetch.stats(tiny_llama(2))

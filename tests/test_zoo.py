@@ -220,13 +220,11 @@ CONVERSIONS = {
     "to-meta": lambda m: m.to("meta"),
     "half": lambda m: m.half(),
     "bfloat16": lambda m: m.bfloat16(),
-    "float": lambda m: m.float(),
     "cuda": lambda m: m.cuda(),
-    "cpu": lambda m: m.cpu(),
     "inner-model-half": lambda m: m.model.half(),
     "streamed-layer-half": lambda m: m.model.layers[1].half(),
     "inside-streamed-layer-half": lambda m: m.model.layers[1].mlp.half(),
-    "inside-streamed-layer-cpu": lambda m: m.model.layers[1].self_attn.q_proj.cpu(),
+    "inside-streamed-layer-double": lambda m: m.model.layers[1].self_attn.q_proj.double(),
 }
 
 

@@ -31,7 +31,7 @@ import torch
 
 from ..alignment import CODEC_PART_ALIGN_BYTES, round_up
 
-__all__ = ["Layout", "TooManyEscapes", "layout_of", "encode", "decode", "escapes"]
+__all__ = ["Layout", "TooManyEscapes", "layout_of", "not_encoded", "encode", "decode", "escapes"]
 
 # Bit layout per dtype: (integer view dtype, exponent shift, bytes of sign and mantissa).
 _FORMATS = {
@@ -100,11 +100,28 @@ class Layout:
 
 
 def layout_of(dtype: torch.dtype, numel: int) -> Layout | None:
-    """The layout of a tensor of `numel` `dtype` values, or None where encoding does not pay or does not apply."""
-    if dtype not in _FORMATS or not MIN_NUMEL <= numel < 2**31:
-        return None
-    layout = Layout(dtype, numel, numel // _ESCAPES_PER + _ESCAPES_MIN)
-    return layout if layout.nbytes <= (1 - MIN_SAVING) * layout.raw_bytes else None
+    """The layout of a tensor of `numel` `dtype` values, or None where encoding does not pay or does not apply (see
+    `not_encoded` for why)."""
+    return _layout(dtype, numel) if not_encoded(dtype, numel) is None else None
+
+
+def not_encoded(dtype: torch.dtype, numel: int) -> str | None:
+    """Why a tensor of `numel` `dtype` values is not encoded (`layout_of` gives None), in words that follow a count of
+    tensors ("12 under the codec's minimum of 16384 elements"); None for a tensor that is."""
+    if dtype not in _FORMATS:
+        return f"of dtype {str(dtype).removeprefix('torch.')}, not bfloat16 or float32"
+    if numel < MIN_NUMEL:
+        return f"under the codec's minimum of {MIN_NUMEL} elements"
+    if numel >= 2**31:
+        return "of 2**31 elements or more"
+    layout = _layout(dtype, numel)
+    if layout.nbytes > (1 - MIN_SAVING) * layout.raw_bytes:
+        return f"that encoding would shrink by less than {MIN_SAVING:.0%}"
+    return None
+
+
+def _layout(dtype: torch.dtype, numel: int) -> Layout:
+    return Layout(dtype, numel, numel // _ESCAPES_PER + _ESCAPES_MIN)
 
 
 def escapes(tensor: torch.Tensor) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 
 import torch
@@ -31,7 +31,7 @@ from ..formats.parts import with_inner
 from ..host.arena import HostArena
 from ..host.offloaded import OffloadedParam
 from ..interrupts import deferred_interrupts
-from ..planning.offload_plan import OffloadPlan, format_bytes
+from ..planning.offload_plan import OffloadPlan, format_bytes, no_saving
 from ..planning.pipeline import device_map
 from ..planning.pipeline import ring_device as device_of_ring
 from ..planning.placements import ParamSpec, Placement, RingPlan, staged_nbytes
@@ -44,7 +44,7 @@ from ..runtime.pool import BufferPool
 from ..runtime.ring import Decode, LayerTransfer, RingTransfers, RoutedTensor, byte_span
 from .detach import collected
 from .gate import ForwardGate, waits_then_refuses
-from .guards import refuse_apply, refuse_assign, refuse_deepcopy, refuse_pickle, to_unless_nothing_changes
+from .guards import CONVERSIONS, refuse_apply, refuse_assign, refuse_deepcopy, refuse_pickle, unless_nothing_changes
 from .journal import Journal, Phase
 from .state import STATE_ATTR, Lifecycle, OffloadState, model_lock
 from .state_dict import (
@@ -96,22 +96,29 @@ def _int8_as_given(ref: weakref.ref, ran: bool) -> None:
 
 
 @contextlib.contextmanager
-def forwards_held(model: nn.Module, *plans: OffloadPlan) -> Iterator[None]:
+def forwards_held(model: nn.Module, *plans: OffloadPlan) -> Iterator[Callable[[], None]]:
     """For the caller replacing a model's dispatch under its lock, from the old forward gate's removal to the new one's
     arrival (`begin`): the model and the parts the gates of `plans` cover have no gate then, and a call another thread
-    starts meets this pre-hook instead, which waits for the lock and refuses (`gate.waits_then_refuses`). Registered
-    and removed with interrupts held back: a hook left on a module would refuse every later call."""
+    starts meets this pre-hook instead, which waits for the lock and refuses (`gate.waits_then_refuses`). Yields
+    `release`, which removes the hooks (idempotent): pass it to `begin`, which calls it as the new gate arrives, with
+    interrupts held back, so that no Ctrl-C lands between the two (a hook left on a module would refuse every later
+    call); the block's end calls it for the paths that never reach `begin`."""
     hook, handles = waits_then_refuses(model_lock(model), threading.get_ident()), []
     parts = {id(part): part for plan in plans for part, _ in _gated_parts(model, plan)}
+
+    def release() -> None:
+        with deferred_interrupts():
+            while handles:
+                handles[-1].remove()
+                handles.pop()
+
     try:
         with deferred_interrupts():  # inside the `try`: an interrupt held back is raised as the block ends
             for module in [model, *parts.values()]:
                 handles.append(module.register_forward_pre_hook(hook, prepend=True))
-        yield
+        yield release
     finally:
-        with deferred_interrupts():
-            for handle in handles:
-                handle.remove()
+        release()
 
 
 def begin(
@@ -121,9 +128,11 @@ def begin(
     arena: HostArena,
     timing: bool,
     journal: Journal | None = None,
+    held: Sequence[Callable[[], None]] = (),
 ) -> OffloadState:
     """The first change of every dispatch: the model gets its state (lifecycle ATTACHING), so that from here on an
-    interrupt leaves something `remove_offload` can finish. `journal`: changes made before (the loader's casts)."""
+    interrupt leaves something `remove_offload` can finish. `journal`: changes made before (the loader's casts).
+    `held`: the `release` of each `forwards_held` the new gate ends."""
     state = OffloadState(plan, device, arena, journal if journal is not None else Journal(), timing=timing)
     state.gate = gate = ForwardGate(state, model_lock(model))
     # The state arrives with its forward gate and leaves with it (`_end`), after everything else was undone: from the
@@ -144,6 +153,8 @@ def begin(
                 where = "the model" if part_of is None else type(module).__name__
                 guarded = gate.guard(module, name, part_of)
                 state.gate_hooks.set_attribute(module, name, guarded, f"gate of {where} ({name})")
+        for release in held:  # the gate takes over from the hooks that held forwards back
+            release()
     return state
 
 
@@ -173,24 +184,22 @@ def attach(model: nn.Module, state: OffloadState) -> None:
     else:
         _attach_prefetch(model, state)
     journal, device = state.journal, state.device
-    first = device.index if device.type == "cuda" else "cpu"
+    # accelerate's `hf_device_map` under pipeline placement only, where transformers needs it (a pipeline's inputs go
+    # to the first GPU, generate's caches to each layer's). On one device `model.device` says it all, and a map would
+    # make transformers' `pipeline(..., device=...)` refuse the model and `save_pretrained` warn of offloaded modules.
     if state.plan.gpus:
-        mapping = device_map(state.plan, model, first)
+        mapping = device_map(state.plan, model, device.index if device.type == "cuda" else "cpu")
         if device.type != "cuda":
             mapping = dict.fromkeys(mapping, "cpu")
-    else:
-        mapping = {"": first}
-    journal.set_attribute(model, "hf_device_map", mapping, "device map")
-    _encoder_outputs_on_input_device(model, journal)
+        journal.set_attribute(model, "hf_device_map", mapping, "device map")
+    if getattr(model, "hf_device_map", None) is not None:
+        _encoder_outputs_on_input_device(model, journal)
     if state.engine is not None:
         state.engine.start()
     state.lifecycle = Lifecycle.ATTACHED
-    if not state.plan.saves_device_memory and state.plan.offloaded_bytes:
-        warn_at_caller(
-            f"This dispatch saves no device memory: its buffer pool ({format_bytes(state.plan.pool_bytes)}) is as "
-            f"large as what it offloads ({format_bytes(state.plan.offloaded_bytes)}). Stream more layers than "
-            "prefetch_step (or lower prefetch_step), or do not offload."
-        )
+    unsaved = no_saving(state.plan)
+    if unsaved is not None:
+        warn_at_caller(f"This dispatch saves no device memory: {unsaved}")
 
 
 def _encoder_outputs_on_input_device(model: nn.Module, journal: Journal) -> None:
@@ -387,9 +396,9 @@ def _attach_uva(model: nn.Module, state: OffloadState) -> None:
 
 
 def _guard_moves(model: nn.Module, state: OffloadState) -> None:
-    # `.to()`, `.half()` ... (`refuse_apply`), `copy.deepcopy` and pickling are refused on every module that owns or
-    # contains an offloaded parameter: a copy of `model.model` would hold whatever the slots held, and hooks that copy
-    # into buffers it no longer points at.
+    # `.to()`, `.half()` ... that would change a tensor (`refuse_apply`), `copy.deepcopy` and pickling are refused on
+    # every module that owns or contains an offloaded parameter: a copy of `model.model` would hold whatever the slots
+    # held, and hooks that copy into buffers it no longer points at.
     paths = {""}
     for offloaded in state.offloaded:
         parts = offloaded.full_name.split(".")[:-1]
@@ -397,7 +406,9 @@ def _guard_moves(model: nn.Module, state: OffloadState) -> None:
     for path in sorted(paths):
         module, where = model.get_submodule(path), path or "model"
         state.journal.set_attribute(module, "_apply", refuse_apply, f"guard on {where}")
-        state.journal.set_attribute(module, "to", to_unless_nothing_changes(module), f"no-op .to() of {where}")
+        for name in CONVERSIONS:  # a conversion that would change nothing returns the module
+            convert = unless_nothing_changes(module, name)
+            state.journal.set_attribute(module, name, convert, f"no-op .{name}() of {where}")
         state.journal.set_attribute(module, "__deepcopy__", refuse_deepcopy, f"deepcopy refused on {where}")
         state.journal.set_attribute(module, "__reduce_ex__", refuse_pickle, f"pickling refused on {where}")
 

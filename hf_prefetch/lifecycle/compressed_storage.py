@@ -6,8 +6,10 @@ and written through the codec (host/offloaded.py).
 checkpoint) and before `attach`: it encodes every compressed parameter, allocates the new arena (encoded bytes where
 compressed, values elsewhere), and switches the model over in one step, so that an exception or a Ctrl-C before the
 switch leaves the plain arena in place and one after it a complete new one. A tensor whose values have more escapes
-than its layout holds (`lossless.TooManyEscapes`) stays plain: the plan is changed to say so. Host memory peaks at the
-plain arena plus the encoded one while it runs.
+than its layout holds (`lossless.TooManyEscapes`) stays plain: the plan is changed to say so (and where that leaves
+nothing compressed, a warning says that `compress=True` changed nothing; a plan that compresses nothing to begin with
+was warned about when it was chosen, `choose.choose_plan`). Host memory peaks at the plain arena plus the encoded one
+while it runs.
 """
 
 from __future__ import annotations
@@ -20,12 +22,13 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from ..config import warn_at_caller
 from ..formats import lossless
 from ..formats.parts import assign
 from ..host.arena import HostArena
 from ..host.offloaded import OffloadedParam, host_value
 from ..interrupts import deferred_interrupts
-from ..planning.offload_plan import OffloadPlan
+from ..planning.offload_plan import OffloadPlan, compresses_nothing
 from .journal import Phase
 from .state import Lifecycle, OffloadState
 
@@ -69,6 +72,9 @@ def compress_arena(model: nn.Module, state: OffloadState, progress: bool | None 
                 encoded[i] = result
             bar.update(layouts[o.full_name].raw_bytes)
     plan = _without(state.plan, set(plain)) if plain else state.plan
+    nothing = compresses_nothing(plan) if not encoded else None
+    if nothing is not None:  # every tensor the plan compresses stayed plain: compress=True changed nothing
+        warn_at_caller(f"PrefetchConfig(compress=True) changes nothing for these weights: {nothing}. Drop it.")
     sizes = [encoded[i].numel() if i in encoded else _nbytes(o.host) for i, o in enumerate(state.offloaded)]
     arena = HostArena(sizes)  # checks the container's memory limit first: the plain arena is still held
     offloaded = []

@@ -132,12 +132,14 @@ class ForwardGate:
                 run_outside(gate._enter, top, _token_count(args, kwargs))
                 if calls:
                     local["called"], local["caller"] = gate.depth(), token
-                return wrapped(*args, **kwargs)
+                result = wrapped(*args, **kwargs)
+                # Left inside the `try` when the call returns, so that a Ctrl-C landing as it leaves is one more the
+                # `finally` leaves after (one landing as the `finally` began kept the model's lock for good).
+                _leave_call(gate, depth, called, caller, run_outside)
+                return result
             finally:
-                with deferred_interrupts():  # a Ctrl-C here would leave the gate held
-                    local["called"], local["caller"] = called, caller
-                    if gate.depth() > depth:  # else `_enter` refused (and left), or raised before taking the lock
-                        run_outside(gate._leave, True)
+                if gate.depth() > depth or (local.get("called"), local.get("caller")) != (called, caller):
+                    _leave_call(gate, depth, called, caller, run_outside)
 
         functools.update_wrapper(gated, inner if inner is not None else getattr(type(module), name))
         if not calls:
@@ -190,6 +192,17 @@ class ForwardGate:
             with deferred_interrupts():
                 self._local.depth = depth - 1
                 self._lock.release()
+
+
+def _leave_call(gate: ForwardGate, depth: int, called: Any, caller: Any, run_outside: Callable[..., Any]) -> None:
+    # The end of a gated call that entered at `depth`: the thread's call marks put back, and the gate left if the
+    # call entered it (else `_enter` refused, and left, or raised before taking the lock); with a Ctrl-C held back,
+    # which here would leave the gate held. Idempotent.
+    with deferred_interrupts():
+        local = gate._local.__dict__
+        local["called"], local["caller"] = called, caller
+        if gate.depth() > depth:
+            run_outside(gate._leave, True)
 
 
 def _token_count(args: tuple, kwargs: dict) -> int | None:

@@ -1,11 +1,13 @@
 """What a module of a dispatched model refuses, set on its instance by the dispatch (`attach._guard_moves`,
-`attach`'s `load_state_dict` pre-hooks) and by `OffloadState` itself: conversions and moves (`_apply`, with a `.to()`
-that changes nothing let through), copies and pickling, `load_state_dict(assign=True)`. Each refuses before anything
-changes, with the fix in its message. This module knows nothing about the dispatch's state.
+`attach`'s `load_state_dict` pre-hooks) and by `OffloadState` itself: conversions and moves (`_apply`, with the
+conversions that change nothing let through), copies and pickling, `load_state_dict(assign=True)`. Each refuses
+before anything changes, with the fix in its message. This module knows nothing about the dispatch's state.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import weakref
 from collections.abc import Callable
@@ -14,34 +16,68 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["refuse_apply", "to_unless_nothing_changes", "refuse_deepcopy", "refuse_pickle", "refuse_assign"]
+__all__ = [
+    "CONVERSIONS",
+    "refuse_apply",
+    "unless_nothing_changes",
+    "refuse_deepcopy",
+    "refuse_pickle",
+    "refuse_assign",
+]
+
+# The conversions of a module that holds offloaded parameters that return it as it is when they would change none of
+# its tensors: `.to("cpu")` and `.cpu()` of a model dispatched to the CPU, a model's own
+# `self.classifier.to(self.dtype)` in every forward (as SwitchTransformers' router does). Any other call goes on to
+# nn.Module's, whose `_apply` is `refuse_apply`.
+CONVERSIONS = ("to", "cpu", "cuda", "half", "float", "double", "bfloat16")
+_DTYPES = {"half": torch.float16, "float": torch.float32, "double": torch.float64, "bfloat16": torch.bfloat16}
 
 
-def to_unless_nothing_changes(module: nn.Module) -> Callable[..., nn.Module]:
-    """The `to` of a module that holds offloaded parameters: a call that would change none of its tensors (a model's
-    own `self.classifier.to(self.dtype)` in every forward, as SwitchTransformers' router does) returns the module;
-    any other goes on to `nn.Module.to`, which `refuse_apply` refuses."""
+def unless_nothing_changes(module: nn.Module, name: str) -> Callable[..., nn.Module]:
+    """The conversion `name` (one of `CONVERSIONS`) of a module that holds offloaded parameters, for its instance
+    dict: a call that would change none of its tensors returns the module; any other goes on to nn.Module's (refused
+    by `refuse_apply`)."""
     module_ref = weakref.ref(module)  # the module holds this function
+    convert = getattr(nn.Module, name)
 
-    def to(*args: Any, **kwargs: Any) -> nn.Module:
+    def unless_unchanged(*args: Any, **kwargs: Any) -> nn.Module:
         owner = module_ref()
         if owner is None:  # kept by a caller after its module was collected
-            raise RuntimeError("This .to() belonged to a module that no longer exists.")
-        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
-        if memory_format is None and _converts_nothing(owner, device, dtype):
-            return owner
-        return nn.Module.to(owner, *args, **kwargs)
+            raise RuntimeError(f"This .{name}() belonged to a module that no longer exists.")
+        if name == "to":
+            device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+            unchanged = memory_format is None and _converts_nothing(owner, device, dtype, complex_too=True)
+        elif name == "cuda":
+            device = _bound(convert, args, kwargs).get("device")
+            device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device or "cuda")
+            unchanged = _converts_nothing(owner, device, None)
+        else:  # .cpu(), or a floating-point dtype (complex tensors keep theirs, as nn.Module's do)
+            _bound(convert, args, kwargs)  # its arguments checked as nn.Module's would
+            unchanged = _converts_nothing(owner, torch.device("cpu") if name == "cpu" else None, _DTYPES.get(name))
+        return owner if unchanged else convert(owner, *args, **kwargs)
 
-    return to
+    functools.update_wrapper(unless_unchanged, convert)
+    return unless_unchanged
 
 
-def _converts_nothing(module: nn.Module, device: torch.device | None, dtype: torch.dtype | None) -> bool:
+def _bound(function: Callable[..., Any], args: tuple, kwargs: dict) -> dict[str, Any]:
+    # The arguments of a call of nn.Module's `function` without `self`, by name; a TypeError as its own call raises.
+    return inspect.signature(function).bind(None, *args, **kwargs).arguments
+
+
+def _converts_nothing(
+    module: nn.Module, device: torch.device | None, dtype: torch.dtype | None, complex_too: bool = False
+) -> bool:
+    tensors = list(itertools.chain(module.parameters(), module.buffers()))
     if device is not None and device.type == "cuda" and device.index is None:
+        if any(tensor.device.type != "cuda" for tensor in tensors):
+            return False
         device = torch.device("cuda", torch.cuda.current_device())  # what `.to("cuda")` moves to
-    for tensor in itertools.chain(module.parameters(), module.buffers()):
+    for tensor in tensors:
         if device is not None and tensor.device != device:
             return False
-        if dtype is not None and (tensor.is_floating_point() or tensor.is_complex()) and tensor.dtype != dtype:
+        converted = tensor.is_floating_point() or (complex_too and tensor.is_complex())
+        if dtype is not None and converted and tensor.dtype != dtype:
             return False
     return True
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from ..config import warn_at_caller
 from ..host.offloaded import OffloadedParam
+from ..planning.offload_plan import format_bytes
 from .guards import refuse_deepcopy, refuse_pickle
 from .journal import Journal
 
@@ -44,9 +45,10 @@ class Lifecycle(Enum):
     ROLLING_BACK = "rolling back"  # a failed dispatch is undoing every change, back to the model as it was given
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class OffloadState:
-    """Everything a dispatch set up on a model. The journal holds every change it made, in order, with its undo."""
+    """Everything a dispatch set up on a model. The journal holds every change it made, in order, with its undo.
+    Prints as one line (`print(hf_prefetch.get_state(model))`); `print(get_state(model).plan)` shows every layer."""
 
     plan: OffloadPlan
     device: torch.device
@@ -117,6 +119,17 @@ class OffloadState:
                 past_torch=True,
             )
 
+    def __repr__(self) -> str:
+        plan, layers = self.plan, [layer for ring in self.plan.rings for layer in ring.layers]
+        if plan.backend == "uva":
+            moved = f"mapped_layers='{sum(1 for layer in layers if layer.mapped)} of {len(layers)}'"
+        else:
+            moved = f"streamed_layers='{sum(1 for layer in layers if layer.streamed)} of {len(layers)}'"
+        return (
+            f"OffloadState(backend={plan.backend!r}, lifecycle={self.lifecycle.value!r}, device='{self.device}', "
+            f"{moved}, device_bytes='{format_bytes(plan.device_bytes)}', host_bytes='{format_bytes(plan.host_bytes)}')"
+        )
+
     def __deepcopy__(self, memo: dict) -> Any:
         refuse_deepcopy(memo)
 
@@ -162,5 +175,3 @@ def exclusive(model: nn.Module) -> Iterator[OffloadState | None]:
     and verbs that come meanwhile wait for it."""
     with model_lock(model):
         yield get_state(model)
-
-

@@ -110,19 +110,21 @@ class WriteThrough:
     def complete(self) -> None:
         """Point the parameters of a finished (or interrupted) load back at their slots, after encoding the new
         values of compressed ones into host storage (all of them before the first write: values that do not fit a
-        layout leave every one unwritten, and raise). Idempotent."""
-        loading, self.loading = self.loading, []
+        layout leave every one unwritten, and raise). Idempotent: a parameter leaves `loading` only once it points at
+        its slot again, so that what an interrupt stopped is done by the next call (the next forward's)."""
         try:
             encoded = [
                 (s.offloaded, encode_for(s.offloaded, s.offloaded.param.data))
-                for s in loading
+                for s in self.loading
                 if s.offloaded.layout is not None
             ]
             for offloaded, value in encoded:
                 write_encoded(offloaded, value)
         finally:
-            for streamed in loading:
+            while self.loading:
+                streamed = self.loading[-1]
                 set_part(streamed.offloaded.param, streamed.offloaded.attr, streamed.slot_buffer)
+                self.loading.pop()
             while self.held:  # copy the new values into the slots the layers held
                 self.engine.load(*self.held[-1])
                 self.held.pop()

@@ -108,10 +108,18 @@ class Checkpoint:
             elif (path / SAFE_WEIGHTS_NAME).is_file():
                 path = path / SAFE_WEIGHTS_NAME
             else:
-                found = sorted(p.name for p in folder.iterdir())[:10]
+                names = sorted(p.name for p in folder.iterdir())
+                if any(name.endswith(".bin") for name in names):  # pytorch_model.bin, or its shards
+                    fix = (
+                        "Its .bin files are PyTorch pickles, which hf_prefetch does not read: load the model with "
+                        "transformers and save it again, in safetensors (save_pretrained's default), e.g. "
+                        f"AutoModelForCausalLM.from_pretrained({str(folder)!r}).save_pretrained(new_folder)."
+                    )
+                else:
+                    fix = "Save the model with model.save_pretrained(folder), which writes safetensors."
                 raise FileNotFoundError(
-                    f"{folder} holds neither {SAFE_WEIGHTS_INDEX_NAME} nor {SAFE_WEIGHTS_NAME} (found {found}). "
-                    "Save the model with save_pretrained(..., safe_serialization=True) or convert it to safetensors."
+                    f"{folder} holds neither {SAFE_WEIGHTS_INDEX_NAME} nor {SAFE_WEIGHTS_NAME} (found {names[:10]}). "
+                    + fix
                 )
         elif not path.is_file():
             raise FileNotFoundError(f"Checkpoint {path} does not exist; pass a folder or a .safetensors file.")
@@ -171,7 +179,8 @@ class Checkpoint:
         """A descriptor of one of the checkpoint's files, opened once and shared (positional reads only)."""
         with self._lock:
             if path not in self._fds:
-                self._fds[path] = os.open(path, os.O_RDONLY)
+                with deferred_interrupts():  # opened and recorded with no Ctrl-C between: `close` finds it
+                    self._fds[path] = os.open(path, os.O_RDONLY)
             return self._fds[path]
 
 
@@ -208,8 +217,8 @@ def _entries_from_index(index_path: Path, folder: Path) -> tuple[dict[str, Tenso
             )
         if not shard_path.is_file():
             raise FileNotFoundError(
-                f"{index_path} maps {keys[0]!r} (and {len(keys) - 1} more) to {shard!r}, but {shard_path} does not "
-                "exist. Download the missing shard or re-save the checkpoint."
+                f"{index_path} maps {keys[0]!r}{f' (and {len(keys) - 1} more)' if len(keys) > 1 else ''} to "
+                f"{shard!r}, but {shard_path} does not exist. Download the missing shard or re-save the checkpoint."
             )
         _check_inside(shard_path, folder, index_path, f"the shard holding {keys[0]!r}")
         parsed, shard_metadata = _parse_file(shard_path)

@@ -44,14 +44,14 @@ from .filling import (
     pin_on,
     read_all,
 )
+from .hub import hub_id, local_folder
 from .keymap import filled_names, map_keys
 from .skeleton import FLOAT8, build_skeleton, checkpoint_folder, set_dtypes
 from .warmup import Warmup
 
-__all__ = ["from_pretrained", "load_checkpoint_and_dispatch"]
+__all__ = ["from_pretrained", "load_checkpoint_and_dispatch", "check_building", "set_attention"]
 
 logger = logging.getLogger(__name__)
-
 
 
 def from_pretrained(
@@ -69,22 +69,31 @@ def from_pretrained(
     links: str | Sequence[int | str | torch.device] | None = None,
     direct_io: bool | None = None,
     map_files: bool | None = None,
+    revision: str | None = None,
+    token: bool | str | None = None,
+    subfolder: str | None = None,
+    attn_implementation: str | dict[str, str] | None = None,
+    trust_remote_code: bool = False,
     **unknown: Any,
 ) -> nn.Module:
-    """Load a local transformers checkpoint straight into a dispatched model, without a full copy in host memory.
+    """Load a transformers checkpoint straight into a dispatched model, without a full copy in host memory.
 
     Reads `config.json`, builds the model on the meta device, plans which parameters stream, and reads every
-    safetensors shard once: offloaded weights into pinned host memory, the rest onto `device`. Nothing is downloaded.
+    safetensors shard once: offloaded weights into pinned host memory, the rest onto `device`.
 
     Args:
         path (`str` or `os.PathLike`): A folder with `config.json` and `model.safetensors` or a sharded
-            `model.safetensors.index.json`.
+            `model.safetensors.index.json`; or a Hugging Face Hub id (`"org/name"`), whose `config.json`,
+            `generation_config.json` and safetensors files (nothing else) are downloaded into huggingface_hub's cache
+            unless cached (`HF_HUB_CACHE`, `HF_HUB_OFFLINE`), with its progress bars. An existing folder is never
+            looked up on the Hub.
         offload (`PrefetchConfig` or `str`): Which layers stream; `"prefetch"` is `PrefetchConfig()`.
         device: Execution device. Defaults to the current CUDA device, or `"cpu"` without CUDA.
         dtype (`torch.dtype`, *optional*): Floating-point dtype of the weights. Defaults to `config.dtype` (then to
             the checkpoint's), as in transformers' `dtype="auto"`.
         layers (`str` or list of `str`, *optional*): Path(s) of the layer list(s); found when omitted.
-        model_class (*optional*): A transformers Auto class or model class. Defaults to `AutoModelForCausalLM`.
+        model_class (*optional*): A transformers Auto class or model class. Defaults to `AutoModelForCausalLM`
+            (the command line chooses the class that `config.json`'s `architectures` names).
         progress (`bool`, *optional*): Show a progress bar over bytes; by default only on a terminal.
         max_memory, reserve_bytes: Choose the streamed layers to fit a memory budget, as in `dispatch_model`.
         links: Other GPUs whose host links carry a share of every streamed layer, as in `dispatch_model`.
@@ -100,6 +109,13 @@ def from_pretrained(
             `load_state_dict`, `reload_weights`, `sync_from_device` or `remove_offload(model, "cpu")` copies them
             into private memory first. Do not write over a shard a model was loaded from while it lives (see
             docs/design.md, [Note: mapped host storage]).
+        revision, token, subfolder: For a Hub id, as in transformers' `from_pretrained`: the branch, tag or commit
+            (default `"main"`), the access token (default: the one `hf auth login` saved, or `HF_TOKEN`), and the
+            folder of the repository the model lies in (`subfolder` also works in a local folder).
+        attn_implementation (`str`, *optional*): transformers' attention implementation (`"eager"`, `"sdpa"`, ...),
+            set on the model's config as transformers' `from_pretrained(..., attn_implementation=...)` does.
+        trust_remote_code (`bool`): Only `False`: the model is built from transformers' own classes, and no code from
+            the checkpoint runs.
 
     Returns:
         The model, dispatched and in eval mode.
@@ -130,7 +146,9 @@ def from_pretrained(
     exec_device = resolve_device(device_argument(max_memory, device))
     link_indices = resolve_links(links, exec_device)
     check_direct_io(direct_io, map_files)
-    folder = checkpoint_folder(path)
+    check_building(attn_implementation, trust_remote_code)
+    # Every argument is checked before anything is downloaded; nothing is loaded before every file is here.
+    folder = checkpoint_folder(local_folder(path, revision=revision, token=token, subfolder=subfolder))
     warmup = None
     try:
         # The CUDA context and cuBLAS's handle are made in a thread while the model is built and planned (warmup.py).
@@ -139,6 +157,9 @@ def from_pretrained(
         with Checkpoint.open(folder) as checkpoint:
             timeline.mark("open")
             model, torch_dtype = build_skeleton(folder, checkpoint, dtype, model_class)
+            set_attention(model, attn_implementation)
+            if hub_id(path) is not None:
+                model.config.name_or_path = path  # as transformers names a model loaded from the Hub
             timeline.mark("skeleton")
             _load(
                 model,
@@ -183,6 +204,9 @@ def load_checkpoint_and_dispatch(
     links: str | Sequence[int | str | torch.device] | None = None,
     direct_io: bool | None = None,
     map_files: bool | None = None,
+    revision: str | None = None,
+    token: bool | str | None = None,
+    subfolder: str | None = None,
     **unknown: Any,
 ) -> nn.Module:
     """Load a checkpoint into a model built on the meta device and dispatch it, like `from_pretrained`.
@@ -192,9 +216,10 @@ def load_checkpoint_and_dispatch(
 
     Args:
         model (`nn.Module`): The model skeleton, parameters on the meta device.
-        checkpoint (`str` or `os.PathLike`): A folder, a `.safetensors` file or a `model.safetensors.index.json`.
-        offload, device, layers, progress, max_memory, reserve_bytes, links, direct_io, map_files: As in
-            `from_pretrained`.
+        checkpoint (`str` or `os.PathLike`): A folder, a `.safetensors` file or a `model.safetensors.index.json`;
+            or a Hugging Face Hub id (`"org/name"`), whose safetensors files are downloaded unless cached.
+        offload, device, layers, progress, max_memory, reserve_bytes, links, direct_io, map_files, revision, token,
+            subfolder: As in `from_pretrained`.
         dtype (`torch.dtype`, *optional*): Cast floating-point parameters to this dtype; by default each parameter
             keeps the model's dtype (the checkpoint's values are cast to it).
 
@@ -221,6 +246,7 @@ def load_checkpoint_and_dispatch(
 
     ```
     """
+    _refuse_building(unknown)
     refuse_unknown_keywords("load_checkpoint_and_dispatch", unknown)
     config = resolve_config(offload, "load_checkpoint_and_dispatch")
     max_memory = parse_max_memory(max_memory, reserve_bytes, config)
@@ -234,6 +260,7 @@ def load_checkpoint_and_dispatch(
             f"dtype={dtype!r} must be a floating-point torch.dtype to compute in, such as torch.bfloat16, or None "
             "(float8 weights keep their dtype under any dtype)."
         )
+    checkpoint = local_folder(checkpoint, revision=revision, token=token, subfolder=subfolder, config=False)
     with Checkpoint.open(checkpoint) as opened:
         _load(
             model,
@@ -251,6 +278,71 @@ def load_checkpoint_and_dispatch(
             map_files=map_files,
         )
     return model
+
+
+def check_building(attn_implementation: Any, trust_remote_code: Any) -> None:
+    """The arguments that say how a checkpoint's model is built (`from_pretrained`, `plan` of a checkpoint)."""
+    if attn_implementation is not None and not isinstance(attn_implementation, str | dict):
+        raise ValueError(
+            f"attn_implementation={attn_implementation!r} must be the name of one of transformers' attention "
+            "implementations, such as 'eager' or 'sdpa' (or a dict of them per sub-config), or None."
+        )
+    # A name transformers does not know, before a Hub id is downloaded (a kernel on the Hub, 'org/name', is
+    # transformers' to check; so is whether the model can use a known one).
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    known = {"eager", *ALL_ATTENTION_FUNCTIONS.valid_keys()}
+    names = attn_implementation.values() if isinstance(attn_implementation, dict) else [attn_implementation]
+    unknown = [n for n in names if isinstance(n, str) and "/" not in n and n.removeprefix("paged|") not in known]
+    if unknown:
+        raise ValueError(
+            f"attn_implementation={attn_implementation!r}: transformers has no attention implementation "
+            f"{unknown[0]!r}; it has {sorted(known)} (and kernels on the Hub, 'org/name')."
+        )
+    if trust_remote_code is not False:
+        if trust_remote_code is True:
+            raise ValueError(
+                "trust_remote_code=True is not supported yet: hf_prefetch builds models from transformers' own "
+                "classes and runs no code from a checkpoint. Build the model with transformers under "
+                "accelerate.init_empty_weights() (AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path, "
+                "trust_remote_code=True), trust_remote_code=True)), then load it with "
+                "hf_prefetch.load_checkpoint_and_dispatch(model, path)."
+            )
+        raise ValueError(f"trust_remote_code={trust_remote_code!r} must be False.")
+
+
+def set_attention(model: nn.Module, attn_implementation: str | dict[str, str] | None) -> None:
+    """transformers' `attn_implementation` set on a model built from a checkpoint, as transformers' `from_pretrained`
+    sets it: on its config and its sub-models' (`PreTrainedModel.set_attn_implementation`, which validates it)."""
+    if attn_implementation is None:
+        return
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(
+            f"attn_implementation={attn_implementation!r} is transformers' setting; {type(model).__name__} is not a "
+            "transformers model. Drop it, or pass a transformers model_class."
+        )
+    model.set_attn_implementation(attn_implementation)  # transformers refuses an unknown or unavailable one
+    if isinstance(attn_implementation, str) and model.config._attn_implementation != attn_implementation:
+        raise ValueError(
+            f"attn_implementation={attn_implementation!r}: {type(model).__name__} cannot change its attention once "
+            f"built and keeps {model.config._attn_implementation!r}. Load it with transformers "
+            "(from_pretrained(path, attn_implementation=..., device_map='cpu')) and pass it to "
+            "hf_prefetch.dispatch_model."
+        )
+
+
+def _refuse_building(keywords: dict[str, Any]) -> None:
+    # transformers' from_pretrained keywords that build the model: load_checkpoint_and_dispatch is given it built.
+    given = [name for name in ("attn_implementation", "trust_remote_code") if name in keywords]
+    if given:
+        raise TypeError(
+            f"load_checkpoint_and_dispatch() got {given[0]}=, which says how a model is built; the model is built "
+            "already. Pass it when building the model (from_config(config, attn_implementation=...), or "
+            "model.set_attn_implementation(...) before loading), or let hf_prefetch.from_pretrained(path, "
+            f"{given[0]}=...) build it."
+        )
 
 
 def _load(model: nn.Module, *args: Any, **kwargs: Any) -> None:

@@ -18,6 +18,7 @@ import mmap
 import os
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -28,6 +29,7 @@ import torch
 
 from ..host.arena import HostArena, lock_read_only, unlock
 from ..host.diskio import FileMapping, SharedMappings, Window, cached_fraction, open_direct, plan_windows, pread
+from ..interrupts import deferred_interrupts
 from .checkpoint import Checkpoint, TensorEntry
 
 __all__ = ["TensorReader", "MAPPED_FROM", "driver_maps_files"]
@@ -93,6 +95,8 @@ class TensorReader:
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(_READERS, thread_name_prefix="hf_prefetch-read")
         self._direct_fds: dict[Path, int | None] = {}  # None: read this file through the page cache
+        # The descriptors `close` did not get to (a Ctrl-C as it began, a reader dropped unclosed) close as it goes.
+        weakref.finalize(self, _close_all, self._direct_fds)
         self._fractions: dict[Path, float | None] = {}  # the share of each file the page cache held when first asked
         self._mapped_files: dict[tuple[torch.device, Path], bool] = {}  # `_through_mapping`'s answer per file
 
@@ -110,30 +114,40 @@ class TensorReader:
         host = [job for entry, out in rest if out.device.type == "cpu" for job in self._host_jobs(entry, out)]
         futures: list[Future] = []
         windows = spans = None
-        try:
-            spans = _Mapped(self, mapped) if mapped else None
-            windows = _Windows(self, windowed) if windowed else None
-            # Interleaved: the host's reads (CPU copies) and the mapped reads (the copy engine's) overlap.
-            jobs = [host, spans.jobs() if spans else [], windows.jobs() if windows else []]
-            for job in _interleave(jobs):  # one at a time: an interrupt here leaves no submitted job unawaited
-                futures.append(self._pool.submit(job))
-            for entry, out in rest:
-                if out.device.type != "cpu":  # rare (see `_through_windows`): synchronous, via pageable memory
-                    out.copy_(self.read_tensor(entry))
-            for future in futures:
-                future.result()
-        finally:
+
+        def end() -> None:
+            # Nothing may still write into `out` once `load` returns, and the bounce buffers and mappings are released
+            # only after every copy out of them ended. Idempotent: what an interrupt stopped is done again.
             for future in futures:
                 future.cancel()
             for future in futures:
                 if not future.cancelled():
-                    future.exception()  # wait: nothing may still write into `out` once this returns
+                    future.exception()  # wait
             try:
                 if windows is not None:
                     windows.finish()
             finally:
                 if spans is not None:
                     spans.finish()
+
+        try:
+            spans = _Mapped(self, mapped) if mapped else None
+            windows = _Windows(self, windowed) if windowed else None
+            # Interleaved: the host's reads (CPU copies) and the mapped reads (the copy engine's) overlap.
+            jobs = [host, spans.jobs() if spans else [], windows.jobs() if windows else []]
+            with deferred_interrupts():  # each job recorded as it is submitted: none is left unawaited
+                for job in _interleave(jobs):
+                    futures.append(self._pool.submit(job))
+            for entry, out in rest:
+                if out.device.type != "cpu":  # rare (see `_through_windows`): synchronous, via pageable memory
+                    out.copy_(self.read_tensor(entry))
+            for future in futures:
+                future.result()
+            # Ended inside the `try`: a Ctrl-C landing as the `finally` began left the bounce buffers to the collector
+            # with copies to the device in flight; one landing here is one more the `finally` ends the reads after.
+            end()
+        finally:
+            end()
 
     def read_tensor(self, entry: TensorEntry) -> torch.Tensor:
         """A new host tensor holding `entry`."""
@@ -143,11 +157,11 @@ class TensorReader:
         return out
 
     def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        fds, self._direct_fds = self._direct_fds, {}
-        for fd in fds.values():
-            if fd is not None:
-                os.close(fd)
+        try:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+        finally:
+            with deferred_interrupts():
+                _close_all(self._direct_fds)
 
     def __enter__(self) -> TensorReader:
         return self
@@ -225,7 +239,8 @@ class TensorReader:
             wanted = fraction is not None and fraction < _DIRECT_BELOW
         with self._lock:  # one descriptor per file, whichever thread asks first
             if path not in self._direct_fds:
-                self._direct_fds[path] = open_direct(path) if wanted else None
+                with deferred_interrupts():  # opened and recorded with no Ctrl-C between: `close` finds it
+                    self._direct_fds[path] = open_direct(path) if wanted else None
             return self._direct_fds[path]
 
 
@@ -444,6 +459,14 @@ def driver_maps_files(checkpoint: Checkpoint, device: torch.device, path: Path) 
             finally:
                 mapping.close()
         return _maps_files[key]
+
+
+def _close_all(fds: dict[Path, int | None]) -> None:
+    # Each descriptor leaves `fds` as it is closed, so that whatever an interrupt leaves there is still closed later.
+    while fds:
+        fd = fds.popitem()[1]
+        if fd is not None:
+            os.close(fd)
 
 
 def _maps_key(device: torch.device, fd: int) -> tuple[int, int]:

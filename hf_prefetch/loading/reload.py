@@ -96,12 +96,17 @@ def reload_weights(
             host storage). Tensors outside the layer lists (embeddings, final norm, head) are written, not processed.
             `reload_weights(model, model.state_dict(), process=fn)` applies `fn` to the current weights.
         strict (`bool`, defaults to `True`): For a state dict: every parameter and persistent buffer must have a value
-            and every key must name one, as in `load_state_dict`. With `False` only the tensors it names are written.
-            A checkpoint must always fill every parameter, as for `from_pretrained` (a persistent buffer it lacks
-            keeps its value).
+            and every key must name one, as in `load_state_dict`. With `False` only the tensors it names are written;
+            the others keep their values. A checkpoint must always fill every parameter, as for `from_pretrained` (a
+            persistent buffer it lacks keeps its value): there `strict=False` changes nothing, and a `UserWarning`
+            says so.
 
     Returns:
-        The same model.
+        The same model. What `load_state_dict(strict=False)` returns as its incompatible keys is told instead: keys
+        that name no parameter or persistent buffer (`unexpected_keys`) are written nowhere, and a `UserWarning`
+        names them (and says when nothing was written at all, with what the model's keys look like); the tensors
+        the state dict has no value for (`missing_keys`) keep theirs, and the `hf_prefetch.loading.reload` logger
+        names them at INFO level.
 
     Raises:
         `ValueError`, and nothing is written, for a model that is not dispatched or whose tensors are inference
@@ -134,6 +139,15 @@ def reload_weights(
     >>> stored = model.state_dict()["model.layers.1.mlp.down_proj.weight"]  # a streamed layer: its host storage
     >>> torch.equal(stored, 2 * new.model.layers[1].mlp.down_proj.weight)
     True
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:  # a key without the model's "model." prefix
+    ...     warnings.simplefilter("always")
+    ...     model = hf_prefetch.reload_weights(model, {"norm.weight": torch.ones(32)}, strict=False)
+    >>> print(caught[0].message)  # doctest: +NORMALIZE_WHITESPACE
+    reload_weights(strict=False) wrote nothing: the state dict's 1 key names no parameter or persistent buffer of
+    LlamaForCausalLM (['norm.weight']; the model's look like ['model.embed_tokens.weight',
+    'model.layers.0.self_attn.q_proj.weight', 'model.layers.0.self_attn.k_proj.weight']). Keys are the model's own
+    state_dict() names: 'norm.weight' lacks the prefix 'model.' of 'model.norm.weight'.
     >>> model = hf_prefetch.remove_offload(model)
 
     ```
@@ -161,6 +175,12 @@ def reload_weights(
     if isinstance(source, Mapping):
         values = StateDictValues(model, source, strict)
     elif isinstance(source, (str, os.PathLike)):
+        if not strict:
+            warn_at_caller(
+                "reload_weights(strict=False) applies to a state dict only: a checkpoint must fill every parameter, "
+                "as for from_pretrained, so strict=False changes nothing here. To write some tensors only, pass them "
+                "as a state dict (e.g. safetensors.torch.load_file(path) filtered by name) with strict=False."
+            )
         values = CheckpointValues(model, source)
     else:
         raise ValueError(
@@ -188,6 +208,13 @@ def reload_weights(
     seconds = time.perf_counter() - started
     gb = values.nbytes / 1e9
     logger.info("Reloaded %d tensors: %.2f GB in %.2f s (%.2f GB/s)", len(values.names), gb, seconds, gb / seconds)
+    if isinstance(values, StateDictValues):
+        missing = values.missing_keys  # strict=False: the tensors the state dict leaves out keep their values
+        if missing:
+            logger.info("%d tensors kept their values (strict=False), the first: %s", len(missing), missing[:10])
+        unused = values.unused()
+        if unused is not None:  # keys that wrote nothing: said, since the call did not do what they asked
+            warn_at_caller(unused)
     return model
 
 

@@ -154,6 +154,25 @@ def _span(tensor: torch.Tensor) -> tuple[int, int]:
     return tensor.data_ptr(), tensor.data_ptr() + (last + 1) * tensor.element_size()
 
 
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
+def _prefix_hint(keys: list[str], names: list[str]) -> str:
+    # Keys that are the model's names with a prefix added ("module.", from a wrapper) or taken away ("model.").
+    known = set(names)
+    for key in keys[:20]:
+        for name in names:
+            if name.endswith(f".{key}"):
+                return f": {key!r} lacks the prefix {name[: -len(key)]!r} of {name!r}"
+        _, dot, rest = key.partition(".")
+        while dot:
+            if rest in known:
+                return f": {key!r} is {rest!r} with the prefix {key[: -len(rest)]!r}"
+            _, dot, rest = rest.partition(".")
+    return ""
+
+
 class StateDictValues:
     """New values from a state dict keyed like the model's `state_dict()`."""
 
@@ -189,6 +208,34 @@ class StateDictValues:
             )
         self.names = list(self.values)
         self.nbytes = 0
+        # What strict=False leaves unused, as load_state_dict's `_IncompatibleKeys` names it: keys that name nothing,
+        # and the tensors (canonical names) the state dict has no value for.
+        self.unexpected_keys, self.missing_keys = unexpected, missing
+        self.model_name = type(model).__name__
+
+    def unused(self) -> str | None:
+        """A sentence on the keys that named nothing, and on whether anything was written at all (None when every
+        key named a tensor)."""
+        if self.names and not self.unexpected_keys:
+            return None
+        if not self.names and not self.unexpected_keys:
+            return "reload_weights(strict=False) wrote nothing: the state dict is empty."
+        keys, hint = self.unexpected_keys, _prefix_hint(self.unexpected_keys, list(self.destinations))
+        listed = f"{keys[:5]}{f' and {len(keys) - 5} more' if len(keys) > 5 else ''}"
+        name = "names" if len(keys) == 1 else "name"
+        if self.names:
+            kept = len(self.missing_keys)
+            return (
+                f"reload_weights(strict=False) wrote {_count(len(self.names), 'tensor')} and ignored "
+                f"{_count(len(keys), 'key')} that {name} no parameter or persistent buffer of {self.model_name}: "
+                f"{listed}; {_count(kept, 'other tensor')} {'keeps its value' if kept == 1 else 'keep their values'}. "
+                f"Keys are the model's own state_dict() names{hint}."
+            )
+        return (
+            f"reload_weights(strict=False) wrote nothing: the state dict's {_count(len(keys), 'key')} {name} no "
+            f"parameter or persistent buffer of {self.model_name} ({listed}; the model's look like "
+            f"{list(self.destinations)[:3]}). Keys are the model's own state_dict() names{hint}."
+        )
 
     def write(self, names: list[str]) -> None:
         with torch.no_grad():

@@ -15,9 +15,10 @@ from typing import NamedTuple
 from torch import nn
 
 from ..config import PrefetchConfig
+from ..host.arena import HostArena
 from .layers import candidate_layers, model_bytes, warn_unroutable
 from .memory import MemoryBudget
-from .offload_plan import OffloadPlan, format_bytes
+from .offload_plan import OffloadPlan, format_bytes, host_arena_bytes
 from .placements import RingPlan, Source, cache_bytes, expert_row_bytes
 from .schedule import forward_seconds
 from .selection import offload_params_error, plan_of, ring_plan
@@ -30,6 +31,7 @@ class _Costs(NamedTuple):
 
     ring: RingPlan
     offloaded: int
+    pinned: int  # its host arena's bytes (`offload_plan.host_arena_bytes`)
     held: int  # device bytes: its pool, and an explicit expert cache (one chosen from the budget takes what is left)
     per_forward: int
     per_token: int
@@ -37,7 +39,8 @@ class _Costs(NamedTuple):
 
 def _costs(ring: RingPlan, explicit_cache: int) -> _Costs:
     held = ring.pool_bytes + cache_bytes((ring,), explicit_cache)
-    return _Costs(ring, ring.offloaded_bytes, held, ring.bytes_per_forward, ring.bytes_per_token)
+    pinned = host_arena_bytes((ring,))
+    return _Costs(ring, ring.offloaded_bytes, pinned, held, ring.bytes_per_forward, ring.bytes_per_token)
 
 
 def _layouts(ring: list) -> list[set[int]]:
@@ -80,7 +83,7 @@ class _Option:
     rings: tuple[RingPlan, ...]
     device_bytes: int
     streamed_bytes: tuple[int, int]  # per token (decoding), per forward of many tokens
-    pinned_bytes: int
+    pinned_bytes: int  # the host arena's size (the rings' arenas add up: each tensor is padded on its own)
     config: PrefetchConfig  # the config the rings were selected under (its offload_params)
     candidates: dict  # layer list path -> CandidateLayers, as selected by `config`
 
@@ -171,12 +174,13 @@ def plan_for_budget(
         for combination in itertools.product(*per_ring):
             rings = tuple(costs.ring for costs in combination)
             offloaded = sum(costs.offloaded for costs in combination)
+            pinned = sum(costs.pinned for costs in combination)
             device = total - offloaded + sum(costs.held for costs in combination)
             # Decoding (one token, routed experts copy only the experts it uses) first, then a forward of many tokens.
             per_forward = sum(costs.per_forward for costs in combination)
             per_token = sum(costs.per_token for costs in combination)
             streamed = (per_forward if config.routed_max_tokens == 0 else per_token, per_forward)
-            options.append(_Option(rings, device, streamed, offloaded, chosen, chosen_candidates))
+            options.append(_Option(rings, device, streamed, pinned, chosen, chosen_candidates))
 
     fits_device = [o for o in options if o.device_bytes <= budget.weights_bytes]
     if not fits_device:
@@ -257,26 +261,55 @@ def _experts_segments(config: PrefetchConfig, candidates: dict) -> frozenset[str
 
 
 def _device_error(model, budget, config, candidates, total, least: _Option) -> ValueError:
+    # `least` is the option that needs the least device memory: the message describes that plan, whatever it streams.
     size = format_bytes
-    pool = sum(ring.pool_bytes for ring in least.rings)
-    hint = ""
-    if config.prefetch_step > 1:
-        one_slot = [
-            ring_plan(path, ring, {c.index for c in ring}, 1, config.routed_experts, config.compress)
+    step = config.prefetch_step
+
+    def every_layer(slots: int) -> tuple[int, int, int]:
+        # Streaming every layer with `slots` slots: (device bytes, pool bytes, offloaded bytes).
+        rings = [
+            ring_plan(path, ring, {c.index for c in ring}, slots, config.routed_experts, config.compress)
             for path, ring in candidates.items()
         ]
-        needs = total - sum(r.offloaded_bytes for r in one_slot) + sum(r.pool_bytes for r in one_slot)
-        needs += cache_bytes(one_slot, config.expert_cache or 0)
-        hint = f" (prefetch_step=1 needs {size(needs + budget.reserve_bytes)} in all)"
+        pool, offloaded = sum(r.pool_bytes for r in rings), sum(r.offloaded_bytes for r in rings)
+        return total - offloaded + pool + cache_bytes(rings, config.expert_cache or 0), pool, offloaded
+
+    pool = sum(ring.pool_bytes for ring in least.rings)
+    num_layers = sum(len(ring) for ring in candidates.values())
+    num_streamed = sum(len(ring.streamed) for ring in least.rings)
+    kept = (
+        f"{size(least.device_bytes - pool)} that stays resident (embeddings, head, norms, buffers, shared or "
+        "unselected parameters)"
+    )
+    slots = f"prefetch_step={step} slot{'s' if step > 1 else ''} of one layer"
+    every = f"all {num_layers} layers" if num_layers > 1 else "its one layer"
+    if num_streamed == num_layers:
+        tried = f"even streaming every layer needs {size(least.device_bytes)} on the device: {kept} and a buffer pool"
+        tried += f" of {size(pool)} ({slots})."
+    else:
+        needs, every_pool, freed = every_layer(step)
+        if num_streamed == 0:
+            tried = (
+                f"the least it can take on the device is all of it, {size(least.device_bytes)}, with every layer "
+                "resident: streaming cannot help here, since the buffer pool that streamed layers need is at least as "
+                f"large as what they free (streaming {every} needs a pool of {size(every_pool)}, "
+                f"{slots}, to free {size(freed)}: {size(needs)} in all)."
+            )
+        else:
+            tried = (
+                f"the plan that needs the least device memory streams {num_streamed} of {num_layers} layers and needs "
+                f"{size(least.device_bytes)}: {kept} and a buffer pool of {size(pool)} ({slots}). Streaming more "
+                f"layers does not lower it (streaming {every} needs {size(needs)})."
+            )
+    lower, one_slot = "", every_layer(1)[0]
+    if step > 1 and one_slot < least.device_bytes:  # only where fewer slots help
+        lower = f"lower prefetch_step (prefetch_step=1 needs {size(one_slot + budget.reserve_bytes)} in all), "
     return ValueError(
         f"{type(model).__name__} does not fit {budget.source} = {size(budget.device_bytes)}: after "
         f"reserve_bytes = {size(budget.reserve_bytes)} for activations and the KV cache, {size(budget.weights_bytes)} "
-        f"is left for weights, but even streaming every layer needs {size(least.device_bytes)} on the device: "
-        f"{size(least.device_bytes - pool)} that stays resident (embeddings, head, norms, buffers, shared or "
-        f"unselected parameters) and a buffer pool of {size(pool)} (prefetch_step={config.prefetch_step} slots of "
-        "one layer). "
-        f"Give the device at least {size(least.device_bytes + budget.reserve_bytes)}, lower prefetch_step{hint}, "
-        "lower reserve_bytes, or load the model in a smaller dtype."
+        f"is left for weights, but {tried} "
+        f"Give the device at least {size(least.device_bytes + budget.reserve_bytes)}, {lower}lower reserve_bytes, or "
+        "load the model in a smaller dtype."
         + (
             f" (expert_cache={config.expert_cache} keeps {config.expert_cache} experts of every streamed layer on the "
             "device: lower it, use 0 (no cache, the default), or None to cache what the budget leaves spare.)"
@@ -288,8 +321,8 @@ def _device_error(model, budget, config, candidates, total, least: _Option) -> V
 
 def _host_error(budget, candidates, least: _Option) -> ValueError:
     size = format_bytes
-    layer = max(
-        sum(c.spec.nbytes for c in layer.params if id(c.param) in layer.streamable())
+    layer = max(  # the host arena's bytes of a layer's streamable parameters
+        HostArena.bytes_for([c.spec.nbytes for c in layer.params if id(c.param) in layer.streamable()])
         for ring in candidates.values()
         for layer in ring
     )

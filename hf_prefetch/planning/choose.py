@@ -10,16 +10,16 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from ..config import PrefetchConfig
+from ..config import PrefetchConfig, warn_at_caller
 from ..formats.bnb import check_layout
 from .budget import plan_for_budget
 from .link_speed import measure_link_gbps
 from .memory import MaxMemory, resolve_budget, resolve_budgets
-from .offload_plan import OffloadPlan, format_bytes
+from .offload_plan import OffloadPlan, compresses_nothing, format_bytes
 from .pipeline import plan_pipeline
 from .selection import make_plan
 
-__all__ = ["choose_plan"]
+__all__ = ["choose_plan", "options_unused"]
 
 
 def choose_plan(
@@ -66,6 +66,8 @@ def choose_plan(
         if config.compute_seconds is not None and device.type == "cuda":
             link = measure_link_gbps(device) * max(1, len(links))
         plan = plan_for_budget(model, resolve_budget(max_memory, device, model), config, layers, link_gbps=link)
+    for unused in options_unused(plan):  # once per dispatch, load or preview
+        warn_at_caller(unused)
     if not links:
         return plan
     plan = replace(plan, links=links)
@@ -77,3 +79,27 @@ def choose_plan(
                 "of the largest streamed layer, twice). Raise that entry or drop the GPU from links=."
             )
     return plan
+
+
+def options_unused(plan: OffloadPlan) -> list[str]:
+    """A sentence for each option of the config that changes nothing in `plan` (an option given for nothing says so).
+    Where `compress=True` compresses some tensors and not others, the plan lists the plain ones, without a warning."""
+    config, unused = plan.config, []
+    nothing = compresses_nothing(plan)
+    if nothing is not None:
+        unused.append(f"PrefetchConfig(compress=True) changes nothing in this plan: {nothing}. Drop compress=True.")
+    if config.expert_cache and not plan.cache_bytes:
+        if not plan.routed_bytes:
+            why = "no streamed parameter is routed (no experts module streams expert by expert)"
+        elif plan.routed_max_tokens == 0:
+            why = "with routed_max_tokens=0 no forward routes, so a cache would never be read"
+        else:  # `placements.caches_experts`: a layer that shares its slot, with the tensors of one experts module
+            alone = all(layer.owns_slot for ring in plan.rings for layer in ring.streamed if layer.routed)
+            why = "each routed layer is alone in its slot, which keeps all of its experts"
+            if not alone:
+                why += ", or holds the tensors of several experts modules, which get no cache"
+        unused.append(
+            f"PrefetchConfig(expert_cache={config.expert_cache}) keeps no expert on the device in this plan: {why}. "
+            "Drop expert_cache."
+        )
+    return unused

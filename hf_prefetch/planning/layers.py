@@ -8,6 +8,7 @@ dtypes (a meta model is fine); knows nothing about placements, budgets or device
 from __future__ import annotations
 
 import inspect
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -117,7 +118,29 @@ def resolve_layer_lists(model: nn.Module, layers: str | Sequence[str] | None) ->
                 f"layers={path!r} is not a ModuleList of {type(model).__name__}. "
                 f"ModuleLists in this model: {_describe_module_lists(model)}"
             )
+    _check_disjoint(paths, [model.get_submodule(path) for path in paths])
     return paths
+
+
+def _check_disjoint(paths: list[str], lists: list[nn.Module]) -> None:
+    # Two lists that share a module would plan its parameters twice (two placements, two host copies, two hooks).
+    inside = [{id(module) for module in layer_list.modules()} for layer_list in lists]
+    for i, j in itertools.combinations(range(len(paths)), 2):
+        if not inside[i] & inside[j]:
+            continue
+        dropped = i if id(lists[i]) in inside[j] and lists[i] is not lists[j] else j
+        if lists[i] is lists[j]:
+            how = "the same ModuleList" if paths[i] == paths[j] else "one ModuleList under two names"
+        elif id(lists[dropped]) in inside[i + j - dropped]:
+            how = f"{paths[dropped]!r} lies inside {paths[i + j - dropped]!r}"
+        else:
+            how = "they share modules"
+        kept = [path for k, path in enumerate(paths) if k != dropped]
+        raise ValueError(
+            f"layers={paths!r} names {paths[i]!r} and {paths[j]!r}, which overlap ({how}): the layers they share "
+            f"would be planned, and their weights kept in host memory, twice. Name each layer list once, e.g. "
+            f"layers={kept!r}."
+        )
 
 
 def segment_matches(segments: frozenset[str], name: str) -> bool:

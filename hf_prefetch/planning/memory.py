@@ -37,7 +37,8 @@ DEFAULT_RESERVE_BYTES = 2**30
 @dataclass(frozen=True)
 class MemoryBudget:
     """What a plan must fit, in bytes: `device_bytes` on the execution device, of which `reserve_bytes` stay free for
-    activations and the KV cache, and at most `host_bytes` of pinned host memory (None: not checked)."""
+    activations and the KV cache, and at most `host_bytes` of pinned host memory (None: not checked): the host arena's
+    real size, `OffloadPlan.host_bytes`, with every tensor's alignment padding and encoded bytes where compressed."""
 
     device_bytes: int
     reserve_bytes: int = DEFAULT_RESERVE_BYTES

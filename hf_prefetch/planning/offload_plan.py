@@ -5,28 +5,39 @@ devices."""
 from __future__ import annotations
 
 import html
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ..alignment import LINK_SHARE_ALIGN_BYTES, round_up
 from ..config import PrefetchConfig, UVAConfig
+from ..host.arena import HostArena
 from .links import STAGES
-from .placements import ROUTED_BREAK_EVEN, LayerPlan, RingPlan, Source, cache_bytes, caches_experts
+from .placements import ROUTED_BREAK_EVEN, LayerPlan, RingPlan, Source, cache_bytes, caches_experts, kept_plain
 
 if TYPE_CHECKING:
     from .memory import MemoryBudget
 
-__all__ = ["OffloadPlan", "render_text", "render_html", "format_bytes"]
+__all__ = [
+    "OffloadPlan",
+    "compresses_nothing",
+    "host_arena_bytes",
+    "no_saving",
+    "render_text",
+    "render_html",
+    "format_bytes",
+]
 
 
 @dataclass(frozen=True)
 class OffloadPlan:
     """What a dispatch does: every parameter's placement, the slots of streamed layers, and the bytes involved.
 
-    `print(plan)` shows a table; Jupyter renders it as HTML. Bytes: `offloaded_bytes` live in pinned host memory,
-    `pool_bytes` is the static device buffer pool, `resident_bytes` are the weights and buffers that stay on the
-    execution device, `streamed_bytes_per_forward` is what crosses the link in each forward.
+    `print(plan)` shows a table; Jupyter renders it as HTML. Bytes: `offloaded_bytes` of values live in pinned host
+    memory, in a host arena of `host_bytes` (aligned, encoded where compressed), `pool_bytes` is the static device
+    buffer pool, `resident_bytes` are the weights and buffers that stay on the execution device,
+    `streamed_bytes_per_forward` is what crosses the link in each forward.
     """
 
     config: PrefetchConfig | UVAConfig
@@ -57,14 +68,24 @@ class OffloadPlan:
 
     @property
     def host_bytes(self) -> int:
-        """Host memory of the offloaded parameters: their values, encoded where compressed."""
-        return sum(layer.host_bytes for ring in self.rings for layer in ring.layers)
+        """Host memory the offloaded parameters take: the host arena's size, which holds their values (encoded where
+        compressed), each at an offset aligned to `alignment.TENSOR_ALIGN_BYTES` (`HostArena.bytes_for`)."""
+        return host_arena_bytes(self.rings)
 
     @property
     def compressed_bytes(self) -> tuple[int, int]:
         """(values, encoded bytes) of the compressed parameters."""
         specs = [p for ring in self.rings for layer in ring.layers for p in layer.offloaded if p.compressed]
         return sum(p.nbytes for p in specs), sum(p.host_nbytes for p in specs)
+
+    @property
+    def kept_plain(self) -> dict[str, int]:
+        """With `compress=True`: why streamed tensors are not kept compressed, and how many for each reason (empty
+        without `compress`, and where every streamed tensor is compressed)."""
+        if not getattr(self.config, "compress", False):
+            return {}
+        reasons = [kept_plain(layer, p) for ring in self.rings for layer in ring.streamed for p in layer.offloaded]
+        return dict(Counter(reason for reason in reasons if reason is not None))
 
     @property
     def pool_bytes(self) -> int:
@@ -184,6 +205,66 @@ class OffloadPlan:
         )
 
 
+def no_saving(plan: OffloadPlan) -> str | None:
+    """Why a prefetch plan keeps as many bytes on the device as the model without it (None where it saves some): no
+    layer streams, or the pool (and expert cache) is as large as what it offloads. `print(plan)` shows it, and a
+    dispatch of the plan warns with it."""
+    if plan.backend != "prefetch" or plan.saves_device_memory:
+        return None
+    size, config = format_bytes, plan.config
+    if plan.offloaded_bytes:
+        held = "buffer pool and expert cache" if plan.cache_bytes else "buffer pool"
+        return (
+            f"its {held} ({size(plan.pool_bytes + plan.cache_bytes)}) is as large as what it offloads "
+            f"({size(plan.offloaded_bytes)}). Stream more layers than prefetch_step (or lower prefetch_step), or do "
+            "not offload."
+        )
+    lists = " and ".join(f"{ring.path} has {len(ring.layers)}" for ring in plan.rings)
+    if plan.source is Source.BUDGET and plan.budget is not None:
+        why = (
+            f"all of the model fits {plan.budget.source} = {size(plan.budget.device_bytes)} (with reserve_bytes = "
+            f"{size(plan.budget.reserve_bytes)}), so every weight stays on the device. Run it without hf_prefetch, or "
+            "give a smaller max_memory"
+        )
+    elif plan.source is Source.STRIDE and not any(
+        layer.index % config.group_size >= config.group_size - config.num_in_group
+        for ring in plan.rings
+        for layer in ring.layers
+    ):
+        why = (
+            f"group_size={config.group_size}, num_in_group={config.num_in_group} streams the last "
+            f"{config.num_in_group} of every {config.group_size} layers, and {lists}: every weight stays on the "
+            f"device. Lower group_size, or pass max_memory to stream what does not fit"
+        )
+    else:
+        cannot = (
+            "can leave the device (each is used under two names, as tied weights are, or replaced by its module's "
+            "forward): every weight stays on the device"
+        )
+        if plan.source is Source.EXPLICIT:
+            why = f"no layer was chosen, or no parameter of the chosen layers {cannot}"
+        else:
+            why = f"no parameter of the layers that {_choice(plan)} selects {cannot}"
+    return f"no layer streams: {why}."
+
+
+def compresses_nothing(plan: OffloadPlan) -> str | None:
+    """Where `compress=True` keeps no streamed tensor compressed: how many stay plain, and why (None where one is
+    compressed, where nothing streams, and without `compress`). `print(plan)` shows it, and the verbs warn with it."""
+    plain = plan.kept_plain
+    if not plain or plan.compressed_bytes[0]:
+        return None
+    reasons = "; ".join(f"{count} {why}" for why, count in plain.items())
+    return f"all {sum(plain.values())} streamed tensors stay plain ({reasons})"
+
+
+def host_arena_bytes(rings: Sequence[RingPlan]) -> int:
+    """The size of the host arena that holds the offloaded parameters of `rings`, laid out as `HostArena` lays them
+    out: each parameter's bytes in host memory (encoded where compressed) padded to `TENSOR_ALIGN_BYTES`. An arena's
+    size is the sum of its tensors' padded sizes, so the rings' sizes add up to the arena of all of them."""
+    return HostArena.bytes_for([p.host_nbytes for ring in rings for layer in ring.layers for p in layer.offloaded])
+
+
 _HEADER = ("layer", "placement", "resident", "host", "slot", "next")
 
 
@@ -231,7 +312,7 @@ def _totals(plan: OffloadPlan) -> list[tuple[str, str]]:
         return [
             ("mapped layers", f"{num_mapped} of {num_layers} ({_choice(plan)})"),
             ("device bytes", f"{size(plan.device_bytes)} (no buffer pool)"),
-            ("pinned host bytes", size(plan.offloaded_bytes)),
+            ("pinned host bytes", size(plan.host_bytes)),
             ("read per forward", f"{size(plan.streamed_bytes_per_forward)} over the bus, at least"),
         ]
     num_streamed = sum(len(ring.streamed) for ring in plan.rings)
@@ -246,6 +327,9 @@ def _totals(plan: OffloadPlan) -> list[tuple[str, str]]:
             f"{size(plan.device_bytes)} (resident + pool{' + expert cache' if plan.cache_bytes else ''})",
         ),
     ]
+    unsaved = no_saving(plan)
+    if unsaved is not None:
+        totals.append(("saves nothing", unsaved))
     pinned = size(plan.host_bytes)
     values, encoded = plan.compressed_bytes
     if values:
@@ -256,6 +340,11 @@ def _totals(plan: OffloadPlan) -> list[tuple[str, str]]:
                 f"from a staging buffer per slot ({size(plan.pool_bytes - _plain_pool(plan))} of the pool)",
             )
         )
+    if (nothing := compresses_nothing(plan)) is not None:
+        totals.append(("compressed", f"nothing: {nothing}"))
+    elif plan.kept_plain:  # some are: as expected (norms, biases), shown without a warning
+        reasons = "; ".join(f"{count} {why}" for why, count in plan.kept_plain.items())
+        totals.append(("kept plain", f"{sum(plan.kept_plain.values())} streamed tensors: {reasons}"))
     for index, budget in plan.gpus:  # pipeline placement: each GPU's layers, bytes and budget
         rings = [ring for ring in plan.rings if ring.device == index]
         indices = [layer.index for ring in rings for layer in ring.layers]

@@ -126,11 +126,11 @@ def plan_pipeline(
             "PrefetchConfig(routed_experts=False) to stream their expert tensors whole, or use one GPU (with "
             "links=[0, 1] for the other's host link)."
         )
-    if host_bytes is not None and plan.offloaded_bytes > host_bytes:
+    if host_bytes is not None and plan.host_bytes > host_bytes:
         raise ValueError(
-            f"The GPUs' runs of layers pin {format_bytes(plan.offloaded_bytes)} of host memory in all, more than "
+            f"The GPUs' runs of layers pin {format_bytes(plan.host_bytes)} of host memory in all, more than "
             f"max_memory['cpu'] = {format_bytes(host_bytes)}. Raise max_memory['cpu'] to at least "
-            f"{format_bytes(plan.offloaded_bytes)}, or give the GPUs more memory."
+            f"{format_bytes(plan.host_bytes)}, or give the GPUs more memory."
         )
     # The expert cache lives where layers route: the runs that have routed layers (the first GPU's).
     cached = [part.cached_experts for part in parts if any(layer.routed for layer in part.rings[0].streamed)]

@@ -14,16 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING
 
 import torch
 
 from ..alignment import STAGING_ALIGN_BYTES, round_up
-from ..formats.lossless import Layout, layout_of
+from ..formats.lossless import Layout, layout_of, not_encoded
 from ..host.arena import padded_bytes
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["RingPlan", "LayerPlan", "ParamSpec", "Placement", "Storage", "Compute", "Routing", "Source", "PoolKey"]
 
@@ -48,6 +44,26 @@ def compressed_layout(spec: ParamSpec) -> Layout | None:
     for size in spec.shape:
         numel *= size
     return layout_of(spec.dtype, numel)
+
+
+def kept_plain(layer: LayerPlan, spec: ParamSpec) -> str | None:
+    """With `compress=True`, why a streamed parameter of a streamed layer is not kept compressed, in words that follow
+    a count of tensors; None for one that is, and for one that does not stream."""
+    if spec.compressed is not None or spec.placement not in (Placement.STREAMED, Placement.ROUTED):
+        return None
+    if layer.owns_slot:
+        return "in layers alone in their slot, which are copied once"
+    if spec.placement is Placement.ROUTED:
+        return "routed experts, copied row by row"
+    if spec.inner:
+        return "parts of a parameter stored as several tensors"
+    if spec.stride != _contiguous(spec.shape):
+        return "not dense in row-major order"
+    numel = 1
+    for size in spec.shape:
+        numel *= size
+    # Encodable by dtype and size, yet plain: its values had more escapes than its layout holds (compressed_storage).
+    return not_encoded(spec.dtype, numel) or "whose values have too many rare exponents for their layout"
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -105,6 +105,28 @@ def test_what_does_not_pay_is_not_encoded():
     assert layout_of(torch.bfloat16, 2**31) is None  # escape positions are int32
 
 
+@pytest.mark.parametrize(
+    "dtype, numel, why",
+    [
+        (torch.float16, 1 << 20, "of dtype float16, not bfloat16 or float32"),
+        (torch.int64, 1 << 20, "of dtype int64, not bfloat16 or float32"),
+        (torch.bfloat16, codec.MIN_NUMEL - 1, f"under the codec's minimum of {codec.MIN_NUMEL} elements"),
+        (torch.float32, 2**31, "of 2**31 elements or more"),
+        (torch.bfloat16, codec.MIN_NUMEL, None),
+        (torch.float32, 1 << 20, None),
+    ],
+)
+def test_what_is_not_encoded_says_why(dtype, numel, why):
+    assert codec.not_encoded(dtype, numel) == why
+    assert (layout_of(dtype, numel) is None) == (why is not None)
+
+
+def test_a_layout_that_saves_too_little_is_not_encoded_and_says_so(monkeypatch):
+    monkeypatch.setattr(codec, "MIN_SAVING", 0.5)  # bf16 keeps 75% of its bytes: not enough for this saving
+    assert codec.not_encoded(torch.bfloat16, 1 << 20) == "that encoding would shrink by less than 50%"
+    assert layout_of(torch.bfloat16, 1 << 20) is None
+
+
 def test_values_with_more_escapes_than_the_layout_holds_are_refused():
     spread = _all_bits(torch.bfloat16).repeat(2)  # every exponent equally common: most weights escape
     layout = layout_of(torch.bfloat16, spread.numel())

@@ -246,7 +246,9 @@ def test_a_checkpoint_dropped_without_its_close_closes_its_files(tmp_path):
 
 # (name, weight map, shards written, error type, expected message)
 BAD_INDEXES = [
-    ("missing_shard", {"w": "gone.safetensors"}, {}, FileNotFoundError, r"maps 'w' .* to 'gone.safetensors', but"),
+    ("missing_shard", {"w": "gone.safetensors"}, {}, FileNotFoundError, r"maps 'w' to 'gone.safetensors', but"),
+    ("missing_shard_of_two", {"w": "gone.safetensors", "x": "gone.safetensors"}, {}, FileNotFoundError,
+     r"maps 'w' \(and 1 more\) to 'gone.safetensors', but"),
     ("parent_dir", {"w": "../w.safetensors"}, {}, ValueError, r"maps 'w' to '../w.safetensors', which is outside"),
     ("absolute", {"w": "/etc/passwd"}, {}, ValueError, r"maps 'w' to '/etc/passwd', which is outside"),
     ("key_not_in_shard", {"w": "s.safetensors", "x": "s.safetensors"}, {"s.safetensors": ["w"]}, ValueError,
@@ -305,6 +307,22 @@ def test_missing_files(tmp_path):
         Checkpoint.open(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"does not exist"):
         Checkpoint.open(tmp_path / "nope.safetensors")
+
+
+def test_a_folder_of_bin_files_names_a_fix_transformers_5_runs(tmp_path):
+    # save_pretrained(..., safe_serialization=True) was the fix named: transformers 5 has no such parameter (it always
+    # writes safetensors).
+    torch.save({"w": torch.ones(2)}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError) as raised:
+        Checkpoint.open(tmp_path)
+    message = str(raised.value)
+    assert "['pytorch_model.bin']" in message and "PyTorch pickles" in message and "safe_serialization" not in message
+    assert f"AutoModelForCausalLM.from_pretrained({str(tmp_path)!r}).save_pretrained(new_folder)" in message
+    (tmp_path / "pytorch_model.bin").unlink()
+    with pytest.raises(
+        FileNotFoundError, match=r"\(found \[\]\)\. Save the model with model\.save_pretrained\(folder\)"
+    ):
+        Checkpoint.open(tmp_path)
 
 
 def test_file_truncated_after_open(tmp_path):

@@ -609,3 +609,32 @@ def test_a_second_interrupt_while_the_warmup_is_joined_still_rolls_back(saved, m
         )
     assert len(arenas) == 1 and arenas[0]._buffer.numel() == 0  # released
     assert_left_as_given(model)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_attn_implementation_is_set_as_transformers_sets_it(saved, attention):
+    folder = saved("llama-sharded")
+    config = hf_prefetch.PrefetchConfig(**PATTERNS["every-second"])
+    model = hf_prefetch.from_pretrained(folder, config, device="cpu", attn_implementation=attention)
+    expected = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attention).eval()
+    assert model.config._attn_implementation == expected.config._attn_implementation == attention
+    assert torch.equal(logits(model), logits(expected))
+    assert hf_prefetch.plan(folder, config, device="cpu", attn_implementation=attention) == (
+        hf_prefetch.get_state(model).plan
+    )
+
+
+def test_what_builds_a_model_is_refused_where_it_has_no_meaning(saved, arenas):
+    folder = saved("llama-sharded")
+    with pytest.raises(ValueError, match=r"transformers has no attention implementation 'no-such-attention'"):
+        hf_prefetch.from_pretrained(folder, device="cpu", attn_implementation="no-such-attention")
+    with pytest.raises(ValueError, match=r"attn_implementation=3 must be the name of one of transformers'"):
+        hf_prefetch.from_pretrained(folder, device="cpu", attn_implementation=3)
+    with pytest.raises(ValueError, match=r"trust_remote_code=True is not supported yet.*load_checkpoint_and_dispatch"):
+        hf_prefetch.from_pretrained(folder, device="cpu", trust_remote_code=True)
+    for keyword in ("attn_implementation", "trust_remote_code"):
+        with pytest.raises(TypeError, match=rf"got {keyword}=, which says how a model is built; the model is built"):
+            hf_prefetch.load_checkpoint_and_dispatch(empty_model(folder), folder, device="cpu", **{keyword: "eager"})
+    with pytest.raises(TypeError, match=r"device_map= is called device= here .*max_memory= gives a budget"):
+        hf_prefetch.from_pretrained(folder, device_map="auto")
+    assert arenas == []

@@ -1,5 +1,6 @@
 import os
 import threading
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -303,3 +304,126 @@ def test_mapped_reads_onto_a_second_gpu(shards, monkeypatch):
     assert all(torch.equal(outs[k].cpu(), tensors[k]) for k in tensors)
     assert reader.mapped_bytes == reader.bytes_read and locks.balanced()
     assert list(reader_module._maps_files) == [(1, os.stat(folder / "one.safetensors").st_dev)]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_a_ctrl_c_anywhere_in_a_read_leaves_no_descriptor_open_no_job_running_and_no_copy_in_flight(
+    shards, monkeypatch
+):
+    # A Ctrl-C at every bytecode of a load's reads and of the reader's and checkpoint's descriptors: a descriptor
+    # opened but not yet recorded, or swapped out by `close` before it was closed, stayed open for the process's
+    # life; a job submitted but not yet recorded was never waited for; a Ctrl-C as the reads ended left the bounce
+    # buffers to the collector with their copies to the device in flight.
+    import gc
+
+    from hf_prefetch.loading import checkpoint as checkpoint_module
+    from tests.interrupting import at_every_point
+
+    folder, tensors = shards
+    _buffered_as_direct(monkeypatch)
+    reads = _RecordedReads(monkeypatch)
+    outs = {k: torch.empty_like(t) for k, t in tensors.items()}
+    outs["a"] = torch.empty_like(tensors["a"], dtype=torch.float32)  # a cast: through the page cache
+    opened = len(os.listdir("/proc/self/fd"))
+
+    def read(_):
+        with _checkpoint(folder) as checkpoint, TensorReader(checkpoint, direct=True) as reader:
+            try:
+                reader.load([(checkpoint[k], out) for k, out in outs.items()])
+            finally:
+                reads.ended()
+
+    def check(_, where):
+        if len(os.listdir("/proc/self/fd")) != opened:
+            gc.collect()  # what a reference cycle kept: closed by its finalizer
+        assert len(os.listdir("/proc/self/fd")) == opened, where
+        assert reads.problems == [], where
+
+    functions = [TensorReader.load, TensorReader.close, TensorReader.__exit__, TensorReader._direct_fd]
+    functions += [reader_module.open_direct, Checkpoint.fd, Checkpoint.close, checkpoint_module._close_all]
+    functions += [getattr(reader_module, "_close_all", Checkpoint.fd)]
+    assert at_every_point(lambda: None, read, check, functions, opcodes=True) > 100
+    assert torch.equal(outs["a"], tensors["a"].float()) and all(torch.equal(outs[k], tensors[k]) for k in "bcd")
+
+
+class _RecordedReads:
+    """The reader's thread pool replaced by `_LazyPool`, and its windowed reads recorded: `ended()` (as `load` ends)
+    adds to `problems` each job still pending and each window whose bounce buffers were read into but not finished
+    (their copies waited for and the buffers released by `finish`)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.pools: list[_LazyPool] = []
+        self.windows: list = []
+        self.problems: list[str] = []
+        recorded = self
+
+        class Windows(reader_module._Windows):
+            def __init__(self, *args) -> None:
+                super().__init__(*args)
+                self.read = self.finished = False
+                recorded.windows.append(self)
+
+            def _read_window(self, window) -> None:
+                self.read = True
+                super()._read_window(window)
+
+            def finish(self) -> None:
+                super().finish()
+                self.finished = True
+
+        def pool(*args, **kwargs) -> _LazyPool:
+            self.pools.append(_LazyPool())
+            return self.pools[-1]
+
+        monkeypatch.setattr(reader_module, "_Windows", Windows)
+        monkeypatch.setattr(reader_module, "ThreadPoolExecutor", pool)
+
+    def ended(self) -> None:
+        self.problems += [f"{f} left running" for pool in self.pools for f in pool.futures if not f.done()]
+        self.problems += ["bounce buffers read into, then left" for w in self.windows if w.read and not w.finished]
+        self.pools, self.windows = [], []
+
+
+class _LazyPool:
+    """The reader's thread pool for `at_every_point`: a job runs in the thread that waits for its future (the main
+    thread, which the test interrupts), and a job nobody waits for never runs, so that its future stays pending."""
+
+    def __init__(self) -> None:
+        self.futures: list[_LazyFuture] = []
+
+    def submit(self, job):
+        self.futures.append(_LazyFuture(job))
+        return self.futures[-1]
+
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False) -> None:
+        for future in self.futures if cancel_futures else []:
+            future.cancel()
+
+
+class _LazyFuture(Future):
+    def __init__(self, job) -> None:
+        super().__init__()
+        self._job = job
+
+    def result(self, timeout=None):
+        self._run()
+        return super().result(timeout)
+
+    def exception(self, timeout=None):
+        self._run()
+        return super().exception(timeout)
+
+    def cancel(self) -> bool:
+        cancelled = super().cancel()
+        if cancelled:
+            self._job = None
+        return cancelled
+
+    def _run(self) -> None:
+        if self.done() or not self.set_running_or_notify_cancel():
+            return
+        job, self._job = self._job, None  # what it holds (the bounce buffers) is freed once it ran
+        try:
+            self.set_result(job())
+        except BaseException as error:
+            self.set_exception(error)

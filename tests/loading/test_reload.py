@@ -7,6 +7,8 @@ tensors, its host storage and its pool.
 from __future__ import annotations
 
 import json
+import logging
+import warnings
 
 import pytest
 import torch
@@ -128,6 +130,66 @@ def test_partial_state_dict_with_strict_false():
     expected = tiny_llama(8, seed=0)
     expected.load_state_dict(partial, strict=False)
     assert torch.equal(logits(model), logits(expected))
+
+
+def _reload_warnings(model, source, **kwargs) -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf_prefetch.reload_weights(model, source, **kwargs)
+    assert all(w.filename == __file__ for w in caught)  # at the caller's line
+    return [str(w.message) for w in caught]
+
+
+def test_strict_false_says_which_keys_named_nothing_and_when_nothing_was_written(caplog):
+    model = dispatched(group_size=2, num_in_group=1, prefetch_step=2)
+    other = tiny_llama(8, seed=1).state_dict()
+    before = _snapshot(model)
+    # Keys of a wrapped model ("module." + the names): none names a tensor, so the call changes nothing.
+    wrapped = {f"module.{key}": value for key, value in other.items()}
+    (message,) = _reload_warnings(model, wrapped, strict=False)
+    assert message.startswith(
+        f"reload_weights(strict=False) wrote nothing: the state dict's {len(wrapped)} keys name no parameter or "
+        "persistent buffer of LlamaForCausalLM (['module.model.embed_tokens.weight', "
+    )
+    assert "the model's look like ['model.embed_tokens.weight', 'model.layers.0.self_attn.q_proj.weight'" in message
+    assert message.endswith(
+        "Keys are the model's own state_dict() names: 'module.model.embed_tokens.weight' is "
+        "'model.embed_tokens.weight' with the prefix 'module.'."
+    )
+    _assert_unchanged(model, before)
+    # A layer's keys without the "model." prefix: the same, and the hint names the prefix they lack.
+    bare = {key.removeprefix("model."): value for key, value in other.items() if key.startswith("model.layers.2.")}
+    (message,) = _reload_warnings(model, bare, strict=False)
+    assert "wrote nothing" in message and message.endswith(
+        "'layers.2.self_attn.q_proj.weight' lacks the prefix 'model.' of 'model.layers.2.self_attn.q_proj.weight'."
+    )
+    empty = "reload_weights(strict=False) wrote nothing: the state dict is empty."
+    assert _reload_warnings(model, {}, strict=False) == [empty]
+    _assert_unchanged(model, before)
+    # Some keys write, one names nothing (a non-persistent buffer): written, and the one left out is named.
+    partial = {key: value for key, value in other.items() if key.startswith("model.layers.3.")}
+    num_tensors = len(model.state_dict())
+    with caplog.at_level(logging.INFO, logger="hf_prefetch.loading.reload"):
+        (message,) = _reload_warnings(model, {**partial, "model.rotary_emb.inv_freq": torch.ones(8)}, strict=False)
+    assert message == (
+        f"reload_weights(strict=False) wrote {len(partial)} tensors and ignored 1 key that names no parameter or "
+        f"persistent buffer of LlamaForCausalLM: ['model.rotary_emb.inv_freq']; {num_tensors - len(partial)} other "
+        "tensors keep their values. Keys are the model's own state_dict() names."
+    )
+    assert f"{num_tensors - len(partial)} tensors kept their values (strict=False)" in caplog.text
+    assert all(torch.equal(model.state_dict()[key], value) for key, value in partial.items())
+    # Every key names a tensor: nothing to say, whether the state dict is partial or whole.
+    assert _reload_warnings(model, partial, strict=False) == []
+    assert _reload_warnings(model, other) == []
+
+
+def test_strict_false_with_a_checkpoint_says_that_it_changes_nothing(saved):
+    model = loaded(saved("llama", 0), "every-second")
+    (message,) = _reload_warnings(model, saved("llama", 1), strict=False)
+    assert message.startswith(
+        "reload_weights(strict=False) applies to a state dict only: a checkpoint must fill every parameter"
+    )
+    assert _reload_warnings(model, saved("llama", 1)) == []
 
 
 def _other_state(change):

@@ -13,6 +13,7 @@ from accelerate import init_empty_weights
 
 import hf_prefetch
 from hf_prefetch import PrefetchConfig
+from hf_prefetch.host.arena import HostArena
 from hf_prefetch.planning import memory as memory_budget
 from hf_prefetch.planning.budget import plan_for_budget, spread
 from hf_prefetch.planning.memory import (
@@ -312,6 +313,70 @@ def test_a_budget_too_small_even_fully_streamed_gives_the_numbers():
     plan_for_budget(model, MemoryBudget(least + RESERVE, RESERVE), PrefetchConfig(prefetch_step=2))  # just fits
 
 
+@pytest.mark.parametrize("num_layers, prefetch_step", [(2, 2), (3, 4), (1, 1)])
+def test_a_budget_too_small_where_streaming_cannot_help_says_so(num_layers, prefetch_step):
+    # A pool of min(prefetch_step, streamed) slots, each a whole layer laid out at 4 KiB boundaries, is larger than
+    # what the streamed layers free: the least device memory keeps every layer resident, and the message says that
+    # plan and why, not "even streaming every layer".
+    model = tiny_llama(num_layers)
+    config = PrefetchConfig(prefetch_step=prefetch_step)
+    resident, every = make_plan(model, config, streamed=[]), make_plan(model, config, streamed=range(num_layers))
+    assert every.device_bytes > resident.device_bytes and not every.saves_device_memory
+    budget = MemoryBudget(resident.device_bytes + RESERVE - 1, RESERVE, source="max_memory[0]")
+    with pytest.raises(ValueError) as caught:
+        plan_for_budget(model, budget, config)
+    message = str(caught.value)
+    assert "even streaming every layer" not in message
+    every_layer = f"all {num_layers} layers" if num_layers > 1 else "its one layer"
+    assert (
+        f"is left for weights, but the least it can take on the device is all of it, "
+        f"{format_bytes(resident.device_bytes)}, with every layer resident: streaming cannot help here, since the "
+        "buffer pool that streamed layers need is at least as large as what they free (streaming "
+        f"{every_layer} needs a pool of {format_bytes(every.pool_bytes)}, prefetch_step={prefetch_step} "
+        f"slot{'s' if prefetch_step > 1 else ''} of one layer, to free {format_bytes(every.offloaded_bytes)}: "
+        f"{format_bytes(every.device_bytes)} in all). Give the device at least "
+        f"{format_bytes(resident.device_bytes + RESERVE)}, "
+    ) in message
+    one_slot = make_plan(model, PrefetchConfig(prefetch_step=1), streamed=range(num_layers)).device_bytes
+    if one_slot < resident.device_bytes:  # fewer slots help: said, with what they need
+        assert f"lower prefetch_step (prefetch_step=1 needs {format_bytes(one_slot + RESERVE)} in all)" in message
+    else:
+        assert "prefetch_step (" not in message and "lower prefetch_step" not in message
+    plan_for_budget(model, MemoryBudget(resident.device_bytes + RESERVE, RESERVE), config)  # just fits: resident
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(width, width, bias=False)
+
+
+class _FirstLarger(torch.nn.Module):
+    # Streaming the first block adds a buffer of its shape to each of the pool's slots, more than it frees.
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_Block(128)] + [_Block(64) for _ in range(5)])
+
+
+def test_a_budget_too_small_for_the_plan_that_streams_some_layers_describes_that_plan():
+    model, config = _FirstLarger(), PrefetchConfig(prefetch_step=2)
+    least = make_plan(model, config, "blocks", streamed=range(1, 6))
+    every = make_plan(model, config, "blocks", streamed=range(6))
+    assert least.device_bytes < every.device_bytes
+    with pytest.raises(ValueError) as caught:
+        plan_for_budget(model, MemoryBudget(least.device_bytes - 1, 0, source="max_memory[0]"), config, "blocks")
+    assert (
+        f"the plan that needs the least device memory streams 5 of 6 layers and needs "
+        f"{format_bytes(least.device_bytes)}: {format_bytes(least.resident_bytes)} that stays resident"
+    ) in str(caught.value)
+    assert (
+        f"and a buffer pool of {format_bytes(least.pool_bytes)} (prefetch_step=2 slots of one layer). Streaming more "
+        f"layers does not lower it (streaming all 6 layers needs {format_bytes(every.device_bytes)}). Give the device "
+        f"at least {format_bytes(least.device_bytes)}, "
+    ) in str(caught.value)
+    assert plan_for_budget(model, MemoryBudget(least.device_bytes, 0), config, "blocks").rings == least.rings
+
+
 def test_a_reserve_larger_than_the_budget_is_an_error():
     with pytest.raises(ValueError, match=r"max_memory\[0\] = 1.0 MiB leaves nothing for weights after reserve_bytes"):
         plan_for_budget(tiny_llama(2), MemoryBudget(MiB, 2 * MiB, source="max_memory[0]"))
@@ -320,8 +385,8 @@ def test_a_reserve_larger_than_the_budget_is_an_error():
 def test_a_host_budget_too_small_gives_the_numbers():
     model = tiny_llama(8)
     budget = MemoryBudget(RESERVE + make_plan(model, PrefetchConfig(), streamed=spread(8, 4)).device_bytes, RESERVE)
-    pinned = make_plan(model, PrefetchConfig(), streamed=spread(8, 4)).offloaded_bytes
-    assert plan_for_budget(model, MemoryBudget(budget.device_bytes, RESERVE, pinned)).offloaded_bytes == pinned
+    pinned = make_plan(model, PrefetchConfig(), streamed=spread(8, 4)).host_bytes
+    assert plan_for_budget(model, MemoryBudget(budget.device_bytes, RESERVE, pinned)).host_bytes == pinned
     small = MemoryBudget(budget.device_bytes, RESERVE, pinned - 1, "max_memory[0]")
     message = (
         rf"streams 4 layers and pins {format_bytes(pinned)} of host memory, but max_memory\['cpu'\] allows "
@@ -329,6 +394,37 @@ def test_a_host_budget_too_small_gives_the_numbers():
     )
     with pytest.raises(ValueError, match=message):
         plan_for_budget(model, small)
+
+
+def test_the_host_budget_counts_the_arena_with_its_alignment_padding():
+    # Each tensor starts at a TENSOR_ALIGN_BYTES boundary of the host arena: tiny_llama's 256-byte norms take 4 KiB
+    # each, so the arena is larger than the values it holds. A max_memory['cpu'] between the two is refused before
+    # anything is allocated, not exceeded by the arena.
+    model, ids, logits = llama_and_logits(8)
+    every = make_plan(model, PrefetchConfig(), streamed=range(8))
+    sizes = [spec.nbytes for layer in every.rings[0].layers for spec in layer.offloaded]
+    arena = HostArena.bytes_for(sizes)
+    assert every.host_bytes == arena > every.offloaded_bytes == sum(sizes)
+    device = every.device_bytes + RESERVE  # only streaming every layer fits the device
+    message = (
+        rf"streams 8 layers and pins {format_bytes(arena)} of host memory, but max_memory\['cpu'\] allows "
+        rf"{format_bytes(arena - 1)}\. Raise max_memory\['cpu'\] to at least {format_bytes(arena)}"
+    )
+    short = dict(device="cpu", max_memory={0: device, "cpu": arena - 1}, reserve_bytes=RESERVE)
+    with pytest.raises(ValueError, match=message):
+        hf_prefetch.dispatch_model(model, **short)
+    assert hf_prefetch.get_state(model) is None
+    with pytest.raises(ValueError, match=message):
+        hf_prefetch.plan(model, **short)
+    hf_prefetch.dispatch_model(model, device="cpu", max_memory={0: device, "cpu": arena}, reserve_bytes=RESERVE)
+    try:
+        state = hf_prefetch.get_state(model)
+        assert state.arena.nbytes == state.plan.host_bytes == arena  # what the plan said is what was allocated
+        assert f"pinned host bytes      {format_bytes(arena)} of {format_bytes(arena)}" in str(state.plan)
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, logits)
+    finally:
+        hf_prefetch.remove_offload(model)
 
 
 def test_offload_params_that_match_nothing():

@@ -4,6 +4,8 @@ check (nested and mixed lists, `resolve_layer_lists`, each candidate parameter's
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -105,6 +107,33 @@ def test_resolve_layer_lists(layers, expected):
 def test_resolve_layer_lists_errors(layers, match):
     with pytest.raises(ValueError, match=match):
         resolve_layer_lists(Net(), layers)
+
+
+@pytest.mark.parametrize(
+    "layers, pair, how, kept",
+    [
+        (["encoder", "encoder"], ("encoder", "encoder"), "the same ModuleList", ["encoder"]),
+        (["encoder", "alias"], ("encoder", "alias"), "one ModuleList under two names", ["encoder"]),
+        (["encoder", "encoder.0.inner"], ("encoder", "encoder.0.inner"), "'encoder.0.inner' lies inside 'encoder'",
+         ["encoder"]),
+        (["decoder.0", "encoder.0.inner", "encoder"], ("encoder.0.inner", "encoder"),
+         "'encoder.0.inner' lies inside 'encoder'", ["decoder.0", "encoder"]),
+        (["encoder", "sharing"], ("encoder", "sharing"), "they share modules", ["encoder"]),
+    ],
+)  # fmt: skip
+def test_overlapping_layer_lists_are_refused_with_both_paths_and_the_fix(layers, pair, how, kept):
+    net = Net()
+    net.alias = net.encoder  # the same list under a second name
+    net.sharing = nn.ModuleList([Block(), net.encoder[1]])  # another list holding one of encoder's blocks
+    message = (
+        f"layers={layers!r} names {pair[0]!r} and {pair[1]!r}, which overlap ({how}): the layers they share would be "
+        f"planned, and their weights kept in host memory, twice. Name each layer list once, e.g. layers={kept!r}."
+    )
+    with pytest.raises(ValueError, match=re.escape(message)):
+        resolve_layer_lists(net, layers)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        candidate_layers(net, frozenset(), layers)  # every planner's walk
+    assert resolve_layer_lists(net, kept) == kept
 
 
 def test_candidates_are_every_parameter_of_every_layer_with_its_layout(llama_reference):

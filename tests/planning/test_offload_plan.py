@@ -12,9 +12,17 @@ import pytest
 import torch
 
 from hf_prefetch import PrefetchConfig, Source
+from hf_prefetch.formats.lossless import layout_of
 from hf_prefetch.planning.memory import MemoryBudget
-from hf_prefetch.planning.offload_plan import OffloadPlan, format_bytes, render_html, render_text
-from hf_prefetch.planning.placements import LayerPlan, ParamSpec, Placement, RingPlan
+from hf_prefetch.planning.offload_plan import (
+    OffloadPlan,
+    compresses_nothing,
+    format_bytes,
+    no_saving,
+    render_html,
+    render_text,
+)
+from hf_prefetch.planning.placements import LayerPlan, ParamSpec, Placement, RingPlan, Routing
 
 KiB, MiB = 2**10, 2**20
 STREAMED = Placement.STREAMED
@@ -156,6 +164,97 @@ def test_a_plan_that_streams_nothing():
     totals = dict(text_totals(text))
     assert totals["streamed layers"].startswith("0 of 1, longest run 0")
     assert totals["pool bytes"] == "0 B (0 slots)" and totals["streamed per forward"] == "0 B"
+    assert totals["saves nothing"].startswith("no layer streams: ")
+
+
+def _resident_plan(num_layers, config, **kwargs):
+    layers = tuple(LayerPlan(f"layers.{i}", i, (spec("w", 100),)) for i in range(num_layers))
+    return OffloadPlan(config, (RingPlan("layers", layers, num_slots=0),), resident_bytes=100 * num_layers, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "plan, why",
+    [
+        # The group pattern's streamed layers (the last num_in_group of each group) lie past a short layer list.
+        (_resident_plan(2, PrefetchConfig(group_size=4, num_in_group=1)),
+         "group_size=4, num_in_group=1 streams the last 1 of every 4 layers, and layers has 2: every weight stays on "
+         "the device. Lower group_size, or pass max_memory to stream what does not fit."),
+        (_resident_plan(3, PrefetchConfig(), source=Source.BUDGET, budget=MemoryBudget(2 * MiB, MiB, None, "cuda:0")),
+         "all of the model fits cuda:0 = 2.0 MiB (with reserve_bytes = 1.0 MiB), so every weight stays on the "
+         "device. Run it without hf_prefetch, or give a smaller max_memory."),
+        # Layers selected (index 3 of a group of 4), none of whose parameters can leave the device.
+        (_resident_plan(4, PrefetchConfig(group_size=4, num_in_group=1)),
+         "no parameter of the layers that group_size=4, num_in_group=1, prefetch_step=2 selects can leave the device"),
+        (_resident_plan(4, PrefetchConfig(), source=Source.EXPLICIT),
+         "no layer was chosen, or no parameter of the chosen layers can leave the device"),
+    ],
+)  # fmt: skip
+def test_a_plan_that_streams_nothing_says_why_and_that_it_saves_nothing(plan, why):
+    assert not plan.saves_device_memory and plan.offloaded_bytes == 0
+    assert no_saving(plan).startswith(f"no layer streams: {why}")
+    assert dict(text_totals(render_text(plan)))["saves nothing"] == no_saving(plan)
+    assert dict(html_totals(render_html(plan)))["saves nothing"] == no_saving(plan)
+
+
+def test_a_plan_whose_pool_is_as_large_as_what_it_offloads_says_so():
+    own = RingPlan("r", tuple(streamed(f"r.{i}", i, i, i, i) for i in range(3)), num_slots=3)  # each alone in a slot
+    plan = OffloadPlan(PrefetchConfig(prefetch_step=3), (own,), resident_bytes=MiB, source=Source.EXPLICIT)
+    assert not plan.saves_device_memory and plan.offloaded_bytes
+    why = (
+        f"its buffer pool ({format_bytes(plan.pool_bytes)}) is as large as what it offloads "
+        f"({format_bytes(plan.offloaded_bytes)}). Stream more layers than prefetch_step (or lower prefetch_step), or "
+        "do not offload."
+    )
+    assert no_saving(plan) == why == dict(text_totals(render_text(plan)))["saves nothing"]
+    assert no_saving(PLAN) is None and "saves nothing" not in render_text(PLAN)
+
+
+def test_with_compress_the_streamed_tensors_kept_plain_are_counted_by_reason():
+    def bf16(name, shape, placement=STREAMED, **kwargs):
+        stride = kwargs.pop("stride", (shape[1], 1))
+        return ParamSpec(name, shape, stride, torch.bfloat16, 2 * shape[0] * shape[1], placement, **kwargs)
+
+    big = (256, 256)
+    compressed = dataclasses.replace(bf16("w", big), compressed=layout_of(torch.bfloat16, 256 * 256))
+    params = (
+        compressed,
+        bf16("norm", (1, 64)),  # too small
+        dataclasses.replace(bf16("half", big), dtype=torch.float16),
+        bf16("experts", big, Placement.ROUTED, routing=Routing("mlp.experts", 4, 2, "top_k_index")),
+        bf16("q:qdata", big),  # an inner tensor of a tensor subclass
+        bf16("t", big, stride=(1, 256)),  # transposed
+        bf16("spread", big),  # could be compressed, but its values were not (too many escapes)
+        bf16("resident", big, Placement.RESIDENT),  # not streamed: not counted
+    )
+    ring = RingPlan(
+        "r",
+        (
+            LayerPlan("r.0", 0, params, 0, 0, 1),
+            LayerPlan("r.1", 1, (bf16("w", big),), 1, 0, 0),
+            LayerPlan("r.2", 2, (bf16("w", big),), 2, 1, 2),  # alone in slot 1
+        ),
+        num_slots=2,
+    )
+    plan = OffloadPlan(PrefetchConfig(compress=True), (ring,), resident_bytes=0, source=Source.EXPLICIT)
+    assert plan.kept_plain == {
+        "under the codec's minimum of 16384 elements": 1,
+        "of dtype float16, not bfloat16 or float32": 1,
+        "routed experts, copied row by row": 1,
+        "parts of a parameter stored as several tensors": 1,
+        "not dense in row-major order": 1,
+        "whose values have too many rare exponents for their layout": 2,  # spread, and r.1's w
+        "in layers alone in their slot, which are copied once": 1,
+    }
+    assert compresses_nothing(plan) is None  # one is compressed: nothing to warn about
+    assert dict(text_totals(render_text(plan)))["kept plain"].startswith("8 streamed tensors: 1 under the codec's")
+    plain = OffloadPlan(PrefetchConfig(compress=True), (dataclasses.replace(ring, layers=ring.layers[1:]),), 0)
+    assert compresses_nothing(plain) == (
+        "all 2 streamed tensors stay plain (1 whose values have too many rare exponents for their layout; 1 in layers "
+        "alone in their slot, which are copied once)"
+    )
+    assert dict(text_totals(render_text(plain)))["compressed"] == f"nothing: {compresses_nothing(plain)}"
+    off = dataclasses.replace(plan, config=PrefetchConfig())
+    assert off.kept_plain == {} and compresses_nothing(off) is None and "kept plain" not in render_text(off)
 
 
 def test_one_layer_that_owns_its_slot_is_singular():

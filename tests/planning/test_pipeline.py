@@ -10,6 +10,7 @@ import torch
 
 import hf_prefetch
 from hf_prefetch.planning.memory import parse_max_memory, resolve_budgets
+from hf_prefetch.planning.offload_plan import format_bytes
 from hf_prefetch.planning.pipeline import split_layers
 from hf_prefetch.runtime.devices import DeviceEngines
 from tests.models import tiny_llama
@@ -201,12 +202,27 @@ def test_the_host_budget_holds_for_all_gpus_together():
     with torch.device("meta"):
         model = tiny_llama(num_layers=8)
     budgets = {0: O_BYTES + int(2.5 * L_BYTES) + RESERVE, 1: int(2.5 * L_BYTES) + RESERVE, "cpu": 5 * L_BYTES}
-    with pytest.raises(ValueError, match=r"pin 1.1 MiB of host memory in all, more than max_memory\['cpu'\]"):
+    # Every layer streams: 8 layers of 152 KiB in the host arena (each tensor at a 4 KiB boundary).
+    with pytest.raises(ValueError, match=r"pin 1.2 MiB of host memory in all, more than max_memory\['cpu'\]"):
         hf_prefetch.plan(model, max_memory=budgets, reserve_bytes=RESERVE, device="cpu")
     budgets["cpu"] = "1GiB"
     assert "of 1.00 GiB (max_memory['cpu'])" in str(
         hf_prefetch.plan(model, max_memory=budgets, reserve_bytes=RESERVE, device="cpu")
     )
+
+
+def test_the_host_budget_of_all_gpus_counts_the_arena_with_its_alignment_padding():
+    with torch.device("meta"):
+        model = tiny_llama(num_layers=8)
+    budgets = {0: O_BYTES + int(2.5 * L_BYTES) + RESERVE, 1: int(2.5 * L_BYTES) + RESERVE, "cpu": "1GiB"}
+    plan = hf_prefetch.plan(model, max_memory=budgets, reserve_bytes=RESERVE, device="cpu")
+    assert plan.host_bytes > plan.offloaded_bytes  # each tensor at a 4 KiB boundary: the norms take 4 KiB each
+    budgets["cpu"] = plan.host_bytes - 1  # more than the values, less than the arena that holds them
+    with pytest.raises(ValueError, match=rf"pin {format_bytes(plan.host_bytes)} of host memory in all, more than"):
+        hf_prefetch.plan(model, max_memory=budgets, reserve_bytes=RESERVE, device="cpu")
+    budgets["cpu"] = plan.host_bytes  # just enough: the same plan
+    fits = hf_prefetch.plan(model, max_memory=budgets, reserve_bytes=RESERVE, device="cpu")
+    assert fits.rings == plan.rings and fits.host_bytes == plan.host_bytes == fits.gpus[0][1].host_bytes
 
 
 def test_offload_params_may_match_nothing_in_one_gpus_run():

@@ -752,9 +752,9 @@ CONVERSIONS = [
     lambda m: m.double(),
     lambda m: m.to(torch.float64),
     lambda m: m.to("meta"),
-    lambda m: m.cpu(),
-    lambda m: m.float(),
 ]
+# On a CPU dispatch of a float32 model these change no tensor: they return the module, as nn.Module's do.
+UNCHANGING = [lambda m: m.cpu(), lambda m: m.float(), lambda m: m.to("cpu", torch.float32)]
 
 
 @pytest.mark.parametrize("path, refused", MOVES, ids=[p or "model" for p, _ in MOVES])
@@ -766,6 +766,9 @@ def test_conversions_are_refused_where_a_streamed_parameter_lives(dispatch, llam
                 RuntimeError, match=r"dispatched by hf_prefetch: \.to\(\), .*remove_offload\(model\) first"
             ):
                 convert(model.get_submodule(path))
+        for convert in UNCHANGING:
+            module = model.get_submodule(path)
+            assert convert(module) is module
         assert {p.dtype for p in model.parameters()} == {torch.float32}
         assert torch.equal(forward(model, llama_reference.ids), llama_reference.logits)
     else:  # converted as in an ordinary model
