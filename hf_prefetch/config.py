@@ -52,13 +52,16 @@ class PrefetchConfig:
             in an expert cache (see docs/design.md, "The expert cache"). None (the default): with a `max_memory`
             budget, as many as the memory the chosen plan leaves spare holds, else none. 0: no cache. The cache is
             looked up on the device (no host synchronisation), inside CUDA graphs too.
-        recent_experts (`bool`, defaults to True): With routed experts, a layer's copy that brings everything but its
-            expert tensors also brings the rows of the experts its router picked in the layer's previous forward, on
-            the copy stream, before its router runs; the copy at the router then brings only the picks that are
-            neither there nor in the expert cache (see docs/design.md, "Recent experts"). Decoding repeats many of a
-            layer's picks from one token to the next, and these rows cross the link while the GPU computes the layers
-            before; a recent expert that is not picked again crossed it for nothing. False: only the router's own
-            picks are copied, once it has made them.
+        recent_experts (`bool`, *optional*): With routed experts, a layer's copy that brings everything but its
+            expert tensors can also bring the rows of the experts its router picked in the layer's previous forward,
+            on the copy stream, before its router runs; the copy at the router then brings only the picks that are
+            neither there nor in the expert cache (see docs/design.md, "Recent experts"). Where a layer's picks repeat
+            from token to token this takes their copies off the router's path; where they vary, the rows not picked
+            again cross the link for nothing. None (the default): measured per layer while decoding, and fetched only
+            where the rows it would waste stay under 4-5% of what the router alone copies (the decision follows the
+            routing: a new prompt, sampling; `stats()` shows it per layer). On the CPU, where copies do not overlap
+            compute, a fetch ahead saves no time; the policy runs the same there. True: always fetched. False: never;
+            only the router's own picks are copied, once it has made them.
         compress (`bool`, defaults to False): Keep the streamed bf16 and fp32 weights of layers that take turns in a
             slot losslessly compressed in host memory (about 75% of bf16's bytes, 88% of fp32's), copy the compressed
             bytes and decode them on the device into the slot, bit for bit (see docs/design.md, "Compressed
@@ -93,7 +96,7 @@ class PrefetchConfig:
     routed_experts: bool | None = None
     routed_max_tokens: int | None = None
     expert_cache: int | None = None
-    recent_experts: bool = True
+    recent_experts: bool | None = None
     compress: bool = False
     compute_seconds: Mapping[str, float] | None = None
 
@@ -122,8 +125,11 @@ class PrefetchConfig:
             raise ValueError(f"PrefetchConfig.compress={self.compress!r} must be True or False.")
         if self.routed_experts is not None and not isinstance(self.routed_experts, bool):
             raise ValueError(f"PrefetchConfig.routed_experts={self.routed_experts!r} must be None, True or False.")
-        if not isinstance(self.recent_experts, bool):
-            raise ValueError(f"PrefetchConfig.recent_experts={self.recent_experts!r} must be True or False.")
+        if self.recent_experts is not None and not isinstance(self.recent_experts, bool):
+            raise ValueError(
+                f"PrefetchConfig.recent_experts={self.recent_experts!r} must be None (measured per layer), True or "
+                "False."
+            )
         cache = self.expert_cache
         if cache is not None and (isinstance(cache, bool) or not isinstance(cache, int) or cache < 0):
             raise ValueError(

@@ -44,6 +44,13 @@ class LayerStats:
     # Picks found in the slot, fetched with its copy because the layer picked them in its previous forward
     # (PrefetchConfig.recent_experts; the fetched rows count in routed_rows, picked again or not).
     recent_hits: int = 0
+    # Rows fetched ahead (in routed_rows), the bytes of one expert's rows, and the measured policy's decision with why
+    # (`PrefetchConfig.recent_experts=None`: see hf_prefetch/runtime/expert_policy.py), "-" without recent picks.
+    recent_fetched: int = 0
+    expert_row_bytes: int = 0
+    recent_policy: str = "-"
+    # Bytes loaded into the expert cache (in copied_bytes).
+    cache_loaded_bytes: int = 0
     # Compressed parameters (PrefetchConfig(compress=True)): values decoded into the slot, the compressed bytes they
     # were decoded from (counted in copied_bytes), how many decodes, and with timing their device time on the compute
     # stream.
@@ -55,6 +62,22 @@ class LayerStats:
     @property
     def gbps(self) -> float:
         return self.copied_bytes / self.copy_seconds / 1e9 if self.copy_seconds else 0.0
+
+    @property
+    def recent_wasted_bytes(self) -> int:
+        """Bytes of the rows fetched ahead that the router did not pick again: crossed the link for nothing."""
+        return max(0, self.recent_fetched - self.recent_hits) * self.expert_row_bytes
+
+    @property
+    def recent_saved_bytes(self) -> int:
+        """Bytes of the picks found fetched ahead: copies taken off the router's path (they crossed the link too)."""
+        return self.recent_hits * self.expert_row_bytes
+
+    @property
+    def cache_saved_bytes(self) -> int:
+        """Bytes of the picks found in the expert cache: they did not cross the link (loading it did: see
+        `cache_loaded_bytes`)."""
+        return self.cache_hits * self.expert_row_bytes
 
     @property
     def compression(self) -> float:
@@ -108,6 +131,18 @@ class TransferStats:
     @property
     def recent_hits(self) -> int:
         return sum(layer.recent_hits for layer in self.layers)
+
+    @property
+    def recent_wasted_bytes(self) -> int:
+        return sum(layer.recent_wasted_bytes for layer in self.layers)
+
+    @property
+    def cache_saved_bytes(self) -> int:
+        return sum(layer.cache_saved_bytes for layer in self.layers)
+
+    @property
+    def cache_loaded_bytes(self) -> int:
+        return sum(layer.cache_loaded_bytes for layer in self.layers)
 
     @property
     def decoded_bytes(self) -> int:
@@ -165,6 +200,9 @@ class TransferStats:
                 str(item.cache_hits),
                 str(item.cache_misses),
                 str(item.recent_hits),
+                f"{item.recent_wasted_bytes / 2**20:.1f}",
+                f"{item.cache_saved_bytes / 2**20:.1f}",
+                _short_policy(layer.recent_policy) if layer else "-",
             )
             decoded = (
                 f"{item.compressed_bytes / 2**20:.1f}",
@@ -187,7 +225,17 @@ class TransferStats:
         return rows
 
     _HEADER = ("layer", "copies", "copied MiB", "copy ms", "GB/s", "stall ms", "compute ms", "misses")
-    _ROUTED_HEADER = ("routed experts", "routed MiB", "completions", "cache hits", "cache misses", "recent hits")
+    _ROUTED_HEADER = (
+        "routed experts",
+        "routed MiB",
+        "completions",
+        "cache hits",
+        "cache misses",
+        "recent hits",
+        "wasted MiB",
+        "cache saved MiB",
+        "recent",
+    )
     _DECODED_HEADER = ("compressed MiB", "decoded MiB", "ratio", "decodes", "decode ms")
 
     @property
@@ -373,6 +421,10 @@ def stats(model: nn.Module) -> TransferStats:
                     c.cache_hits,
                     c.cache_misses,
                     c.recent_hits,
+                    c.recent_fetched,
+                    sum(t.nbytes // t.num_experts for t in layer.routed),
+                    layer.recent.policy.describe() if layer.recent is not None else "-",
+                    c.cache_loaded_bytes,
                     c.decoded_bytes,
                     c.compressed_bytes,
                     c.decodes,
@@ -380,6 +432,12 @@ def stats(model: nn.Module) -> TransferStats:
                 )
             )
     return TransferStats(tuple(layers), engine.timing)
+
+
+def _short_policy(policy: str) -> str:
+    # The table's cell: the decision and the share of fetched rows picked again ("on 97%"), from `describe`.
+    head, _, rest = policy.partition(":")
+    return f"{head} {rest.split()[0]}" if rest else head.split(" (")[0]
 
 
 def reset_stats(model: nn.Module) -> None:

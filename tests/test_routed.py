@@ -426,8 +426,13 @@ def test_the_stats_table_shows_routed_columns_once_experts_were_routed():
         header, *rows = table.splitlines()
         assert "routed experts" in header and "completions" in header
         total = next(row for row in rows if row.startswith("total")).split()
-        assert total[-6] == str(hf_prefetch.stats(model).routed_rows)
-        assert total[-1] == str(hf_prefetch.stats(model).recent_hits)
+        snapshot = hf_prefetch.stats(model)
+        assert total[-9] == str(snapshot.routed_rows)
+        assert total[-4] == str(snapshot.recent_hits)
+        assert total[-3] == f"{snapshot.recent_wasted_bytes / 2**20:.1f}"
+        assert total[-2] == f"{snapshot.cache_saved_bytes / 2**20:.1f}"
+        layer_rows = [row.split() for row in rows if row.startswith("model.layers.")]
+        assert all(row[-1] in {"off", "on", "always", "-"} or row[-2] in {"off", "on", "always"} for row in layer_rows)
         assert "<th>routed MiB</th>" in hf_prefetch.stats(model)._repr_html_()
     finally:
         hf_prefetch.remove_offload(model)
@@ -523,18 +528,21 @@ def test_a_prefill_ranks_the_cache_and_only_a_clear_winner_takes_a_row():
         hf_prefetch.remove_offload(model)
 
 
-def test_the_re_rank_swaps_an_expert_only_for_one_scored_more_than_twice_as_high():
+def test_the_re_rank_swaps_an_expert_only_for_one_scored_more_than_twice_as_high_and_beyond_noise():
     from hf_prefetch.runtime.experts import _reranked
 
     model = moe_model("qwen3_moe")
     hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=4), device="cpu")
     try:
         cache = hf_prefetch.get_state(model).engine.rings[0].layers[1].cache
-        cache.scores = [10.0, 1.0, 5.0, 0.4, 3.0, 1.9, 0.9] + [0.0] * 9
+        cache.scores = [100.0, 10.0, 50.0, 4.0, 30.0, 19.0, 9.0] + [0.0] * 9
         assert _reranked(cache) == [0, 2, 4, 5]  # not valid: the best four
         cache.experts, cache.valid = [0, 1, 2, 3], True
-        # Expert 4 (3.0) beats expert 3 (0.4) by more than twice; expert 5 (1.9) does not beat expert 1 (1.0).
+        # Expert 4 (30) beats expert 3 (4) by more than twice; expert 5 (19) does not beat expert 1 (10).
         assert _reranked(cache) == [0, 1, 2, 4]
+        # Three times as high, but 3 picks against 1 is within counting noise (2 standard deviations: 4): no trade.
+        cache.scores = [100.0, 10.0, 50.0, 1.0, 3.0] + [0.0] * 11
+        assert _reranked(cache) == [0, 1, 2, 3]
         cache.scores = [0.0] * 16
         assert _reranked(cache) == [0, 1, 2, 3]  # nothing picked: nothing moves
         cache.scores = [1.0] * 4 + [1.9] * 12
@@ -910,7 +918,7 @@ def _router_picks(model, layer: int, ids: torch.Tensor) -> list[int]:
 def test_each_layer_remembers_its_latest_picks_and_its_next_copy_fetches_them():
     model = moe_model("qwen3_moe")  # 16 experts, 4 per token; layers 1 and 3 take turns in one slot
     reference = copy.deepcopy(model)
-    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED), device="cpu")
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, recent_experts=True), device="cpu")
     try:
         engine = hf_prefetch.get_state(model).engine
         first, second = engine.rings[0].layers
@@ -954,7 +962,7 @@ def test_a_fetched_pick_is_left_in_the_slot_and_a_cached_one_is_not_fetched(devi
     from hf_prefetch.runtime.experts import collect_tallies, fetch_recent, gather_looked_up, load_cache
 
     model = moe_model("qwen3_moe").to(torch.bfloat16)
-    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=cached), device=device)
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=cached, recent_experts=True), device=device)
     try:
         layer = hf_prefetch.get_state(model).engine.rings[0].layers[1]
         recent = layer.recent
@@ -996,7 +1004,7 @@ def test_a_miss_clears_what_an_older_copy_fetched():
     # whose copy brings no routed rows, so nothing may be found ready from before.
     model = moe_model("qwen3_moe")
     reference = copy.deepcopy(model)
-    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED), device="cpu")
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, recent_experts=True), device="cpu")
     try:
         engine = hf_prefetch.get_state(model).engine
         first = engine.rings[0].layers[0]
@@ -1032,7 +1040,7 @@ def test_recent_experts_on_and_off_give_the_same_tokens(family):
 
 
 def test_recent_experts_must_be_a_bool():
-    with pytest.raises(ValueError, match=r"PrefetchConfig.recent_experts='yes' must be True or False"):
+    with pytest.raises(ValueError, match=r"PrefetchConfig.recent_experts='yes' must be None \(measured per layer\), True"):
         PrefetchConfig(recent_experts="yes")
 
 
@@ -1099,8 +1107,10 @@ def test_an_expert_that_enters_the_cache_during_a_fetch_is_fetched_whole_or_not_
 
 def test_the_plan_says_which_layers_fetch_their_recent_experts():
     model = moe_model("qwen3_moe")  # layers 1 and 3 stream, taking turns in one slot
-    shown = str(hf_prefetch.plan(model, PrefetchConfig(**ROUTED), device="cpu"))
+    shown = str(hf_prefetch.plan(model, PrefetchConfig(**ROUTED, recent_experts=True), device="cpu"))
     assert "recent experts" in shown and "2 layers fetch the experts they picked in their previous forward" in shown
+    measured = str(hf_prefetch.plan(model, PrefetchConfig(**ROUTED), device="cpu"))
+    assert "2 layers measure whether fetching the experts they picked in their previous forward" in measured
     assert "recent experts" not in str(
         hf_prefetch.plan(model, PrefetchConfig(**ROUTED, recent_experts=False), device="cpu")
     )
@@ -1116,7 +1126,7 @@ def test_a_fetch_reads_as_many_recent_picks_as_the_forward_under_way_records():
     from hf_prefetch.runtime.experts import fetch_recent
 
     model = moe_model("qwen3_moe")  # 16 experts, 4 per token
-    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED), device="cpu")
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, recent_experts=True), device="cpu")
     try:
         layer = hf_prefetch.get_state(model).engine.rings[0].layers[1]
         with torch.no_grad():

@@ -17,6 +17,7 @@ from .link_speed import measure_link_gbps
 from .memory import MaxMemory, resolve_budget, resolve_budgets
 from .offload_plan import OffloadPlan, compresses_nothing, format_bytes
 from .pipeline import plan_pipeline
+from .placements import caches_experts
 from .selection import make_plan
 
 __all__ = ["choose_plan", "options_unused"]
@@ -102,4 +103,13 @@ def options_unused(plan: OffloadPlan) -> list[str]:
             f"PrefetchConfig(expert_cache={config.expert_cache}) keeps no expert on the device in this plan: {why}. "
             "Drop expert_cache."
         )
+    fetching = any(caches_experts(layer) for ring in plan.rings for layer in ring.streamed)
+    if getattr(config, "recent_experts", None) is True and not (fetching and plan.routed_max_tokens > 0):
+        if not plan.routed_bytes:
+            why = "no streamed parameter is routed (no experts module streams expert by expert)"
+        elif plan.routed_max_tokens == 0:
+            why = "with routed_max_tokens=0 no forward routes, so no copy fetches picks ahead"
+        else:
+            why = "each routed layer is alone in its slot, which keeps all of its experts"
+        unused.append(f"PrefetchConfig(recent_experts=True) changes nothing in this plan: {why}. Drop recent_experts.")
     return unused

@@ -418,14 +418,16 @@ def _totals(plan: OffloadPlan) -> list[tuple[str, str]]:
                 ("expert cache", f"{size(plan.cache_bytes)} on the device: {cached} experts per routed layer")
             )
         fetching = [layer for ring in plan.rings for layer in ring.streamed if caches_experts(layer)]
-        if fetching and getattr(plan.config, "recent_experts", True):
-            totals.append(
-                (
-                    "recent experts",
-                    f"{len(fetching)} layer{'s' if len(fetching) != 1 else ''} fetch the experts they picked in "
-                    "their previous forward with their copy",
-                )
+        recent = getattr(plan.config, "recent_experts", None)
+        if fetching and recent is not False and plan.routed_max_tokens > 0:
+            layers = f"{len(fetching)} layer{'s' if len(fetching) != 1 else ''}"
+            what = (
+                f"{layers} fetch the experts they picked in their previous forward with their copy"
+                if recent
+                else f"{layers} measure whether fetching the experts they picked in their previous forward with "
+                "their copy pays, and fetch them where it does"
             )
+            totals.append(("recent experts", what))
         totals.append(("streamed per token", per_token))
     return totals
 

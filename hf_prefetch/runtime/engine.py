@@ -237,6 +237,8 @@ class PrefetchEngine(CapturedCopies, RoutedFills, CompressedDecodes):
         self._tokens = tokens
         if self.routing:
             self._caches.before_routing_forward(self._non_blocking)
+        else:
+            self._caches.before_whole_forward()
         if not self._cuda:
             return
         for transfers in self.rings:

@@ -8,15 +8,29 @@ from __future__ import annotations
 
 import functools
 
-__all__ = ["FETCH_PROGRAMS", "FOUND_RECENT", "FOUND_CACHED", "FROM_HOST", "FETCHED", "gather_kernel", "fetch_kernel"]
+__all__ = [
+    "FETCH_PROGRAMS",
+    "FOUND_RECENT",
+    "FOUND_CACHED",
+    "FROM_HOST",
+    "FETCHED",
+    "CANDIDATES",
+    "CANDIDATE_HITS",
+    "TALLIES",
+    "gather_kernel",
+    "fetch_kernel",
+]
 
 # How many programs `fetch_kernel` runs: enough loads in flight to keep the link busy, few enough SMs that the
 # compute stream's kernels, which run meanwhile, find theirs free (benchmarks/routed_gather.py: 64 read the most).
 FETCH_PROGRAMS = 64
 
 # The entries of a layer's `tallies` (`LayerTransfer.tallies`): picks found fetched ahead, found in the cache, copied
-# from host memory at the router; and rows fetched ahead.
-FOUND_RECENT, FOUND_CACHED, FROM_HOST, FETCHED = range(4)
+# from host memory at the router; rows fetched ahead; and what the recent-experts policy measures whether the rows are
+# fetched or not (`expert_policy.py`): the experts a fetch ahead would bring (the previous forward's picks that the
+# cache does not hold, `RecentPicks.marked`), and the picks that were among them.
+FOUND_RECENT, FOUND_CACHED, FROM_HOST, FETCHED, CANDIDATES, CANDIDATE_HITS = range(6)
+TALLIES = 6
 
 
 @functools.cache
@@ -33,6 +47,7 @@ def gather_kernel():
     def gather_rows(
         experts,
         ready,
+        marked,
         slot_of,
         source,
         cache,
@@ -47,7 +62,7 @@ def gather_kernel():
     ):
         # Program (block, pick): one BLOCK of one picked expert's row, left alone if the slot holds it (fetched
         # ahead), else read from its cache row if it has one, else from the host (through the mapped view). The first
-        # block of each pick counts it.
+        # block of each pick counts it, and whether a fetch ahead would have brought it (`marked`).
         block = tl.program_id(0)
         pick = tl.program_id(1)
         expert = tl.load(experts + pick)
@@ -71,15 +86,19 @@ def gather_kernel():
                     tl.atomic_add(picks + expert, 1)
                 kind = tl.where(in_slot != 0, 0, tl.where(slot >= 0, 1, 2))  # FOUND_RECENT, FOUND_CACHED, FROM_HOST
                 tl.atomic_add(tallies + kind, 1)
+                if RECENT:
+                    if tl.load(marked + expert) != 0:
+                        tl.atomic_add(tallies + 5, 1)  # CANDIDATE_HITS
 
     block = 2048
 
-    def launch(experts, ready, slot_of, source, cache, out, picks, tallies, count):
+    def launch(experts, ready, marked, slot_of, source, cache, out, picks, tallies, count):
         row_len = out.shape[1]
         grid = (triton.cdiv(row_len, block), experts.numel())
         gather_rows[grid](
             experts,
             out if ready is None else ready,  # unused pointers: any tensor
+            out if marked is None else marked,
             out if slot_of is None else slot_of,
             source,
             out if cache is None else cache,
@@ -100,10 +119,12 @@ def gather_kernel():
 @functools.cache
 def fetch_kernel():
     """`fetch_recent`'s work on CUDA as two Triton kernels, or None where Triton is missing. `launch(experts, slot_of,
-    chosen, ready, pairs, tallies)`: one program clears `ready` and writes into `chosen` each entry of `experts` to
-    fetch (an expert of the layer that `slot_of`, when given, says the cache does not hold) or -1; then few programs
-    copy the rows of every chosen expert of each `(source, out)` pair (2-D, a row per expert), marking each ready and
-    counting it in `tallies` as they go."""
+    chosen, ready, marked, enabled, pairs, tallies)`: one program marks in `marked` each expert of `experts` that a
+    fetch would bring (an expert of the layer that `slot_of`, when given, says the cache does not hold), counts them,
+    clears `ready`, and writes into `chosen` each entry to fetch, or -1 for all of them where `enabled[0]` is 0; then
+    few programs copy the rows of every chosen expert of each `(source, out)` pair (2-D, a row per expert), marking
+    each ready and counting it in `tallies` as they go. `enabled` is read on the device, so a CUDA graph that recorded
+    the fetch follows the policy's latest decision at every replay."""
     try:
         import triton
         import triton.language as tl
@@ -111,15 +132,25 @@ def fetch_kernel():
         return None
 
     @triton.jit
-    def choose(experts, slot_of, chosen, ready, entries, num_experts, CACHED: tl.constexpr, BLOCK: tl.constexpr):
+    def choose(
+        experts, slot_of, chosen, ready, marked, enabled, tallies, entries, num_experts,
+        CACHED: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
         every = tl.arange(0, BLOCK)
         tl.store(ready + every, 0, mask=every < num_experts)
+        tl.store(marked + every, 0, mask=every < num_experts)
         inside = every < entries
         expert = tl.load(experts + every, mask=inside, other=-1)
         take = inside & (expert >= 0) & (expert < num_experts)
         if CACHED:
             take = take & (tl.load(slot_of + expert, mask=take, other=-1) < 0)
-        tl.store(chosen + every, tl.where(take, expert, -1), mask=inside)
+        tl.debug_barrier()  # every clear lands before any mark (threads of the program write each other's entries)
+        tl.store(marked + expert, 1, mask=take)
+        tl.debug_barrier()
+        marks = tl.load(marked + every, mask=every < num_experts, other=0)
+        tl.atomic_add(tallies + 4, tl.sum(marks, axis=0).to(tl.int64))  # CANDIDATES: each expert once
+        on = tl.load(enabled)
+        tl.store(chosen + every, tl.where(take & (on != 0), expert, -1), mask=inside)
 
     @triton.jit
     def fetch_rows(
@@ -138,40 +169,39 @@ def fetch_kernel():
         BLOCK: tl.constexpr,
         PROGRAMS: tl.constexpr,
     ):
-        # PROGRAMS programs take turns over (entry, block): one BLOCK of the row of one chosen expert (-1: none) in
-        # one of two tensors, from the host (through the mapped view). The first block of each marks it ready and
-        # counts it. Few programs: the kernel runs beside the compute stream's, which need SMs too.
+        # For each chosen expert (-1: none, skipped at once), PROGRAMS programs take turns over the BLOCKs of its row
+        # in two tensors, read from the host (through the mapped view). Its first block marks it ready and counts it.
+        # Few programs: the kernel runs beside the compute stream's, which need SMs too.
         first_blocks = tl.cdiv(first_len, BLOCK)
         blocks = first_blocks + tl.cdiv(second_len, BLOCK)
-        for item in range(tl.program_id(0), entries * blocks, PROGRAMS):
-            entry = item // blocks
-            block = item % blocks
+        for entry in range(0, entries):
             expert = tl.load(chosen + entry)
             if expert >= 0:
-                if block < first_blocks:
-                    offsets = block * BLOCK + tl.arange(0, BLOCK)
-                    inside = offsets < first_len
-                    values = tl.load(first_source + expert * first_len + offsets, mask=inside)
-                    tl.store(first_out + expert * first_len + offsets, values, mask=inside)
-                    if MARK:
-                        if block == 0:
-                            tl.store(ready + expert, 1)
-                            tl.atomic_add(tallies + FETCHED, 1)
-                else:
-                    offsets = (block - first_blocks) * BLOCK + tl.arange(0, BLOCK)
-                    inside = offsets < second_len
-                    values = tl.load(second_source + expert * second_len + offsets, mask=inside)
-                    tl.store(second_out + expert * second_len + offsets, values, mask=inside)
+                for block in range(tl.program_id(0), blocks, PROGRAMS):
+                    if block < first_blocks:
+                        offsets = block * BLOCK + tl.arange(0, BLOCK)
+                        inside = offsets < first_len
+                        values = tl.load(first_source + expert * first_len + offsets, mask=inside)
+                        tl.store(first_out + expert * first_len + offsets, values, mask=inside)
+                        if MARK:
+                            if block == 0:
+                                tl.store(ready + expert, 1)
+                                tl.atomic_add(tallies + FETCHED, 1)
+                    else:
+                        offsets = (block - first_blocks) * BLOCK + tl.arange(0, BLOCK)
+                        inside = offsets < second_len
+                        values = tl.load(second_source + expert * second_len + offsets, mask=inside)
+                        tl.store(second_out + expert * second_len + offsets, values, mask=inside)
 
     block = 2048
 
-    def launch(experts, slot_of, chosen, ready, pairs, tallies, programs=None):
+    def launch(experts, slot_of, chosen, ready, marked, enabled, pairs, tallies, programs=None):
         programs = programs or FETCH_PROGRAMS
         num_experts = ready.numel()
         cached = slot_of is not None
-        chooser_block = triton.next_power_of_2(num_experts)
-        choose[(1,)](experts, slot_of if cached else experts, chosen, ready, experts.numel(), num_experts,
-                     CACHED=cached, BLOCK=chooser_block)  # fmt: skip
+        chooser_block = triton.next_power_of_2(max(num_experts, experts.numel()))
+        choose[(1,)](experts, slot_of if cached else experts, chosen, ready, marked, enabled, tallies,
+                     experts.numel(), num_experts, CACHED=cached, BLOCK=chooser_block)  # fmt: skip
         for start in range(0, len(pairs), 2):  # two tensors a launch (an experts module has two, or four with biases)
             (first_source, first_out), *rest = pairs[start : start + 2]
             second_source, second_out = rest[0] if rest else (first_source, first_out)

@@ -16,7 +16,18 @@ import torch
 
 from ..config import warn_at_caller
 from ..planning.placements import caches_experts
-from .expert_kernels import FETCHED, FOUND_CACHED, FOUND_RECENT, FROM_HOST, fetch_kernel, gather_kernel
+from .expert_kernels import (
+    CANDIDATE_HITS,
+    CANDIDATES,
+    FETCHED,
+    FOUND_CACHED,
+    FOUND_RECENT,
+    FROM_HOST,
+    TALLIES,
+    fetch_kernel,
+    gather_kernel,
+)
+from .expert_policy import WINDOW, RecentPolicy
 from .ring import ExpertCache, LayerTransfer, RecentPicks, RoutedTensor
 
 if TYPE_CHECKING:
@@ -47,14 +58,18 @@ def add_lookups(transfer: LayerTransfer, layer: LayerPlan, plan: OffloadPlan, de
     transfer.cache = _expert_cache(transfer.routed, plan.cached_experts, device)
     num_experts = transfer.routed[0].num_experts
     fetches = device.type != "cuda" or fetch_kernel() is not None
-    if getattr(plan.config, "recent_experts", True) and plan.routed_max_tokens > 0 and fetches:
+    recent = getattr(plan.config, "recent_experts", None)  # None: the measured policy; True: always; False: never
+    if recent is not False and plan.routed_max_tokens > 0 and fetches:
         transfer.recent = RecentPicks(
             experts=torch.full((num_experts,), -1, dtype=torch.long, device=device),
             ready=torch.zeros(num_experts, dtype=torch.int32, device=device),
             chosen=torch.full((num_experts,), -1, dtype=torch.long, device=device),
+            marked=torch.zeros(num_experts, dtype=torch.int32, device=device),
+            enabled=torch.full((1,), int(recent is True), dtype=torch.int32, device=device),
+            policy=RecentPolicy(fixed=recent is True, on=recent is True),
         )
     if transfer.cache is not None or transfer.recent is not None:
-        transfer.tallies = torch.zeros(4, dtype=torch.long, device=device)
+        transfer.tallies = torch.zeros(TALLIES, dtype=torch.long, device=device)
 
 
 def _expert_cache(routed: list[RoutedTensor], cached_experts: int, device: torch.device) -> ExpertCache | None:
@@ -132,12 +147,15 @@ def gather_looked_up(layer: LayerTransfer, index: torch.Tensor) -> None:
             _count(cache, experts)
         kinds = torch.where(ready, FOUND_RECENT, torch.where(found, FOUND_CACHED, FROM_HOST))
         layer.tallies.index_add_(0, kinds, torch.ones_like(kinds))
+        if recent is not None:
+            layer.tallies[CANDIDATE_HITS] += (recent.marked.index_select(0, experts) > 0).sum()
         return
     with torch.cuda.device(experts.device):  # Triton launches on the current device's current stream
         for number, tensor in enumerate(layer.routed):
             kernel(
                 experts,
                 recent.ready if recent is not None else None,
+                recent.marked if recent is not None else None,
                 cache.slot_of if cache is not None else None,
                 tensor.source_rows,
                 cache.rows[number] if cache is not None else None,
@@ -149,9 +167,10 @@ def gather_looked_up(layer: LayerTransfer, index: torch.Tensor) -> None:
 
 
 def fetch_recent(layer: LayerTransfer, tokens: int | None = None) -> None:
-    """With a copy of the layer without its routed tensors (`Fill.ROUTED`), on the same stream: the rows of the
-    experts its router picked in its latest forward (`recent.experts`) that its cache does not hold, from host memory
-    into the slot, each marked `ready`; every other mark cleared first. No host synchronisation. Reads as many
+    """With a copy of the layer without its routed tensors (`Fill.ROUTED`), on the same stream: mark the experts its
+    router picked in its latest forward (`recent.experts`) that its cache does not hold (`recent.marked`, counted as
+    `CANDIDATES`), and where the layer's policy fetches (`recent.enabled`, on the device) copy their rows from host
+    memory into the slot, each marked `ready`; every other mark cleared first. No host synchronisation. Reads as many
     entries as the latest forward run in Python recorded (`recent.count`), or as a forward of `tokens` tokens (the
     one under way) records, whichever is more: a CUDA graph replay records its picks without Python, and the graph
     of the forward under way, in a capture, is one of that many tokens. Entries past the picks are -1. Counts the rows
@@ -167,27 +186,30 @@ def fetch_recent(layer: LayerTransfer, tokens: int | None = None) -> None:
     entries = min(max(recent.count, (tokens or 0) * recent.top_k), num_experts)
     if entries == 0:
         recent.ready.zero_()
+        recent.marked.zero_()
         return
     experts = recent.experts[:entries]
     kernel = fetch_kernel() if experts.is_cuda else None
     if kernel is None:
-        recent.ready.zero_()
         take = (experts >= 0) & (experts < num_experts)
         if layer.cache is not None:
             take &= layer.cache.slot_of.index_select(0, experts.clamp(0, num_experts - 1)) < 0
         marks = torch.zeros(num_experts + 1, dtype=recent.ready.dtype, device=experts.device)
         marks.index_fill_(0, torch.where(take, experts, num_experts), 1)  # a repeated pick marks once
-        wanted = marks[:num_experts] > 0
+        recent.marked.copy_(marks[:num_experts])
+        layer.tallies[CANDIDATES] += recent.marked.sum()
+        fetched = recent.marked * recent.enabled
+        wanted = fetched > 0
         for tensor in layer.routed:
             values = tensor.source_rows.to(tensor.device.device)
             tensor.device_rows.copy_(torch.where(wanted[:, None], values, tensor.device_rows))
-        recent.ready.copy_(marks[:num_experts])
-        layer.tallies[FETCHED] += take.sum()
+        recent.ready.copy_(fetched)
+        layer.tallies[FETCHED] += (take & (recent.enabled > 0)).sum()  # a repeated pick again, as on CUDA
         return
     slot_of = layer.cache.slot_of if layer.cache is not None else None
     pairs = [(tensor.source_rows, tensor.device_rows) for tensor in layer.routed]
     with torch.cuda.device(experts.device):  # Triton launches on the current device's current stream
-        kernel(experts, slot_of, recent.chosen, recent.ready, pairs, layer.tallies)
+        kernel(experts, slot_of, recent.chosen, recent.ready, recent.marked, recent.enabled, pairs, layer.tallies)
 
 
 def remember_picks(layer: LayerTransfer, index: torch.Tensor, routing: bool) -> None:
@@ -215,25 +237,46 @@ def _count(cache: ExpertCache, experts: torch.Tensor) -> None:
 
 
 class ExpertCaches:
-    """The expert caches of one engine's layers: when they are loaded and re-ranked; and the device's counts of every
-    layer with a cache or recent picks."""
+    """The expert caches and recent-pick policies of one engine's layers: when caches are loaded and re-ranked and
+    policies decide; and the device's counts of every layer with a cache or recent picks."""
 
     def __init__(self, layers: list[LayerTransfer]) -> None:
         self.layers = [layer for layer in layers if layer.cache is not None]
         self.counted = [layer for layer in layers if layer.tallies is not None]
-        self._routing_forwards = 0  # since the last re-rank
+        self.deciding = [layer for layer in layers if layer.recent is not None]  # fixed ones measure too
+        self._routing_forwards = 0  # since the last re-rank and decision
+
+    def before_whole_forward(self) -> None:
+        """A forward of many tokens (a new prompt's prefill): the picks of what came before say nothing of the next
+        tokens', so each policy's measurement starts again (its decision stays until the next window's). The counts
+        on the device so far are read first (one synchronisation, before the prefill), so that a fetch made for a
+        forward that never came (after the last token) counts for the statistics, not for the next decision."""
+        if not self.deciding:
+            return
+        self.collect()
+        for layer in self.deciding:
+            layer.recent.policy.forget()
+        self._routing_forwards = 0
 
     def before_routing_forward(self, non_blocking: bool) -> None:
-        """Load caches that are not valid, and every `ExpertCache.REFRESH` routing forwards re-rank them all."""
-        if not self.layers:
+        """Load caches that are not valid; every `ExpertCache.REFRESH` (= `expert_policy.WINDOW`) routing forwards
+        re-rank them all and let each layer's recent-pick policy decide, from counts read in one synchronisation."""
+        if not self.layers and not self.deciding:
             return
         self._routing_forwards += 1
-        if self._routing_forwards >= ExpertCache.REFRESH or not all(layer.cache.valid for layer in self.layers):
+        if self._routing_forwards >= WINDOW or not all(layer.cache.valid for layer in self.layers):
+            due = self._routing_forwards >= WINDOW
             self._routing_forwards = 0
-            refresh_caches(self.layers, non_blocking)
+            if due and self.deciding:
+                self.collect()
+                for layer in self.deciding:
+                    if layer.recent.policy.decide():
+                        layer.recent.enabled.fill_(int(layer.recent.policy.on))
+            if self.layers:
+                refresh_caches(self.layers, non_blocking)
 
     def collect(self) -> None:
-        """Fold the device's counts of picks and fetched rows into the layers' counters."""
+        """Fold the device's counts of picks and fetched rows into the layers' counters (and their policies')."""
         if self.counted:
             collect_tallies(self.counted)
 
@@ -264,7 +307,9 @@ def _reranked(cache: ExpertCache) -> list[int]:
     outsiders = [e for e in order if e not in held]
     weakest = sorted(range(cache.capacity), key=lambda row: (scores[experts[row]], -experts[row]))
     for row, incoming in zip(weakest, outsiders, strict=False):
-        if scores[incoming] <= cache.MARGIN * scores[experts[row]]:
+        held_score, score = scores[experts[row]], scores[incoming]
+        noise = (score + held_score) ** 0.5  # counts' standard deviation
+        if score <= cache.MARGIN * held_score or score - held_score <= cache.SIGNIFICANCE * noise:
             break
         experts[row] = incoming
     return experts
@@ -301,14 +346,18 @@ def collect_tallies(layers: list[LayerTransfer]) -> None:
     pick found fetched ahead, found in the cache or copied from host memory at the router, and each row fetched ahead
     (copied from host memory, picked again or not)."""
     tallies = torch.stack([layer.tallies for layer in layers]).tolist()  # the synchronisation
-    for layer, (recent, cached, from_host, fetched) in zip(layers, tallies, strict=True):
+    for layer, counts in zip(layers, tallies, strict=True):
         layer.tallies.zero_()
+        recent, cached, from_host, fetched = (counts[i] for i in (FOUND_RECENT, FOUND_CACHED, FROM_HOST, FETCHED))
         row_bytes = sum(tensor.nbytes // tensor.num_experts for tensor in layer.routed)
         layer.counters.recent_hits += recent
         layer.counters.routed_picks += recent + cached + from_host
         if layer.cache is not None:
             layer.counters.cache_hits += cached
             layer.counters.cache_misses += from_host
+        if layer.recent is not None:
+            layer.counters.recent_fetched += fetched
+            layer.recent.policy.add(counts[CANDIDATES], counts[CANDIDATE_HITS], recent + from_host)
         layer.counters.routed_rows += from_host + fetched
         layer.counters.routed_bytes += (from_host + fetched) * row_bytes
         layer.counters.copied_bytes += (from_host + fetched) * row_bytes

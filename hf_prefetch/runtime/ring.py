@@ -30,6 +30,7 @@ import torch
 
 from ..formats.lossless import Layout
 from ..host.arena import padded_bytes
+from .expert_policy import WINDOW, RecentPolicy
 from .graph_copies import is_dense
 from .pool import BufferPool
 
@@ -138,6 +139,7 @@ class LayerCounters:
     # Picks found in the slot, fetched by its copy because the layer picked them in its previous forward (their rows
     # count in routed_rows when fetched, picked again or not).
     recent_hits: int = 0
+    recent_fetched: int = 0  # rows fetched ahead (in routed_rows; those not picked again crossed for nothing)
     decoded_bytes: int = 0  # values written into the slot by decoding compressed bytes
     compressed_bytes: int = 0  # the compressed bytes they were decoded from (also counted in copied_bytes)
     decodes: int = 0
@@ -224,14 +226,17 @@ class ExpertCache:
 
     Policy: the first routing forward loads the experts picked most so far (a prefill's picks count); every `REFRESH`
     routing forwards the scores are re-read (picks since the last re-rank, plus half the score before) and an expert
-    takes a cached one's row only when its score is more than `MARGIN` times the cached one's: an expert seldom
-    picked leaves, popular ones stay, and near-equal ones do not trade places (each trade copies a row). It holds the
+    takes a cached one's row only when its score is more than `MARGIN` times the cached one's and the difference is
+    more than `SIGNIFICANCE` standard deviations of counting noise (`sqrt` of their sum): an expert seldom picked
+    leaves, popular ones stay, and near-equal ones do not trade places (each trade copies a row, and under routing
+    that picks every expert alike, a trade on noise buys no hits). It holds the
     host's values while `valid`; rewriting host storage makes it invalid (every `slot_of` entry -1 at once) and the
     next routing forward loads it again.
     """
 
-    REFRESH = 16
+    REFRESH = WINDOW
     MARGIN = 2.0
+    SIGNIFICANCE = 2.0
 
     tensors: list[torch.Tensor]  # per routed tensor: (capacity, *row shape) on the device
     rows: list[torch.Tensor]  # the same, as (capacity, n) rows of the routed tensor's `device_rows` dtype
@@ -254,12 +259,19 @@ class RecentPicks:
     `experts` is written on the compute stream after the router (`experts.remember_picks`) and read on the copy stream
     by the next such copy of the layer, which forks from the compute stream later. `ready[e]` is 1 only where that
     copy brought expert e's rows into the slot: every copy of the layer without its routed tensors rewrites `ready`
-    (a miss clears it), so it never names a row that another layer or an older copy left there.
+    (a miss clears it), so it never names a row that another layer or an older copy left there. Whether the rows are
+    fetched at all is `policy`'s decision (expert_policy.py, measured per layer), on the device as `enabled`; the
+    experts a fetch would bring are `marked` either way.
     """
 
     experts: torch.Tensor  # (num_experts,) int64 on the device: the latest forward's picks (the first `count`), -1
     ready: torch.Tensor  # (num_experts,) int32 on the device: 1 where the slot's rows hold the layer's expert
     chosen: torch.Tensor  # (num_experts,) int64 on the device: the fetch's own choice, read by its copies only
+    # (num_experts,) int32 on the device: 1 for each expert the latest fetch would bring (brought or not), so that the
+    # gather counts how many picks a fetch ahead finds (`expert_policy.py`).
+    marked: torch.Tensor
+    enabled: torch.Tensor  # (1,) int32 on the device: the policy's decision, read by the fetch (in CUDA graphs too)
+    policy: RecentPolicy
     count: int = 0  # picks the latest forward run in Python recorded (a function of its shapes; replays set none)
     top_k: int = 0  # picks per token in that forward (the router's index: tokens x top_k)
 
@@ -296,8 +308,9 @@ class LayerTransfer:
     fill: Fill = Fill.WHOLE  # what the latest copy into the slot brought
     cache: ExpertCache | None = None  # routed experts kept on the device (see ExpertCache)
     recent: RecentPicks | None = None  # the latest forward's picks, fetched with the next routing copy
-    # With a cache or recent picks: (4,) int64 on the device, picks found fetched ahead (`recent`), found in the cache,
-    # and copied from host memory at the router, then rows fetched ahead; read by `experts.collect_tallies`.
+    # With a cache or recent picks: (TALLIES,) int64 on the device, picks found fetched ahead (`recent`), found in the
+    # cache, and copied from host memory at the router, rows fetched ahead, and what a fetch ahead would bring and find
+    # (`expert_kernels.FOUND_RECENT`...); read by `experts.collect_tallies`.
     tallies: torch.Tensor | None = None
     gathered: bool = False  # since the layer's wait, its experts' hook ran (`gather`)
     # Recorded after this layer's latest copy; the compute stream waits on it before the layer runs. With timing on,

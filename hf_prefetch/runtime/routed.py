@@ -36,12 +36,14 @@ capture, on the compute stream: after every kernel of the previous forward, befo
 included) read them. A row's lookup entry is cleared before its new values are copied and set after: no kernel finds a
 row that holds another expert. `invalidate`, `store` and `refresh` (host rewritten) clear every entry at once and the
 next routing forward's `prepare` loads the cache again.
-With recent picks (`ring.RecentPicks`), a copy for a routing forward also fetches, on the copy stream after its
-copies and before its `done`, the rows of the experts the layer picked in its latest forward (`fetch_recent`), and
-marks them `ready`; `gather` leaves a ready pick alone. `ready` describes the latest copy of the layer into its slot:
-each routing copy rewrites it before writing a row, a miss's routing copy (`_load_now`) clears it, and a whole copy
-makes every row the layer's own. The picks are recorded on the compute stream in `gather` (`remember_picks`), so the
-layer's next copy, which forks from the compute stream after the layer ran, reads them.
+With recent picks (`ring.RecentPicks`), a copy for a routing forward also fetches, on the copy stream after its copies
+and before its `done`, the rows of the experts the layer picked in its latest forward (`fetch_recent`), and marks them
+`ready`, where the layer's measured policy says it pays (`expert_policy.py`: a flag on the device, so that replays
+follow it too; the experts it would fetch are marked and counted either way); `gather` leaves a ready pick alone.
+`ready` describes the latest copy of the layer into its slot: each routing copy rewrites it before writing a row, a
+miss's routing copy (`_load_now`) clears it, and a whole copy makes every row the layer's own. The picks are recorded
+on the compute stream in `gather` (`remember_picks`), so the layer's next copy, which forks from the compute stream
+after the layer ran, reads them.
 """
 
 from __future__ import annotations
@@ -142,6 +144,7 @@ def fetch_ahead(layer: LayerTransfer, whole: bool, tokens: int | None) -> None:
 
 def fetched_nothing(layer: LayerTransfer, whole: bool) -> None:
     # With a miss's copy for a routing forward, on its stream: the gather that follows copies every pick, and no row
-    # an older copy fetched may be found ready.
+    # an older copy fetched may be found ready (nor counted as one a fetch would have brought).
     if not whole and layer.recent is not None:
         layer.recent.ready.zero_()
+        layer.recent.marked.zero_()
