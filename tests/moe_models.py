@@ -87,3 +87,46 @@ def moe_model(family: str, seed: int = 0, experts_implementation: str = "eager")
 
 
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
+
+
+# The e2m1 values of the 16 nibbles (transformers' FP4_VALUES).
+_FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A dense projection `(num_experts, columns, rows)` (transformers' layout) as MXFP4 `blocks` (uint8, two nibbles
+    a byte, the even column in the low one: `(num_experts, rows, columns // 32, 16)`) and `scales` (uint8 exponents
+    biased by 127, one per 32 columns), as gpt-oss checkpoints store it: the OCP MX rule (the exponent of the group's
+    largest magnitude less fp4's largest, 2; each value rounded to the nearest fp4 value, at most 6)."""
+    rows_first = weight.float().transpose(1, 2)
+    experts, rows, columns = rows_first.shape
+    groups = rows_first.reshape(experts, rows, columns // 32, 32)
+    largest = groups.abs().amax(-1).clamp(min=2.0**-126)
+    exponents = (torch.floor(torch.log2(largest)) - 2).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponents)[..., None]
+    nibbles = (scaled[..., None] - _FP4).abs().argmin(-1).to(torch.uint8).reshape(experts, rows, columns // 32, 16, 2)
+    blocks = nibbles[..., 0] | (nibbles[..., 1] << 4)
+    return blocks.contiguous(), (exponents + 127).to(torch.uint8).contiguous()
+
+
+def mxfp4_checkpoint(folder, seed: int = 0):
+    """A tiny gpt-oss checkpoint as the gpt-oss releases store one: the experts' `gate_up_proj` and `down_proj` as
+    MXFP4 blocks and scales (`quantize_mxfp4`), everything else bf16, and config.json's quantization_config
+    `{"quant_method": "mxfp4", ...}`."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    moe_model("gpt_oss", seed).to(torch.bfloat16).save_pretrained(folder)
+    tensors = {}
+    for key, value in load_file(folder / "model.safetensors").items():
+        if key.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[f"{key}_blocks"], tensors[f"{key}_scales"] = quantize_mxfp4(value)
+        else:
+            tensors[key] = value
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((folder / "config.json").read_text())
+    skipped = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": skipped}
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder

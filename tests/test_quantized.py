@@ -175,7 +175,7 @@ def test_from_pretrained_refuses_quantized_checkpoints_it_cannot_stream_packed(t
     message = str(error.value)
     assert named in message and "config.json quantization_config" in message
     if "quant_method" in settings:
-        assert "['fp8', 'bitsandbytes', 'torchao', 'compressed-tensors']" in message
+        assert "['fp8', 'bitsandbytes', 'torchao', 'compressed-tensors', 'mxfp4']" in message
         assert "dispatch_model" in message and "torchao" in message
 
 

@@ -4,7 +4,8 @@ Finds the folder's `config.json` (nothing is downloaded), resolves `dtype="auto"
 model class (an Auto class or a model class) under `init_empty_weights` with buffers real, prepares a pre-quantized
 FP8, bitsandbytes, torchao or compressed-tensors (FP8 or packed integer) checkpoint's model with transformers' own
 quantizer and makes its quantized parameters what the checkpoint stores (formats/prequantized.py,
-formats/compressed_tensors.py; other quantization methods are refused), and applies transformers' per-module dtype plan
+formats/compressed_tensors.py), keeps an MXFP4 (gpt-oss) checkpoint's experts packed (formats/mxfp4.py; other
+quantization methods are refused), and applies transformers' per-module dtype plan
 (`_keep_in_fp32_modules`). It reads no weights (but bitsandbytes' packed quantization settings): filling the model is
 the loader's job; `hf_prefetch.plan` of a folder uses the skeleton alone.
 """
@@ -21,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..formats import compressed_tensors, prequantized
+from ..formats import compressed_tensors, mxfp4, prequantized
 from ..lifecycle.journal import Journal, Phase
 from .checkpoint import Checkpoint
 
@@ -55,7 +56,14 @@ def build_skeleton(
     torch_dtype = _auto_dtype(dtype, model_config, checkpoint)
     model = _build_empty(model_class or AutoModelForCausalLM, model_config, torch_dtype)
     model.config.name_or_path = str(folder)
-    if quantizer is not None:
+    method = prequantized.quant_method(quantizer.quantization_config) if quantizer is not None else None
+    if method == "mxfp4":
+        # transformers' preparation would put its hub kernels' experts modules in place (or, without them, keep the
+        # dense ones it dequantizes into at load): the experts keep the packed tensors and dequantize them at every
+        # forward instead (formats/mxfp4.py).
+        mxfp4.prepare(model, checkpoint)
+        model.is_quantized, model.quantization_method = True, method  # as transformers' preparation marks a model
+    elif quantizer is not None:
         # transformers' own preparation, on the meta device: its quantized modules, whose parameters are the packed
         # tensors the checkpoint holds (read as they are, never dequantized). Under the model's dtype as the default,
         # as in transformers' from_pretrained: a new module's unquantized parameters (a bias) are created in it.
@@ -63,7 +71,7 @@ def build_skeleton(
 
         with local_torch_dtype(torch_dtype, type(model).__name__):
             quantizer.preprocess_model(model, dtype=torch_dtype, device_map=None)
-        method = prequantized.quant_method(quantizer.quantization_config)
+    if quantizer is not None:
         if method == "compressed-tensors":
             # compressed-tensors' preparation hooks a decompression of the whole model onto its first forward, which
             # would also strip accelerate's hooks (hf_prefetch's) and put its own offloading in their place. FP8
@@ -93,7 +101,9 @@ def build_skeleton(
 # compressed-tensors: FP8 schemes built as transformers builds them with `use_optimized_inference=True`
 # (`CompressedTensorsFP8Linear`, which computes with the stored bytes), and packed integer schemes kept packed and
 # decompressed at every forward (formats/compressed_tensors.py) where transformers decompresses them once.
-PREQUANTIZED = ("fp8", "bitsandbytes", "torchao", "compressed-tensors")
+# MXFP4 experts (gpt-oss) kept packed and dequantized at every forward (formats/mxfp4.py) where transformers without
+# its hub kernels dequantizes them once.
+PREQUANTIZED = ("fp8", "bitsandbytes", "torchao", "compressed-tensors", "mxfp4")
 _PACKAGES = {"bitsandbytes": "bitsandbytes", "torchao": "torchao", "compressed-tensors": "compressed_tensors"}
 
 
@@ -107,7 +117,7 @@ def _prequantized(folder: Path, quantization: Any) -> Any:
         raise ValueError(
             f"{where}.quant_method = {method!r}: from_pretrained loads unquantized checkpoints and pre-quantized ones "
             f"of {list(PREQUANTIZED)} (transformers' fine-grained FP8, bitsandbytes 4-bit and 8-bit, torchao, "
-            "compressed-tensors FP8). A model "
+            "compressed-tensors FP8 and packed integers, MXFP4 experts of gpt-oss). A model "
             "quantized in memory streams its packed bytes through hf_prefetch.dispatch_model: load it with "
             "transformers' from_pretrained (e.g. device_map='cuda', then .to('cpu'), or device_map='cpu') and "
             "dispatch it. That covers transformers' fine-grained FP8 (FP8Linear), torchao's tensor subclasses "
