@@ -244,36 +244,38 @@ class ExpertCaches:
         self.layers = [layer for layer in layers if layer.cache is not None]
         self.counted = [layer for layer in layers if layer.tallies is not None]
         self.deciding = [layer for layer in layers if layer.recent is not None]  # fixed ones measure too
-        self._routing_forwards = 0  # since the last re-rank and decision
+        self._since_rerank = 0  # routing forwards since the caches' last re-rank
+        self._since_decision = 0  # and since the policies' last decision (a new prompt starts it again)
 
     def before_whole_forward(self) -> None:
         """A forward of many tokens (a new prompt's prefill): the picks of what came before say nothing of the next
         tokens', so each policy's measurement starts again (its decision stays until the next window's). The counts
         on the device so far are read first (one synchronisation, before the prefill), so that a fetch made for a
-        forward that never came (after the last token) counts for the statistics, not for the next decision."""
+        forward that never came (after the last token) counts for the statistics, not for the next decision. The
+        caches' re-rank keeps its own count: their scores span prompts."""
         if not self.deciding:
             return
         self.collect()
         for layer in self.deciding:
             layer.recent.policy.forget()
-        self._routing_forwards = 0
+        self._since_decision = 0
 
     def before_routing_forward(self, non_blocking: bool) -> None:
-        """Load caches that are not valid; every `ExpertCache.REFRESH` (= `expert_policy.WINDOW`) routing forwards
-        re-rank them all and let each layer's recent-pick policy decide, from counts read in one synchronisation."""
+        """Load caches that are not valid; every `ExpertCache.REFRESH` routing forwards re-rank them all, and every
+        `expert_policy.WINDOW` let each layer's recent-pick policy decide, from counts read in one synchronisation."""
         if not self.layers and not self.deciding:
             return
-        self._routing_forwards += 1
-        if self._routing_forwards >= WINDOW or not all(layer.cache.valid for layer in self.layers):
-            due = self._routing_forwards >= WINDOW
-            self._routing_forwards = 0
-            if due and self.deciding:
-                self.collect()
-                for layer in self.deciding:
-                    if layer.recent.policy.decide():
-                        layer.recent.enabled.fill_(int(layer.recent.policy.on))
-            if self.layers:
-                refresh_caches(self.layers, non_blocking)
+        self._since_rerank += 1
+        self._since_decision += 1
+        if self.deciding and self._since_decision >= WINDOW:
+            self._since_decision = 0
+            self.collect()
+            for layer in self.deciding:
+                if layer.recent.policy.decide():
+                    layer.recent.enabled.fill_(int(layer.recent.policy.on))
+        if self.layers and (self._since_rerank >= ExpertCache.REFRESH or not all(c.cache.valid for c in self.layers)):
+            self._since_rerank = 0
+            refresh_caches(self.layers, non_blocking)
 
     def collect(self) -> None:
         """Fold the device's counts of picks and fetched rows into the layers' counters (and their policies')."""

@@ -229,3 +229,24 @@ def test_cuda_graph_replays_follow_each_layers_decision(family):
     control.remove()
     assert_same_generation(outputs["routed"], outputs["whole"])
     assert decisions == [True, False]
+
+
+def test_the_cache_re_ranks_across_prompts_while_each_prompt_restarts_the_policys_counts(monkeypatch):
+    # Generates of 8 tokens: 7 routing forwards each, fewer than a window. The policy's counts start again at each
+    # prompt, but the cache's re-rank keeps counting: after 21 routing forwards it loaded once and re-ranked once.
+    from hf_prefetch.runtime import experts
+
+    calls = []
+    real = experts.refresh_caches
+    monkeypatch.setattr(
+        experts, "refresh_caches", lambda layers, non_blocking: calls.append(1) or real(layers, non_blocking)
+    )
+    model = moe_model("qwen3_moe")
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=4), device="cpu")
+    try:
+        for seed in range(3):
+            generate_with_logits(model, _prompt(seed), max_new_tokens=8)
+        assert len(calls) == 2
+        assert all(layer.recent.policy.decisions == 0 for layer in hf_prefetch.get_state(model).engine.rings[0].layers)
+    finally:
+        hf_prefetch.remove_offload(model)
