@@ -12,6 +12,7 @@ import hf_prefetch
 from hf_prefetch import Placement, PrefetchConfig
 from tests.models import assert_same_generation, generate_with_logits
 from tests.moe_models import FAMILIES, VOCAB, moe_model
+from tests.routing import control_routing
 
 ROUTED = dict(group_size=2, num_in_group=1, prefetch_step=1, routed_max_tokens=4)
 
@@ -352,8 +353,11 @@ def test_cuda_graphs_record_routed_copies_that_follow_each_replays_router(implem
     # Decode graphs of batch 1 route (1 token <= routed_max_tokens=4); those of batch 8 copy whole expert tensors;
     # eager prefills (7 and 56 tokens) copy whole too. They alternate, so each kind of graph is replayed after the
     # other left the first layers copied its way. Reference: the same dispatch with routing off (the same ops, so the
-    # same fusions), compiled the same way: every logit bitwise equal, replay after replay.
+    # same fusions), compiled the same way: every logit bitwise equal, replay after replay. The routers pick at random
+    # (tests/routing.py): a random model's greedy tokens repeat, and with them its picks, which a cache may then hold
+    # all of (no miss) or none of (no hit), and recent experts find nothing to fetch.
     model = moe_model("qwen3_moe", experts_implementation=implementation).to(torch.bfloat16).eval()
+    control_routing(model, "random", device="cuda")
     batches = [_ids(batch=1, length=7, seed=1), _ids(batch=8, length=7, seed=2)]
     order = [0, 0, 1, 0, 1, 1, 0, 0]
     outputs = {}
@@ -962,7 +966,8 @@ def test_a_fetched_pick_is_left_in_the_slot_and_a_cached_one_is_not_fetched(devi
     from hf_prefetch.runtime.experts import collect_tallies, fetch_recent, gather_looked_up, load_cache
 
     model = moe_model("qwen3_moe").to(torch.bfloat16)
-    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, expert_cache=cached, recent_experts=True), device=device)
+    config = PrefetchConfig(**ROUTED, expert_cache=cached, recent_experts=True)
+    hf_prefetch.dispatch_model(model, config, device=device)
     try:
         layer = hf_prefetch.get_state(model).engine.rings[0].layers[1]
         recent = layer.recent
@@ -1040,7 +1045,7 @@ def test_recent_experts_on_and_off_give_the_same_tokens(family):
 
 
 def test_recent_experts_must_be_a_bool():
-    with pytest.raises(ValueError, match=r"PrefetchConfig.recent_experts='yes' must be None \(measured per layer\), True"):
+    with pytest.raises(ValueError, match=r"recent_experts='yes' must be None \(measured per layer\), True or False"):
         PrefetchConfig(recent_experts="yes")
 
 
