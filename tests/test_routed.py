@@ -940,7 +940,7 @@ def test_each_layer_remembers_its_latest_picks_and_its_next_copy_fetches_them():
             for expert in wanted:
                 assert torch.equal(tensor.device[expert], tensor.host[expert])
         stats = hf_prefetch.stats(model)
-        assert stats.layers[0].routed_rows == 8  # the fetch counts its rows (a repeated pick again)
+        assert stats.layers[0].routed_rows == len(wanted)  # the fetch brings and counts each expert's rows once
         with torch.no_grad():  # a single token repeats some of them: those are found, the rest copied at the router
             ids = _ids(length=1, seed=4)
             assert torch.equal(model(ids).logits, reference(ids).logits)
@@ -994,8 +994,8 @@ def test_a_fetched_pick_is_left_in_the_slot_and_a_cached_one_is_not_fetched(devi
         c = layer.counters
         assert c.recent_hits == (2 if cached else 3) and c.routed_picks == 4
         assert (c.cache_hits, c.cache_misses) == ((1, 1) if cached else (0, 0))
-        # Fetched: 3 twice, 9 unless cached, 11; copied at the router: expert 0.
-        assert c.routed_rows == (3 if cached else 4) + 1
+        # Fetched once each (3 is listed twice): 3, 9 unless cached, 11; copied at the router: expert 0.
+        assert c.routed_rows == (2 if cached else 3) + 1
         for tensor in layer.routed:
             assert torch.all(tensor.device[3] == 1000.0)
             for expert in (0, 9, 11):

@@ -86,8 +86,8 @@ def gather_kernel():
                     tl.atomic_add(picks + expert, 1)
                 kind = tl.where(in_slot != 0, 0, tl.where(slot >= 0, 1, 2))  # FOUND_RECENT, FOUND_CACHED, FROM_HOST
                 tl.atomic_add(tallies + kind, 1)
-                if RECENT:
-                    if tl.load(marked + expert) != 0:
+                if RECENT:  # a marked expert counts once however many tokens pick it: 1 -> 2 the first time
+                    if tl.atomic_cas(marked + expert, 1, 2) == 1:
                         tl.atomic_add(tallies + 5, 1)  # CANDIDATE_HITS
 
     block = 2048
@@ -145,10 +145,10 @@ def fetch_kernel():
         if CACHED:
             take = take & (tl.load(slot_of + expert, mask=take, other=-1) < 0)
         tl.debug_barrier()  # every clear lands before any mark (threads of the program write each other's entries)
-        tl.store(marked + expert, 1, mask=take)
-        tl.debug_barrier()
-        marks = tl.load(marked + every, mask=every < num_experts, other=0)
-        tl.atomic_add(tallies + 4, tl.sum(marks, axis=0).to(tl.int64))  # CANDIDATES: each expert once
+        # One entry per expert (several tokens of a forward may have picked it): the one whose exchange found it clear.
+        earlier = tl.atomic_xchg(marked + expert, 1, mask=take)
+        take = take & (earlier == 0)
+        tl.atomic_add(tallies + 4, tl.sum(take.to(tl.int32), axis=0).to(tl.int64))  # CANDIDATES
         on = tl.load(enabled)
         tl.store(chosen + every, tl.where(take & (on != 0), expert, -1), mask=inside)
 

@@ -1,18 +1,19 @@
 """Whether a routed layer fetches its previous forward's picks ahead of its router: measured per layer, online.
 
 A fetch ahead (`experts.fetch_recent`) moves the rows of the experts a layer picked in its previous forward while the
-layers before it compute, so that a pick made again is on the device before the router makes it; a row fetched that
-is not picked again crossed the link for nothing. Whether that pays depends on the routing: nearly always on a layer
-whose picks repeat from token to token, never on one whose picks vary (a random router fetches `top_k` rows to find
-`top_k**2 / num_experts` of them picked again). So every layer with recent picks counts, on the device and whether it
-fetches or not, the experts a fetch would bring (`CANDIDATES`: its previous picks that its expert cache does not hold)
-and the picks among them (`CANDIDATE_HITS`), beside the picks its router copies from host memory; and every `WINDOW`
-routing forwards, between two forwards, `decide` turns its fetch on where the rows it would waste stay under
-`ON_WASTE` of what the router alone copies and off where they pass `OFF_WASTE`. Counts are decayed (half the old
-ones plus the new window's), so a decision follows a change of routing (sampling) within a few windows and is not
-flipped by one window's noise; a forward of many tokens (a new prompt's prefill) starts the counts again, so the new
-sequence's first window decides alone. A layer measures while its fetch is off, so it turns back on when its picks
-start to repeat.
+layers before it compute, so that a pick made again is on the device before the router makes it; a row fetched that is
+not picked again crossed the link for nothing. Whether that pays depends on the routing: nearly always on a layer whose
+picks repeat from token to token, never on one whose picks vary (a random router fetches `top_k` rows to find `top_k**2
+/ num_experts` of them picked again). So every layer with recent picks counts, on the device and whether it fetches or
+not, the experts a fetch would bring (`CANDIDATES`: its previous picks that its expert cache does not hold) and the
+picks among them (`CANDIDATE_HITS`), beside the picks its router copies from host memory; and every `WINDOW` routing
+forwards, between two forwards, `decide` turns its fetch on where the rows it would waste stay under `ON_WASTE` of what
+the router alone copies and off where they pass `OFF_WASTE`. Counts are decayed (half the old ones plus the new
+window's), so a decision follows a change of routing (sampling) within a few windows and is not flipped by one window's
+noise; a forward of many tokens (a new prompt's prefill) makes the counts so far weigh a quarter, so that the new
+sequence's first windows decide, while windows keep counting across prompts (a generation shorter than a window still
+counts towards a decision). A layer measures while its fetch is off, so it turns back on when its picks start to
+repeat.
 
 The decision is a flag on the device (`RecentPicks.enabled`), read by the fetch on the copy stream: a CUDA graph that
 recorded the fetch follows the latest decision at every replay, with no host synchronisation in the forward. This
@@ -71,10 +72,10 @@ class RecentPolicy:
         self.switches += changed
         return changed
 
-    def forget(self) -> None:
-        """Start measuring again (a new prompt): counts so far are dropped, the decision kept."""
-        self.candidates = self.hits = self.router_picks = 0.0
-        self.pending = (0, 0, 0)
+    def discount(self) -> None:
+        """A new prompt: the decayed counts so far weigh a quarter, so that the new sequence's first windows decide
+        (the decision is kept until then)."""
+        self.candidates, self.hits, self.router_picks = self.candidates / 4, self.hits / 4, self.router_picks / 4
 
     @property
     def hit_rate(self) -> float:

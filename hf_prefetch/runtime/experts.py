@@ -147,8 +147,11 @@ def gather_looked_up(layer: LayerTransfer, index: torch.Tensor) -> None:
             _count(cache, experts)
         kinds = torch.where(ready, FOUND_RECENT, torch.where(found, FOUND_CACHED, FROM_HOST))
         layer.tallies.index_add_(0, kinds, torch.ones_like(kinds))
-        if recent is not None:
-            layer.tallies[CANDIDATE_HITS] += (recent.marked.index_select(0, experts) > 0).sum()
+        if recent is not None:  # each marked expert counts once however many tokens pick it (marked 1 -> 2)
+            picked = torch.zeros_like(recent.marked).index_fill_(0, experts, 1)
+            first = (recent.marked == 1) & (picked > 0)
+            layer.tallies[CANDIDATE_HITS] += first.sum()
+            recent.marked.copy_(torch.where(first, 2, recent.marked))
         return
     with torch.cuda.device(experts.device):  # Triton launches on the current device's current stream
         for number, tensor in enumerate(layer.routed):
@@ -204,7 +207,7 @@ def fetch_recent(layer: LayerTransfer, tokens: int | None = None) -> None:
             values = tensor.source_rows.to(tensor.device.device)
             tensor.device_rows.copy_(torch.where(wanted[:, None], values, tensor.device_rows))
         recent.ready.copy_(fetched)
-        layer.tallies[FETCHED] += (take & (recent.enabled > 0)).sum()  # a repeated pick again, as on CUDA
+        layer.tallies[FETCHED] += fetched.sum()  # each expert once, as on CUDA
         return
     slot_of = layer.cache.slot_of if layer.cache is not None else None
     pairs = [(tensor.source_rows, tensor.device_rows) for tensor in layer.routed]
@@ -245,20 +248,14 @@ class ExpertCaches:
         self.counted = [layer for layer in layers if layer.tallies is not None]
         self.deciding = [layer for layer in layers if layer.recent is not None]  # fixed ones measure too
         self._since_rerank = 0  # routing forwards since the caches' last re-rank
-        self._since_decision = 0  # and since the policies' last decision (a new prompt starts it again)
+        self._since_decision = 0  # and since the policies' last decision
 
     def before_whole_forward(self) -> None:
-        """A forward of many tokens (a new prompt's prefill): the picks of what came before say nothing of the next
-        tokens', so each policy's measurement starts again (its decision stays until the next window's). The counts
-        on the device so far are read first (one synchronisation, before the prefill), so that a fetch made for a
-        forward that never came (after the last token) counts for the statistics, not for the next decision. The
-        caches' re-rank keeps its own count: their scores span prompts."""
-        if not self.deciding:
-            return
-        self.collect()
+        """A forward of many tokens (a new prompt's prefill): the picks of what came before say less of the next
+        tokens', so each policy's counts so far weigh a quarter (`RecentPolicy.discount`); windows keep counting
+        across prompts, so that short generations decide too."""
         for layer in self.deciding:
-            layer.recent.policy.forget()
-        self._since_decision = 0
+            layer.recent.policy.discount()
 
     def before_routing_forward(self, non_blocking: bool) -> None:
         """Load caches that are not valid; every `ExpertCache.REFRESH` routing forwards re-rank them all, and every
@@ -271,8 +268,10 @@ class ExpertCaches:
             self._since_decision = 0
             self.collect()
             for layer in self.deciding:
-                if layer.recent.policy.decide():
-                    layer.recent.enabled.fill_(int(layer.recent.policy.on))
+                layer.recent.policy.decide()
+                # Written every time (not only on a change): an interrupt between a decision and its flag is undone
+                # by the next decision.
+                layer.recent.enabled.fill_(int(layer.recent.policy.on))
         if self.layers and (self._since_rerank >= ExpertCache.REFRESH or not all(c.cache.valid for c in self.layers)):
             self._since_rerank = 0
             refresh_caches(self.layers, non_blocking)
@@ -347,9 +346,12 @@ def collect_tallies(layers: list[LayerTransfer]) -> None:
     """Fold the device's counts of `layers` (each has `tallies`) into their counters (one host synchronisation): each
     pick found fetched ahead, found in the cache or copied from host memory at the router, and each row fetched ahead
     (copied from host memory, picked again or not)."""
+    # The device's counts only grow: the copy stream may still be adding to them (a fetch for the next forward), and
+    # a count added between a read and a reset would be lost; each read takes what grew since the one before.
     tallies = torch.stack([layer.tallies for layer in layers]).tolist()  # the synchronisation
-    for layer, counts in zip(layers, tallies, strict=True):
-        layer.tallies.zero_()
+    for layer, now in zip(layers, tallies, strict=True):
+        seen = layer.tallies_seen or [0] * len(now)
+        counts, layer.tallies_seen = [n - s for n, s in zip(now, seen, strict=True)], now
         recent, cached, from_host, fetched = (counts[i] for i in (FOUND_RECENT, FOUND_CACHED, FROM_HOST, FETCHED))
         row_bytes = sum(tensor.nbytes // tensor.num_experts for tensor in layer.routed)
         layer.counters.recent_hits += recent

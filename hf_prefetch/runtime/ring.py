@@ -312,6 +312,7 @@ class LayerTransfer:
     # cache, and copied from host memory at the router, rows fetched ahead, and what a fetch ahead would bring and find
     # (`expert_kernels.FOUND_RECENT`...); read by `experts.collect_tallies`.
     tallies: torch.Tensor | None = None
+    tallies_seen: list[int] | None = None  # `tallies` as the host last read them (they only grow)
     gathered: bool = False  # since the layer's wait, its experts' hook ran (`gather`)
     # Recorded after this layer's latest copy; the compute stream waits on it before the layer runs. With timing on,
     # every copy gets a fresh event so that late reads see the right copy. `event` says what it is.

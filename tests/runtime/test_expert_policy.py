@@ -63,6 +63,35 @@ def test_the_default_moves_at_most_a_twentieth_more_than_the_router_alone(family
     assert all(layer.recent_policy.split()[0] in {"on:", "off:"} for layer in stats.layers)
 
 
+def test_forwards_of_several_tokens_count_each_fetched_expert_once():
+    # A batch of 4 prompts: every decode forward routes 4 tokens, which may pick one expert several times. The fetch
+    # brings each expert once and a hit counts once, so random routing stays off and moves the router's bytes.
+    def run(config):
+        model = moe_model("qwen3_moe")
+        control_routing(model, "random")
+        ids = torch.randint(3, VOCAB, (4, 6), generator=torch.Generator().manual_seed(3))
+        if config is None:
+            return generate_with_logits(model, ids, max_new_tokens=DECODE), None
+        hf_prefetch.dispatch_model(model, config, device="cpu")
+        try:
+            out = generate_with_logits(model, ids, max_new_tokens=DECODE)
+            return out, (hf_prefetch.get_state(model).engine.rings[0].layers, hf_prefetch.stats(model))
+        finally:
+            hf_prefetch.remove_offload(model)
+
+    reference, _ = run(None)
+    default, (layers, stats) = run(PrefetchConfig(**ROUTED))
+    _, (_, router_stats) = run(ROUTER_ONLY)
+    assert_same_generation(default, reference)
+    assert [layer.recent.policy.on for layer in layers] == [False, False]
+    assert all(0 <= layer.recent.policy.hit_rate <= 1 for layer in layers)
+    assert stats.copied_bytes <= (1 + OFF_WASTE) * router_stats.copied_bytes
+    # Always fetching: each expert's rows once per fetch, however many of the 4 tokens picked it.
+    _, (layers, always) = run(PrefetchConfig(**ROUTED, recent_experts=True))
+    assert all(layer.recent_fetched <= 16 * DECODE for layer in always.layers)
+    assert all(layer.recent.policy.hit_rate <= 1 for layer in layers)
+
+
 def test_layers_decide_each_for_itself():
     # Layer 1 (streamed) picks the same experts every token, layer 3 (streamed) at random.
     regimes = ["random", "sticky", "random", "random"]
@@ -161,7 +190,8 @@ def test_compiled_decode_follows_the_policy():
         ([(64, 16, 64)], False),  # random: a quarter
         ([(64, 62, 64)], True),  # 3% extra rows: under ON_WASTE
         ([(64, 61, 64)], False),  # 4.7%: above ON_WASTE, stays off
-        ([(64, 64, 64), (64, 61, 64)], True),  # on, then under OFF_WASTE (decayed): stays on
+        ([(1000, 955, 1000)], False),  # 4.5%: between the two, from off: stays off
+        ([(1000, 1000, 1000), (1000, 930, 1000)], True),  # on, then 4.7% (decayed): between the two, stays on
         ([(64, 64, 64), (64, 50, 64)], False),  # on, then well above: off
         ([(0, 0, 0)], False),  # nothing measured: stays as it is
     ],
@@ -231,9 +261,9 @@ def test_cuda_graph_replays_follow_each_layers_decision(family):
     assert decisions == [True, False]
 
 
-def test_the_cache_re_ranks_across_prompts_while_each_prompt_restarts_the_policys_counts(monkeypatch):
-    # Generates of 8 tokens: 7 routing forwards each, fewer than a window. The policy's counts start again at each
-    # prompt, but the cache's re-rank keeps counting: after 21 routing forwards it loaded once and re-ranked once.
+def test_the_cache_and_the_policy_count_their_windows_across_prompts(monkeypatch):
+    # Generates of 8 tokens: 7 routing forwards each, fewer than a window. Both keep counting across prompts: after 21
+    # routing forwards the cache loaded once and re-ranked once, and each policy decided once.
     from hf_prefetch.runtime import experts
 
     calls = []
@@ -247,6 +277,6 @@ def test_the_cache_re_ranks_across_prompts_while_each_prompt_restarts_the_policy
         for seed in range(3):
             generate_with_logits(model, _prompt(seed), max_new_tokens=8)
         assert len(calls) == 2
-        assert all(layer.recent.policy.decisions == 0 for layer in hf_prefetch.get_state(model).engine.rings[0].layers)
+        assert all(layer.recent.policy.decisions == 1 for layer in hf_prefetch.get_state(model).engine.rings[0].layers)
     finally:
         hf_prefetch.remove_offload(model)
