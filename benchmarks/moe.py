@@ -46,13 +46,14 @@ QWEN3_30B_A3B = dict(
 )
 
 
-def build(layers: int) -> Qwen3MoeForCausalLM:
-    config = Qwen3MoeConfig(**{**QWEN3_30B_A3B, "num_hidden_layers": layers})
+def build(layers: int, config_class=Qwen3MoeConfig, model_class=Qwen3MoeForCausalLM, fields=QWEN3_30B_A3B):
+    """A random bf16 model of `fields` (the Qwen3-30B-A3B shape by default) with `layers` layers, on the GPU."""
+    config = config_class(**{**fields, "num_hidden_layers": layers})
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device("cuda"):
-            model = Qwen3MoeForCausalLM(config)
+            model = model_class(config)
     finally:
         torch.set_default_dtype(previous)
     return model.eval()

@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT.parent))
 from common import h2d_peak_gbps, save_results, static_decode  # noqa: E402
+from moe import build, generate  # noqa: E402
 
 import hf_prefetch  # noqa: E402
 from tests.routing import control_routing  # noqa: E402
@@ -66,26 +67,6 @@ REGIMES = {
     "mixed": ["sticky", "random", "skewed", "drifting"],
 }
 PROMPT_TOKENS = 16
-
-
-def build(shape: str, layers: int):
-    config_class, model_class, fields = SHAPES[shape]
-    config = config_class(**{**fields, "num_hidden_layers": layers})
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.bfloat16)
-    try:
-        with torch.device("cuda"):
-            model = model_class(config)
-    finally:
-        torch.set_default_dtype(previous)
-    return model.eval()
-
-
-def generate(model, ids, n: int) -> torch.Tensor:
-    with torch.no_grad():
-        return model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False
-        )
 
 
 def measure(model, ids, short: int, long: int, compiled: bool, cache) -> tuple[float, float | None, torch.Tensor]:
@@ -133,7 +114,7 @@ def main() -> None:
         flush=True,
     )
     torch.manual_seed(0)
-    reference = build(args.shape, layers)
+    reference = build(layers, *SHAPES[args.shape])
     top_k = reference.config.num_experts_per_tok
     model_bytes = sum(p.numel() * p.element_size() for p in reference.parameters())
     budget = int(model_bytes * args.budget_share)

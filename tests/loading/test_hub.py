@@ -16,15 +16,23 @@ from huggingface_hub.utils import SafetensorsFileMetadata, TensorInfo
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import hf_prefetch
-from hf_prefetch.loading import filling, hub
+from hf_prefetch.loading import hub
 from tests.models import logits, tiny_llama
 
 REPO = "tiny-org/tiny-llama"
 COMMIT = hashlib.sha1(b"the first commit").hexdigest()
 
 
-def cache_repo(cache: Path, repo_id: str, source: Path, *, commit: str = COMMIT, ref: str | None = "main",
-               only: set[str] | None = None, tree: bool = True) -> Path:
+def cache_repo(
+    cache: Path,
+    repo_id: str,
+    source: Path,
+    *,
+    commit: str = COMMIT,
+    ref: str | None = "main",
+    only: set[str] | None = None,
+    tree: bool = True,
+) -> Path:
     """`source`'s files as huggingface_hub caches a download of `repo_id` at `commit`: `blobs/<hash>` (sha256 for
     LFS files, the git blob sha1 for others), `snapshots/<commit>/<path>` relative links to them, `refs/<ref>` holding
     the commit, and the tree listing `trees/<commit>.json` of every file in the repository. `only` caches some files
@@ -82,20 +90,6 @@ def source(tmp_path_factory):
     (folder / "onnx" / "model.onnx").write_bytes(b"not read")
     assert len(list(folder.glob("model-*.safetensors"))) > 1
     return folder
-
-
-@pytest.fixture
-def arenas(monkeypatch):
-    """The number of host arenas the loader allocated."""
-    created = []
-
-    class RecordingArena(filling.HostArena):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            created.append(self)
-
-    monkeypatch.setattr(filling, "HostArena", RecordingArena)
-    return lambda: len(created)
 
 
 def files(folder: Path) -> list[str]:
@@ -227,7 +221,7 @@ def test_a_partly_cached_snapshot_offline_names_what_is_missing(hf_cache, source
     assert f"hf download {REPO}" in str(caught.value) and "HF_HUB_OFFLINE" in str(caught.value)
     with pytest.raises(FileNotFoundError, match=expected):
         hf_prefetch.plan(REPO, device="cpu")  # offline: the headers are in the shards
-    assert files(hf_cache) == before and arenas() == 0
+    assert files(hf_cache) == before and not arenas
 
 
 def test_the_token_reaches_huggingface_hub(hf_cache, source, monkeypatch):
@@ -271,7 +265,7 @@ def test_the_hubs_refusals_online_are_clear_errors(hf_cache, monkeypatch, arenas
     monkeypatch.setattr(huggingface_hub, "snapshot_download", refusing)
     with pytest.raises(kind, match=message):
         hf_prefetch.from_pretrained(REPO, device="cpu", revision="v9")
-    assert files(hf_cache) == [] and arenas() == 0
+    assert files(hf_cache) == [] and not arenas
 
 
 def test_plan_of_a_hub_id_online_reads_the_headers_and_downloads_no_weights(hf_cache, source, monkeypatch):

@@ -229,20 +229,6 @@ def test_progress_bar_and_final_log_line(saved, caplog, capsys):
 # ---- bad input: a clear error before anything large is allocated, and the model left as it was ----------------------
 
 
-@pytest.fixture
-def arenas(monkeypatch):
-    """Every HostArena the loader allocates."""
-    created = []
-
-    class RecordingArena(filling.HostArena):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            created.append(self)
-
-    monkeypatch.setattr(filling, "HostArena", RecordingArena)
-    return created
-
-
 def empty_model(folder, **overrides) -> torch.nn.Module:
     config = AutoConfig.from_pretrained(folder, **overrides)
     with init_empty_weights():
