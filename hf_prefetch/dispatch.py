@@ -156,6 +156,8 @@ def _dispatch(
         layout = [] if uva and exec_device.type == "cpu" else host_layout(plan)
         if state is not None:
             _check_replacement_arena(model, state, layout)  # while the old dispatch still stands
+            if state.in_place is not None:  # values in place or assigned anew: into host storage, which moves over
+                state.in_place.settle()
             held.append(gateless.enter_context(forwards_held(model, state.plan, plan)))
             detach(model, state, target=None)
         elif finished:  # an interrupted dispatch was finished: the new gate's parts wait and refuse as well
@@ -238,6 +240,8 @@ def remove_offload(model: nn.Module, device: str | int | torch.device | None = N
         if state.lifecycle is Lifecycle.ATTACHED:
             target = state.device if device is None else resolve_device(device)
             _check_removable(model, state)  # before anything is undone
+            if state.in_place is not None:  # values in place or assigned anew: into host storage, which stays
+                state.in_place.settle()
             state.target = target
         elif device is not None:  # a removal stopped half-way goes where it is told now (its GPU may be full)
             state.target = resolve_device(device)

@@ -385,3 +385,76 @@ def test_a_budget_plans_both_block_lists_of_flux_and_measured_block_times_are_ac
             assert torch.equal(model(**inputs, return_dict=False)[0], expected)
     finally:
         hf_prefetch.remove_offload(model)
+
+
+def _transformer(name: str):
+    kwargs, spec, _ = MODELS[name]
+    torch.manual_seed(0)
+    return getattr(diffusers, name)(**kwargs).eval(), _inputs(spec)
+
+
+def _run(model, inputs) -> torch.Tensor:
+    with torch.no_grad():
+        return model(**inputs, return_dict=False)[0]
+
+
+@pytest.mark.parametrize("name", ["FluxTransformer2DModel", "SD3Transformer2DModel"])
+def test_fuse_qkv_projections_of_a_dispatched_transformer_fuses_each_blocks_own_weights(name):
+    model, inputs = _transformer(name)
+    reference = copy.deepcopy(model)
+    reference.fuse_qkv_projections()
+    expected, expected_state = _run(reference, inputs), reference.state_dict()
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    _run(model, inputs)  # each slot holds the first of its blocks now
+    try:
+        model.fuse_qkv_projections()  # one attention module at a time, its weights in place
+        for _ in range(2):
+            assert torch.equal(_run(model, inputs), expected)
+        state = model.state_dict()
+        assert state.keys() == expected_state.keys()
+        assert all(torch.equal(state[key], value) for key, value in expected_state.items())
+    finally:
+        hf_prefetch.remove_offload(model)
+    assert torch.equal(_run(model, inputs), expected)
+
+
+def _first_block_cache(model):
+    from diffusers.hooks import FirstBlockCacheConfig, apply_first_block_cache
+
+    apply_first_block_cache(model, FirstBlockCacheConfig(threshold=1e9))  # every call after the first reuses
+
+
+def _layer_skip(model):
+    from diffusers.hooks import LayerSkipConfig, apply_layer_skip
+
+    apply_layer_skip(model, LayerSkipConfig(indices=[1], fqn="transformer_blocks"))  # block 1 streams
+
+
+@pytest.mark.parametrize("apply", [_first_block_cache, _layer_skip], ids=["first_block_cache", "layer_skip"])
+def test_a_forward_set_on_streamed_blocks_after_the_dispatch_stays_after_remove_offload(apply):
+    model, inputs = _transformer("FluxTransformer2DModel")
+    other = _inputs(MODELS["FluxTransformer2DModel"][1], seed=1)
+    reference = copy.deepcopy(model)
+    apply(reference)
+
+    def calls(target):
+        outputs = []
+        for values in (inputs, other):
+            with target.cache_context("cond"):
+                outputs.append(_run(target, values))
+        return outputs
+
+    expected = calls(reference) + calls(reference)
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")
+    try:
+        apply(model)
+        got = calls(model)
+    finally:
+        hf_prefetch.remove_offload(model)
+    got += calls(model)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    hf_prefetch.dispatch_model(model, CONFIG, device="cpu")  # again, under the forwards set on top
+    try:
+        assert all(torch.equal(a, b) for a, b in zip(calls(model), calls(reference), strict=True))
+    finally:
+        hf_prefetch.remove_offload(model)

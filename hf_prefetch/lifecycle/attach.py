@@ -38,13 +38,14 @@ from ..planning.placements import ParamSpec, Placement, RingPlan, staged_nbytes
 from ..runtime.devices import DeviceEngines, inputs_to
 from ..runtime.engine import PrefetchEngine
 from ..runtime.experts import add_lookups
-from ..runtime.hooks import PrefetchHook, RoutedHook
+from ..runtime.hooks import PrefetchHook, RoutedHook, around_torch_hooks
 from ..runtime.ops import register_engine
 from ..runtime.pool import BufferPool
 from ..runtime.ring import Decode, LayerTransfer, RingTransfers, RoutedTensor, byte_span
 from .detach import collected
 from .gate import ForwardGate, waits_then_refuses
 from .guards import CONVERSIONS, refuse_apply, refuse_assign, refuse_deepcopy, refuse_pickle, unless_nothing_changes
+from .in_place import WeightsInPlace
 from .journal import Journal, Phase
 from .state import STATE_ATTR, Lifecycle, OffloadState, model_lock
 from .state_dict import (
@@ -55,6 +56,7 @@ from .state_dict import (
     refuse_unencodable,
     writable_host_storage,
 )
+from .third_party import route_through_in_place
 
 __all__ = ["host_layout", "begin", "forwards_held", "attach"]
 
@@ -143,6 +145,8 @@ def begin(
         # detaches the hooks (an accelerate hook is a reference cycle through its module) and unpins the host
         # storage. See [Note: the journal] in journal.py.
         state.finalizer = weakref.finalize(model, collected, state)
+        # A streamed layer's call waits before its torch hooks and releases after them (`around_torch_hooks`).
+        streamed = {id(model.get_submodule(layer.path)) for ring in plan.rings for layer in ring.streamed}
         # `_compiled_call_impl`: what `model.compile()` before the dispatch made of the class's `_call_impl`, which
         # torch then calls instead.
         for module, names in [(model, ["_call_impl", "forward"]), *_gated_parts(model, plan)]:
@@ -151,7 +155,8 @@ def begin(
             part_of = model if module is not model else None
             for name in names:
                 where = "the model" if part_of is None else type(module).__name__
-                guarded = gate.guard(module, name, part_of)
+                around = around_torch_hooks if id(module) in streamed else None
+                guarded = gate.guard(module, name, part_of, around)
                 state.gate_hooks.set_attribute(module, name, guarded, f"gate of {where} ({name})")
         for release in held:  # the gate takes over from the hooks that held forwards back
             release()
@@ -292,6 +297,7 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
     state.write_throughs = _write_through_load_state_dict(model, state)
     _report_host_values(model, state)
     _guard_moves(model, state)
+    route_through_in_place(model, state)  # PEFT's merges, diffusers' fusions: in weights_in_place
 
 
 def _engines(state: OffloadState, rings: list[RingTransfers], ring_devices: list[torch.device]):
@@ -448,9 +454,11 @@ def _write_through_load_state_dict(model: nn.Module, state: OffloadState) -> lis
                 module_path, _, name = offloaded.param_name.rpartition(".")
                 streamed = Streamed(name, offloaded, slot_buffer, ring_index, position)
                 owned.setdefault(model.get_submodule(module_path), []).append(streamed)
+    state.in_place = in_place = WeightsInPlace(model, state, lock, owned)
     write_throughs = []
     for module, streamed in owned.items():
-        write_through = WriteThrough(state.engine, partial(_private_host_storage, weakref.ref(state)), streamed)
+        private = partial(_private_host_storage, weakref.ref(state))
+        write_through = WriteThrough(state.engine, private, streamed, in_place)
         register = partial(module._register_load_state_dict_pre_hook, write_through.before, with_module=True)
         journal.handle(register, "write")
         journal.handle(partial(module.register_load_state_dict_post_hook, write_through.after), "write-through done")

@@ -91,7 +91,7 @@ def _end(model: nn.Module, state: OffloadState) -> None:
         state.finalizer.detach()
         state.arena.release()
         # A caller may still hold the state (`get_state`): it must not keep the pool or host storage alive.
-        state.offloaded, state.write_throughs, state.engine = [], [], None
+        state.offloaded, state.write_throughs, state.engine, state.in_place = [], [], None, None
         state.gate_hooks.unwind(Phase.ATTACH)
         if model.__dict__.get(STATE_ATTR) is state:
             del model.__dict__[STATE_ATTR]

@@ -83,11 +83,19 @@ class ForwardGate:
         # Per thread: `depth`, `called` (the depth a call wrapper entered at) and `caller` (its module's id).
         self._local = threading.local()
 
-    def guard(self, module: nn.Module, name: str, model: nn.Module | None = None) -> Callable[..., Any]:
+    def guard(
+        self,
+        module: nn.Module,
+        name: str,
+        model: nn.Module | None = None,
+        around: Callable[..., Any] | None = None,
+    ) -> Callable[..., Any]:
         """The gated `name` ("_call_impl" or "_compiled_call_impl": a call of the module; "forward") for the module's
         instance dict: the one set on the instance before, else the class's, between `_enter` and `_leave`. `model`:
         the dispatched model, where `module` is a part of it that holds streamed layers (its decoder, a layer): a call
-        of the part inside a forward of the model passes through, one on its own (`model.model(ids)`) enters."""
+        of the part inside a forward of the model passes through, one on its own (`model.model(ids)`) enters.
+        `around(module, call, *args, **kwargs)`: what runs the gated call (a streamed layer's: `around_torch_hooks`,
+        runtime/hooks.py), where it is not the plain call."""
         inner = module.__dict__.get(name)
         # Weak references: the module holds this function, and so may a caller (`model.compile()`, a forward set on top
         # of it) long after the dispatch left; the state holds the gate.
@@ -126,13 +134,13 @@ class ForwardGate:
                     local["called"] = None  # its forward: a call of the model from inside it enters again
                 return wrapped(*args, **kwargs)
             if part and depth > 0:
-                return wrapped(*args, **kwargs)
+                return wrapped(*args, **kwargs) if around is None else around(owner, wrapped, *args, **kwargs)
             called, caller = local.get("called"), local.get("caller")
             try:
                 run_outside(gate._enter, top, _token_count(args, kwargs))
                 if calls:
                     local["called"], local["caller"] = gate.depth(), token
-                result = wrapped(*args, **kwargs)
+                result = wrapped(*args, **kwargs) if around is None else around(owner, wrapped, *args, **kwargs)
                 # Left inside the `try` when the call returns, so that a Ctrl-C landing as it leaves is one more the
                 # `finally` leaves after (one landing as the `finally` began kept the model's lock for good).
                 _leave_call(gate, depth, called, caller, run_outside)

@@ -42,7 +42,7 @@ from ..formats import bnb
 from ..formats.parts import assign, get_part
 from ..interrupts import deferred_interrupts
 
-__all__ = ["Journal", "Phase", "move_tensors"]
+__all__ = ["Journal", "Phase", "PassThrough", "move_tensors"]
 
 
 class Phase(Enum):
@@ -151,11 +151,20 @@ class Journal:
     # --- Modules ----------------------------------------------------------------------------------------------------
 
     def hook(self, module: nn.Module, hook: ModelHook, what: str) -> None:
-        """Attach an accelerate hook (chained after one already there); undone by detaching it alone."""
-        ref = weakref.ref(module)
-        self.record(Phase.ATTACH, what, lambda: _remove_hook(ref(), hook))
+        """Attach an accelerate hook (chained after one already there); undone by detaching it alone. A module whose
+        hook a removal left passing through (`PassThrough`) gets the new hook in its place, under the forward set on
+        top of it, and the undo puts the pass-through back."""
+        # The forward accelerate's hook sets on the module, weakly (it holds the module).
+        ref, forward = weakref.ref(module), []
+        self.record(Phase.ATTACH, what, lambda: _remove_hook(ref(), hook, forward[0] if forward else None))
         with deferred_interrupts():  # add_hook_to_module sets several attributes
-            add_hook_to_module(module, hook, append=True)
+            if isinstance(getattr(module, "_hf_hook", None), PassThrough) and hasattr(module, "_old_forward"):
+                hook.init_hook(module)
+                module._hf_hook = hook
+                forward.append(None)
+            else:
+                add_hook_to_module(module, hook, append=True)
+                forward.append(weakref.ref(module.__dict__["forward"]))
 
     def handle(self, register: Callable[[], Any], what: str) -> None:
         """A torch hook that `register()` adds (`register_*_hook`, returning a handle); undone by `handle.remove()`
@@ -198,10 +207,26 @@ def _move(param: torch.Tensor, device: torch.device, attr: str = "data") -> None
         assign(param, attr, tensor.to(device))
 
 
-def _remove_hook(module: nn.Module | None, hook: ModelHook) -> None:
+class PassThrough(ModelHook):
+    """What a removal leaves as the accelerate hook of a module whose `forward` was set after the dispatch, on top of
+    the hook's (diffusers' hooks, `FirstBlockCache`, `apply_layer_skip`): that forward calls accelerate's, which calls
+    the module's own forward through this hook unchanged. Removing the hook instead would put the module's own forward
+    back and drop the one set on top."""
+
+    def __repr__(self) -> str:
+        return "PassThrough()"
+
+
+def _remove_hook(module: nn.Module | None, hook: ModelHook, installed: weakref.ref | None) -> None:
+    # `installed`: the forward accelerate set with the hook (None: the hook took a pass-through's place).
     if module is None:
         return
     current = getattr(module, "_hf_hook", None)
+    if current is hook and (installed is None or module.__dict__.get("forward") is not installed()):
+        # A forward set on top of accelerate's calls it: the module keeps it, and a hook that changes nothing.
+        if hasattr(module, "_old_forward"):
+            module._hf_hook = PassThrough()
+            return
     if current is hook:
         remove_hook_from_module(module)
         # accelerate puts the class's forward back as the instance attribute `module.forward`, a bound method of the

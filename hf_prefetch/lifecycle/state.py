@@ -20,6 +20,7 @@ from torch import nn
 
 from ..config import warn_at_caller
 from ..host.offloaded import OffloadedParam
+from ..interrupts import deferred_interrupts
 from ..planning.offload_plan import format_bytes
 from .guards import refuse_deepcopy, refuse_pickle
 from .journal import Journal
@@ -67,6 +68,9 @@ class OffloadState:
     gate: Any = None
     gate_hooks: Journal = field(default_factory=Journal)
     write_throughs: list[WriteThrough] = field(default_factory=list)  # completed by the gate before each forward
+    # The streamed parameters by the module that owns them, and those `weights_in_place` placed (`WeightsInPlace`,
+    # in_place.py); None with the UVA backend.
+    in_place: Any = None
     # Seconds per phase of the load that built this dispatch (`LoadTimeline`, loading/filling.py; empty after
     # dispatch_model).
     load_timeline: dict[str, float] = field(default_factory=dict)
@@ -161,7 +165,8 @@ def model_lock(model: nn.Module) -> threading.RLock:
     """The model's lock: held by each of its forwards (the forward gate) and by each change of its dispatch or its
     weights (`exclusive`, and the loaders), so that across threads they run one at a time; re-entrant in one thread.
     One per model for the model's life, kept outside it (nothing on the model to copy or pickle)."""
-    with _MODEL_LOCKS_GUARD:
+    # With a Ctrl-C held back: one landing as the `with` block returns, before the guard's release, kept it for good.
+    with deferred_interrupts(), _MODEL_LOCKS_GUARD:
         lock = _MODEL_LOCKS.get(model)
         if lock is None:
             lock = _MODEL_LOCKS[model] = threading.RLock()

@@ -35,7 +35,7 @@ __all__ = [
 
 def host_values_in_state_dict(
     hosts: dict[str, list[OffloadedParam]],
-    writable: Callable[[], None],
+    writable: Callable[[nn.Module], None],
     module: nn.Module,
     state_dict: dict,
     prefix: str,
@@ -43,11 +43,12 @@ def host_values_in_state_dict(
 ) -> None:
     """`state_dict()` hook of a module that owns streamed parameters (`hosts`: their names in it, each with its
     tensors): a streamed parameter's slot holds whichever layer ran last; its value is in host storage (decoded where
-    compressed; a tensor subclass rebuilt around its inner tensors' host storage). `writable()` first: host storage
-    that is a file's pages becomes private memory before it is handed out ([Note: mapped host storage] in
-    host/arena.py)."""
+    compressed; a tensor subclass rebuilt around its inner tensors' host storage). `writable(module)` first: host
+    storage that is a file's pages becomes private memory before it is handed out ([Note: mapped host storage] in
+    host/arena.py), and the module's values in place or assigned anew reach it ([Note: weights in place] in
+    in_place.py)."""
     if any(prefix + name in state_dict for name in hosts):
-        writable()
+        writable(module)
     for name, tensors in hosts.items():
         if prefix + name not in state_dict:
             continue
@@ -82,15 +83,27 @@ class WriteThrough:
     (`complete`). See [Note: rewriting weights] in loading/reload.py.
     """
 
-    def __init__(self, engine: PrefetchEngine, private_host: Callable[[], None], streamed: list[Streamed]) -> None:
+    def __init__(
+        self,
+        engine: PrefetchEngine,
+        private_host: Callable[[], None],
+        streamed: list[Streamed],
+        in_place: Any = None,
+    ) -> None:
         self.engine = engine
         self.private_host = private_host  # `OffloadState.private_host_storage`
         self.streamed = streamed
+        # The dispatch's `WeightsInPlace`: a parameter assigned anew is taken first; one a `weights_in_place` block
+        # placed loads into its value in place, which the block's end writes back.
+        self.in_place = in_place
         self.loading: list[Streamed] = []  # pointed at host storage by `before`, until `complete`
         self.held: list[tuple[int, int]] = []  # (ring, position) of the layers that held their slot before
 
     def before(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
         loading = [s for s in self.streamed if prefix + s.name in state_dict]
+        if self.in_place is not None and loading:
+            self.in_place.adopt(self.in_place.of(module))
+            loading = [s for s in loading if id(s.offloaded) not in self.in_place.placed]
         if not loading:
             return
         self.private_host()  # host storage that is a file's pages: private memory first
@@ -130,15 +143,19 @@ class WriteThrough:
                 self.held.pop()
 
 
-def writable_host_storage(state_ref: weakref.ref, lock: threading.RLock) -> None:
-    """[Note: mapped host storage] in host/arena.py. Before host storage is handed out (`state_dict`): if any of it is
-    still a checkpoint file's pages, turn it into private memory (`OffloadState.private_host_storage`), under the
-    model's `lock`. A no-op once done, and for a state that has ended."""
+def writable_host_storage(state_ref: weakref.ref, lock: threading.RLock, module: nn.Module | None = None) -> None:
+    """Before host storage is handed out (`state_dict` of `module`'s parameters), under the model's `lock`: if any of
+    it is still a checkpoint file's pages, turn it into private memory (`OffloadState.private_host_storage`; [Note:
+    mapped host storage] in host/arena.py); the values a `weights_in_place` block holds, and those assigned anew, are
+    written to it ([Note: weights in place] in in_place.py). A no-op for a state that has ended."""
     state = state_ref()
-    if state is None or not state.arena.file_bytes:
+    if state is None:
         return
     with held_in_turns(lock):
-        state.private_host_storage()
+        if state.arena.file_bytes:
+            state.private_host_storage()
+        if state.in_place is not None:
+            state.in_place.settle(module)
 
 
 def one_load_at_a_time(module: nn.Module, lock: threading.RLock) -> Callable[..., Any]:

@@ -75,9 +75,10 @@ def reload_weights(
     value is a dense tensor holding values, and that tied tensors given twice agree. A checkpoint is read straight
     into place, tensor by tensor, like `from_pretrained` reads it (no copy of the whole checkpoint in memory).
 
-    Write weights this way, or with `model.load_state_dict(...)` (which writes through to host storage), and not
-    through the parameters (`param.data.copy_(...)`, an optimizer step, merging an adapter): a streamed parameter's
-    storage is a slot shared with other layers, and the next copy into it overwrites such writes.
+    Write weights this way, with `model.load_state_dict(...)` (which writes through to host storage), or through the
+    parameters inside `hf_prefetch.weights_in_place(model)`, and not through the parameters outside it
+    (`param.data.copy_(...)`, an optimizer step): a streamed parameter's storage is a slot shared with other layers,
+    and the next copy into it overwrites such writes.
 
     Args:
         model (`nn.Module`): A dispatched model (`dispatch_model`, `from_pretrained`, `load_checkpoint_and_dispatch`).
@@ -318,6 +319,8 @@ def _dispatched(model: nn.Module, verb: str) -> OffloadState:
             "the UVA backend. Call hf_prefetch.remove_offload(model), load the new weights into the model and "
             "dispatch it again."
         )
+    state.in_place.refuse_inside(verb)
+    state.in_place.adopt()  # values assigned anew since the dispatch: into host storage first
     return state
 
 

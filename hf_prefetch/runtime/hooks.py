@@ -3,7 +3,9 @@
 
 - `PrefetchHook` (an accelerate `ModelHook` on each streamed layer): before the layer runs its weights must be in its
   slot (`wait`); after it ran its slot goes to the next layer that uses it (`release`). Under torch.compile both steps
-  are the custom ops of `ops.py`, so the decoder stack compiles into one graph.
+  are the custom ops of `ops.py`, so the decoder stack compiles into one graph. Where torch hooks run around the
+  layer's forward, the forward gate's wrapper of its call waits before them and releases after them instead
+  (`around_torch_hooks`).
 - `RoutedHook` (on the experts module of a layer with routed expert tensors): before it runs, the rows of the experts
   its router picked are copied into the layer's slot (`gather`).
 The model's forward gate is lifecycle/gate.py, the state-dict hooks lifecycle/state_dict.py.
@@ -15,12 +17,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from accelerate.hooks import ModelHook
+from accelerate.hooks import ModelHook, SequentialHook
+from torch import nn
+from torch.nn.modules import module as _torch_modules
 
 from . import ops  # noqa: F401  (registers torch.ops.hf_prefetch)
 from .engine import PrefetchEngine
 
-__all__ = ["PrefetchHook", "RoutedHook"]
+__all__ = ["PrefetchHook", "RoutedHook", "around_torch_hooks"]
 
 
 class PrefetchHook(ModelHook):
@@ -32,12 +36,13 @@ class PrefetchHook(ModelHook):
         self.ring = ring
         self.position = position
         self.path = path
+        self._around = False  # inside `around`: the wait came before the call's torch hooks, the release comes after
 
     def pre_forward(self, module, *args, **kwargs):
         # transformers sometimes calls `pre_forward(module)` with no inputs: the signature accepts both.
         if torch.compiler.is_compiling():
             _compiled_step(torch.ops.hf_prefetch.wait, self.engine.wait, self, _input_anchor(args, kwargs))
-        else:
+        elif not self._around:
             _eager_step(self.engine.wait, self, "hf_prefetch.wait")
         return args, kwargs
 
@@ -45,9 +50,25 @@ class PrefetchHook(ModelHook):
         if torch.compiler.is_compiling():
             _compiled_step(torch.ops.hf_prefetch.release, self.engine.release, self, _first_tensor(output))
         else:
-            _eager_step(self.engine.release, self, "hf_prefetch.release")
+            if not self._around:
+                _eager_step(self.engine.release, self, "hf_prefetch.release")
             if torch.is_grad_enabled():
                 _refuse_backward(output, self.path)
+        return output
+
+    def around(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """A call of the layer (`call`: its `_call_impl`) whose torch forward hooks or pre-hooks run around its
+        forward, eager: the wait before them, the release after them, so that a hook reads the layer's own weights
+        (released first, its slot would be refilled with the next layer's, or on a GPU be copied into as it reads)."""
+        if self._around:  # the layer called again from its own hooks: its weights are in place already
+            return call(*args, **kwargs)
+        _eager_step(self.engine.wait, self, "hf_prefetch.wait")
+        self._around = True
+        try:
+            output = call(*args, **kwargs)
+        finally:
+            self._around = False
+        _eager_step(self.engine.release, self, "hf_prefetch.release")
         return output
 
     def __repr__(self) -> str:
@@ -83,6 +104,23 @@ class RoutedHook(ModelHook):
 
     def __repr__(self) -> str:
         return f"RoutedHook({self.path}, ring={self.ring}, position={self.position})"
+
+
+def around_torch_hooks(module: nn.Module, call: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A call of a streamed layer (`call`: its `_call_impl`, from the forward gate): where torch forward hooks or
+    pre-hooks of its own or global ones run around its forward (a user's `register_forward_hook`), eager, its weights
+    are in place for them too (`PrefetchHook.around`). Any other call runs as it is."""
+    if not (
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or _torch_modules._global_forward_hooks
+        or _torch_modules._global_forward_pre_hooks
+    ) or torch.compiler.is_compiling():
+        return call(*args, **kwargs)
+    hook = getattr(module, "_hf_hook", None)
+    hooks = hook.hooks if isinstance(hook, SequentialHook) else [hook]
+    prefetch = next((h for h in hooks if isinstance(h, PrefetchHook)), None)
+    return call(*args, **kwargs) if prefetch is None else prefetch.around(call, *args, **kwargs)
 
 
 def _refuse_backward(output: Any, path: str) -> None:

@@ -409,3 +409,33 @@ def test_an_ignored_sigint_stays_ignored():
         assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+# --- a forward set on top of the journal's hook ----------------------------------------------------------------------
+
+
+def test_a_forward_set_on_top_of_a_hook_is_kept_by_its_undo_and_by_a_later_hook():
+    from hf_prefetch.lifecycle.journal import PassThrough
+
+    net, journal = Net(), Journal()
+    plain = net.first(X).detach().clone()
+    journal.hook(net.first, AddOne(), "hook on first")
+    below = net.first.forward
+    net.first.forward = lambda x: below(x) * 3  # set after the hook, calling its forward (as diffusers' hooks do)
+    assert torch.equal(net.first(X), (plain + 1) * 3)
+    journal.unwind(Phase.ATTACH)
+    assert isinstance(net.first._hf_hook, PassThrough)  # the hook's forward stays, passing through
+    assert torch.equal(net.first(X), plain * 3)
+    journal.hook(net.first, Double(), "hook on first again")  # in the pass-through's place, under the forward on top
+    assert torch.equal(net.first(X), plain * 2 * 3)
+    journal.unwind(Phase.ATTACH)
+    assert isinstance(net.first._hf_hook, PassThrough) and torch.equal(net.first(X), plain * 3)
+
+
+def test_without_a_forward_on_top_the_undo_of_a_hook_leaves_nothing():
+    net, journal = Net(), Journal()
+    before = snapshot(net)
+    journal.hook(net.first, AddOne(), "hook on first")
+    journal.unwind(Phase.ATTACH)
+    assert_same(before, snapshot(net))
+    assert not hasattr(net.first, "_hf_hook") and not hasattr(net.first, "_old_forward")

@@ -35,3 +35,18 @@ def test_a_state_prints_as_one_line_and_its_plan_holds_the_details():
     finally:
         hf_prefetch.remove_offload(model)
     assert state.lifecycle is not Lifecycle.ATTACHED and len(repr(state)) < 200  # a state kept after the removal
+
+
+def test_a_ctrl_c_anywhere_in_the_lookup_of_a_models_lock_leaves_the_lookup_free():
+    # A Ctrl-C landing as the lookup's `with` block returned, before its guard's release, kept the guard for good:
+    # every later lookup (every verb, on every model) waited forever.
+    from torch import nn
+
+    from hf_prefetch.lifecycle import state
+    from tests.interrupting import at_every_point
+
+    def check(module, where):
+        assert not state._MODEL_LOCKS_GUARD.locked(), where
+        assert state.model_lock(module) is state.model_lock(module)
+
+    assert at_every_point(lambda: nn.Linear(1, 1), state.model_lock, check, [state.model_lock]) > 3

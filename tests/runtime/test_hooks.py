@@ -146,10 +146,10 @@ def test_a_streamed_layer_computes_with_its_own_weights_and_hands_its_slot_on_af
 
         return hook
 
-    def after(index):  # runs after the layer's forward, after the hook's release
-        def hook(module, args, output):
+    def after(index):  # runs on the layer after it, once the layer and its own hooks ran and its release refilled
+        def hook(module, args):
             following = layer_state(llama_reference.state, NEXT_IN_SLOT[index])
-            assert_layer_holds(layers[index], following)  # the slot already holds the next layer that uses it
+            assert_layer_holds(layers[index], following)  # the slot holds the next layer that uses it
             seen.append(("after", index))
 
         return hook
@@ -157,7 +157,8 @@ def test_a_streamed_layer_computes_with_its_own_weights_and_hands_its_slot_on_af
     handles = []
     for index in NEXT_IN_SLOT:
         handles.append(layers[index].self_attn.register_forward_pre_hook(inside(index)))
-        handles.append(layers[index].register_forward_hook(after(index)))
+        after_it = layers[index + 1] if index + 1 < len(layers) else model.model.norm
+        handles.append(after_it.register_forward_pre_hook(after(index)))
     try:
         for _ in range(2):
             assert torch.equal(forward(model, llama_reference.ids), llama_reference.logits)
@@ -166,6 +167,76 @@ def test_a_streamed_layer_computes_with_its_own_weights_and_hands_its_slot_on_af
             handle.remove()
     assert seen == [(where, i) for i in (1, 3, 5, 7) for where in ("inside", "after")] * 2
     assert hf_prefetch.stats(model).misses == 0
+
+
+def _recorder(seen: list, layers: list):
+    # A torch hook that keeps what a layer of `layers` computes with when it runs: its down_proj weight.
+    def record(module, args, *output):
+        if any(module is layer for layer in layers):
+            seen.append((layers.index(module), bool(output), module.mlp.down_proj.weight.detach().clone()))
+
+    return record
+
+
+@pytest.mark.parametrize("where", ["layer", "global"])
+def test_torch_hooks_around_a_streamed_layer_see_its_own_weights(dispatch, llama_reference, where):
+    # One slot for every layer: released before its forward hooks ran, a layer's slot would hold the next one.
+    from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
+
+    model = dispatch(group_size=1, prefetch_step=1)
+    reference = copy.deepcopy(llama_reference.model)
+    seen: dict[str, list] = {"got": [], "want": []}
+    handles = []
+    for key, target in (("got", model), ("want", reference)):
+        layers = list(target.model.layers)
+        record = _recorder(seen[key], layers)
+        if where == "layer":
+            for layer in layers:
+                handles += [layer.register_forward_pre_hook(record), layer.register_forward_hook(record)]
+        else:
+            handles += [register_module_forward_pre_hook(record), register_module_forward_hook(record)]
+    try:
+        for _ in range(2):
+            assert torch.equal(forward(model, llama_reference.ids), llama_reference.logits)
+            forward(reference, llama_reference.ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert len(seen["got"]) == len(seen["want"]) == 2 * 2 * 8
+    for (index, post, got), (_, _, want) in zip(seen["got"], seen["want"], strict=True):
+        assert torch.equal(got, want), (index, "forward hook" if post else "pre-hook")
+    assert hf_prefetch.stats(model).misses == 0
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_forward_hook_reads_its_layer_before_the_next_copy_lands():
+    # Layers of ~90 MB, all through one slot: a release before the hook would start the next layer's copy into the
+    # slot while the hook's kernels read it.
+    from tests.models import gpu_llama
+
+    reference = gpu_llama(4).cuda()
+    config = hf_prefetch.PrefetchConfig(group_size=1, prefetch_step=1)
+    model = hf_prefetch.dispatch_model(copy.deepcopy(reference), config, device="cuda")
+    sums: dict[str, list] = {"got": [], "want": []}
+
+    def record(into):
+        def hook(module, args, output):
+            into.append(module.mlp.down_proj.weight.float().square().sum())  # queued, no host synchronisation
+
+        return hook
+
+    handles = [layer.register_forward_hook(record(sums["got"])) for layer in model.model.layers]
+    handles += [layer.register_forward_hook(record(sums["want"])) for layer in reference.model.layers]
+    ids = torch.arange(16, device="cuda").view(1, 16)
+    try:
+        for _ in range(3):
+            forward(model, ids)
+            forward(reference, ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+        hf_prefetch.remove_offload(model)
+    assert all(torch.equal(a, b) for a, b in zip(sums["got"], sums["want"], strict=True))
 
 
 # --- ForwardGate ----------------------------------------------------------------------------------------------------
