@@ -170,7 +170,7 @@ def main() -> None:
         for name in models:
             seconds = statistics.median(samples[name])
             layers_stats = hf_prefetch.stats(models[name]).layers
-            policy = ", ".join(sorted({layer.recent_policy.split(":")[0] for layer in layers_stats}))
+            policy = ", ".join(sorted({layer.recent_decision for layer in layers_stats}))
             row = dict(
                 regime=regime,
                 system=name,

@@ -49,6 +49,8 @@ class LayerStats:
     recent_fetched: int = 0
     expert_row_bytes: int = 0
     recent_policy: str = "-"
+    recent_decision: str = "-"  # the same in a word: "on", "off", "always"
+    recent_hit_rate: float | None = None  # of the rows a fetch brings, the share picked again; None: not measured yet
     # Bytes loaded into the expert cache (in copied_bytes).
     cache_loaded_bytes: int = 0
     # Compressed parameters (PrefetchConfig(compress=True)): values decoded into the slot, the compressed bytes they
@@ -202,7 +204,7 @@ class TransferStats:
                 str(item.recent_hits),
                 f"{item.recent_wasted_bytes / 2**20:.1f}",
                 f"{item.cache_saved_bytes / 2**20:.1f}",
-                _short_policy(layer.recent_policy) if layer else "-",
+                _recent_cell(layer) if layer else "-",
             )
             decoded = (
                 f"{item.compressed_bytes / 2**20:.1f}",
@@ -405,6 +407,7 @@ def stats(model: nn.Module) -> TransferStats:
     for ring, transfers in zip(get_state(model).plan.rings, engine.rings, strict=True):
         for planned, layer in zip(ring.streamed, transfers.layers, strict=True):
             c = layer.counters
+            recent = layer.recent.policy if layer.recent is not None else None
             layers.append(
                 LayerStats(
                     planned.path,
@@ -423,7 +426,9 @@ def stats(model: nn.Module) -> TransferStats:
                     c.recent_hits,
                     c.recent_fetched,
                     sum(t.nbytes // t.num_experts for t in layer.routed),
-                    layer.recent.policy.describe() if layer.recent is not None else "-",
+                    recent.describe() if recent is not None else "-",
+                    recent.state if recent is not None else "-",
+                    recent.hit_rate if recent is not None and recent.decisions else None,
                     c.cache_loaded_bytes,
                     c.decoded_bytes,
                     c.compressed_bytes,
@@ -434,10 +439,11 @@ def stats(model: nn.Module) -> TransferStats:
     return TransferStats(tuple(layers), engine.timing)
 
 
-def _short_policy(policy: str) -> str:
-    # The table's cell: the decision and the share of fetched rows picked again ("on 97%"), from `describe`.
-    head, _, rest = policy.partition(":")
-    return f"{head} {rest.split()[0]}" if rest else head.split(" (")[0]
+def _recent_cell(layer: LayerStats) -> str:
+    # The table's cell: the decision, and once measured the share of fetched rows picked again ("on 97%").
+    if layer.recent_hit_rate is None:
+        return layer.recent_decision
+    return f"{layer.recent_decision} {layer.recent_hit_rate:.0%}"
 
 
 def reset_stats(model: nn.Module) -> None:

@@ -82,16 +82,20 @@ def _routing_walk(model: nn.Module, state: OffloadState, streamed: frozenset[int
     # with weight-touching methods over streamed parameters as it meets it (before the caller sees it).
     inner = model.__dict__.get("named_modules")
     model_ref, state_ref = weakref.ref(model), weakref.ref(state)  # the model holds this function; it the state
+    settled = weakref.WeakSet()  # modules with such methods over no streamed parameter: not looked at again
 
     def named_modules(*args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Module]]:
         owner = model_ref()
         walk = inner(*args, **kwargs) if inner is not None else type(owner).named_modules(owner, *args, **kwargs)
         for name, module in walk:
-            if _methods_of(type(module)) and not all(m in module.__dict__ for m in _methods_of(type(module))):
+            methods = _methods_of(type(module))
+            if methods and module not in settled and not all(m in module.__dict__ for m in methods):
                 current = state_ref()
                 if current is not None and current.lifecycle is Lifecycle.ATTACHED:
                     with held_in_turns(current.in_place.lock):
                         _route(current, streamed, module, name)
+                    if not any(m in module.__dict__ for m in methods):
+                        settled.add(module)
             yield name, module
 
     functools.update_wrapper(named_modules, inner if inner is not None else type(model).named_modules)

@@ -87,9 +87,14 @@ class RecentPolicy:
         """Rows a fetch ahead brings for nothing, per pick the router alone would copy from host memory."""
         return (self.candidates - self.hits) / self.router_picks if self.router_picks else float(self.candidates > 0)
 
+    @property
+    def state(self) -> str:
+        """"always" (`recent_experts=True`), "on" or "off"."""
+        return "always" if self.fixed else ("on" if self.on else "off")
+
     def describe(self) -> str:
         """The decision and why, for `stats()`."""
-        state = "always" if self.fixed else ("on" if self.on else "off")
+        state = self.state
         if not self.decisions:
             return f"{state} (not measured yet)"
         return (
