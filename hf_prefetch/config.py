@@ -62,6 +62,14 @@ class PrefetchConfig:
             routing: a new prompt, sampling; `stats()` shows it per layer). On the CPU, where copies do not overlap
             compute, a fetch ahead saves no time; the policy runs the same there. True: always fetched. False: never;
             only the router's own picks are copied, once it has made them.
+        cpu_experts (`bool` or `"auto"`, defaults to False): Where the routed experts of streamed layers are
+            computed. False: on the device, their picked rows copied over the link. True: on the host's cores, by
+            the experts module's own forward on its host storage, in every forward: their bytes never cross the link;
+            only the hidden states of the tokens and the results do. `"auto"`: in forwards that route (few tokens),
+            the picked experts the device does not hold are split between the host's cores and the link, in the
+            ratio of their measured speeds beside each other, so that both finish together; forwards of many tokens
+            copy as with False. On a CPU device both compute on the host, as False does. See docs/design.md
+            ("Experts on the host").
         compress (`bool`, defaults to False): Keep the streamed bf16 and fp32 weights of layers that take turns in a
             slot losslessly compressed in host memory (about 75% of bf16's bytes, 88% of fp32's), copy the compressed
             bytes and decode them on the device into the slot, bit for bit (see docs/design.md, "Compressed
@@ -97,6 +105,7 @@ class PrefetchConfig:
     routed_max_tokens: int | None = None
     expert_cache: int | None = None
     recent_experts: bool | None = None
+    cpu_experts: bool | Literal["auto"] = False
     compress: bool = False
     compute_seconds: Mapping[str, float] | None = None
 
@@ -121,6 +130,11 @@ class PrefetchConfig:
                 "at least one offloaded layer ahead (it is also the number of buffer slots)."
             )
         object.__setattr__(self, "offload_params", validate_segments(self.offload_params))
+        if not isinstance(self.cpu_experts, bool) and self.cpu_experts != "auto":
+            raise ValueError(
+                f"PrefetchConfig.cpu_experts={self.cpu_experts!r} must be False (experts computed on the device), "
+                'True (on the host\'s cores) or "auto" (split between them by measured speed).'
+            )
         if not isinstance(self.compress, bool):
             raise ValueError(f"PrefetchConfig.compress={self.compress!r} must be True or False.")
         if self.routed_experts is not None and not isinstance(self.routed_experts, bool):

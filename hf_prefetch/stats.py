@@ -60,6 +60,11 @@ class LayerStats:
     compressed_bytes: int = 0
     decodes: int = 0
     decode_seconds: float = 0.0
+    # PrefetchConfig.cpu_experts: the router's picks computed on the host's cores, the expert bytes they read there
+    # (not over the link), and the host's compute seconds (measured always, in its worker thread).
+    host_picks: int = 0
+    host_bytes: int = 0
+    host_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -155,6 +160,18 @@ class TransferStats:
         return sum(layer.compressed_bytes for layer in self.layers)
 
     @property
+    def host_picks(self) -> int:
+        return sum(layer.host_picks for layer in self.layers)
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(layer.host_bytes for layer in self.layers)
+
+    @property
+    def host_seconds(self) -> float:
+        return sum(layer.host_seconds for layer in self.layers)
+
+    @property
     def compression(self) -> float:
         """Compressed bytes per decoded byte over all layers (0.0 before the first decode)."""
         return self.compressed_bytes / self.decoded_bytes if self.decoded_bytes else 0.0
@@ -213,6 +230,7 @@ class TransferStats:
                 str(item.decodes),
             )
             decoded += (f"{item.decode_seconds * 1e3:.2f}",) if self.timing else ("-",)
+            host = (str(item.host_picks), f"{item.host_bytes / 2**20:.1f}", f"{item.host_seconds * 1e3:.2f}")
             rows.append(
                 (
                     name,
@@ -222,6 +240,7 @@ class TransferStats:
                     str(item.misses),
                     *(routed if self._routed else ()),
                     *(decoded if self._decoded else ()),
+                    *(host if self.host_picks else ()),
                 )
             )
         return rows
@@ -256,6 +275,7 @@ class TransferStats:
             self._HEADER
             + (self._ROUTED_HEADER if self._routed else ())
             + (self._DECODED_HEADER if self._decoded else ())
+            + (("host picks", "host MiB", "host ms") if self.host_picks else ())
         )
 
     def __str__(self) -> str:
@@ -434,6 +454,9 @@ def stats(model: nn.Module) -> TransferStats:
                     c.compressed_bytes,
                     c.decodes,
                     c.decode_seconds,
+                    c.host_picks,
+                    c.host_bytes,
+                    c.host_seconds,
                 )
             )
     return TransferStats(tuple(layers), engine.timing)

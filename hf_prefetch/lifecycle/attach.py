@@ -34,11 +34,12 @@ from ..interrupts import deferred_interrupts
 from ..planning.offload_plan import OffloadPlan, format_bytes, no_saving
 from ..planning.pipeline import device_map
 from ..planning.pipeline import ring_device as device_of_ring
-from ..planning.placements import ParamSpec, Placement, RingPlan, staged_nbytes
+from ..planning.placements import ParamSpec, Placement, RingPlan, host_layers, staged_nbytes
 from ..runtime.devices import DeviceEngines, inputs_to
 from ..runtime.engine import PrefetchEngine
 from ..runtime.experts import add_lookups
 from ..runtime.hooks import PrefetchHook, RoutedHook, around_torch_hooks
+from ..runtime.host_experts import HostExperts
 from ..runtime.ops import register_engine
 from ..runtime.pool import BufferPool
 from ..runtime.ring import Decode, LayerTransfer, RingTransfers, RoutedTensor, byte_span
@@ -278,7 +279,9 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
             transfer = LayerTransfer(host, slots, layer.slot, layer.next_in_slot, nbytes, routed, decodes)
             if not decodes:  # a compressed layer's staged bytes are copied one by one (engine.store tells them apart)
                 transfer.span = byte_span(slots, host)
-            if routable and routed and all(r.device_rows.dim() == 2 for r in routed):
+            if (compute := plan.host_compute) is not None and any(layer is h for h in host_layers(plan.rings)):
+                transfer.host_share, transfer.host_always = compute.share, compute.always
+            if routable and routed and all(r.device_rows.dim() == 2 for r in routed) and not transfer.host_always:
                 add_lookups(transfer, layer, plan, ring_device)
             transfers.append(transfer)
         rings.append(RingTransfers(transfers, pool))
@@ -290,10 +293,15 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
         for position, layer in enumerate(ring.streamed):
             hook = PrefetchHook(engine, engine_id, ring_index, position, layer.path)
             journal.hook(model.get_submodule(layer.path), hook, f"hook on {layer.path}")
+            computes = rings[ring_index].layers[position].host_share > 0
             for routing in dict.fromkeys(spec.routing for spec in layer.routed):
                 path = f"{layer.path}.{routing.module}"
-                hook = RoutedHook(engine, engine_id, ring_index, position, path, routing.index_arg)
-                journal.hook(model.get_submodule(path), hook, f"routed-experts hook on {path}")
+                module, host = model.get_submodule(path), None
+                if computes:  # its twin on host storage: [Note: experts on the host] in runtime/host_experts.py
+                    stored = {name: by_name[f"{path}.{name}"].host for name, _ in module.named_parameters()}
+                    host = HostExperts(module, stored, plan.host_compute.share, plan.host_compute.always)
+                hook = RoutedHook(engine, engine_id, ring_index, position, path, routing.index_arg, host)
+                journal.hook(module, hook, f"routed-experts hook on {path}")
     state.write_throughs = _write_through_load_state_dict(model, state)
     _report_host_values(model, state)
     _guard_moves(model, state)

@@ -13,6 +13,7 @@ from torch import nn
 from ..config import PrefetchConfig, warn_at_caller
 from ..formats.bnb import check_layout
 from .budget import plan_for_budget
+from .host_compute import host_unused, plan_host_compute
 from .link_speed import measure_link_gbps
 from .memory import MaxMemory, resolve_budget, resolve_budgets
 from .offload_plan import OffloadPlan, compresses_nothing, format_bytes
@@ -67,18 +68,19 @@ def choose_plan(
         if config.compute_seconds is not None and device.type == "cuda":
             link = measure_link_gbps(device) * max(1, len(links))
         plan = plan_for_budget(model, resolve_budget(max_memory, device, model), config, layers, link_gbps=link)
+    if links:
+        plan = replace(plan, links=links)
+        for index, limit in helpers.items():
+            if limit is not None and plan.staging_bytes > limit:
+                raise ValueError(
+                    f"max_memory[{index}] = {format_bytes(limit)} cannot hold GPU {index}'s staging buffers for "
+                    f"links={list(links)}: {format_bytes(plan.staging_bytes)} ({len(links)} links, each copying "
+                    f"1/{len(links)} of the largest streamed layer, twice). Raise that entry or drop the GPU from "
+                    "links=."
+                )
+    plan = plan_host_compute(model, plan, device)
     for unused in options_unused(plan):  # once per dispatch, load or preview
         warn_at_caller(unused)
-    if not links:
-        return plan
-    plan = replace(plan, links=links)
-    for index, limit in helpers.items():
-        if limit is not None and plan.staging_bytes > limit:
-            raise ValueError(
-                f"max_memory[{index}] = {format_bytes(limit)} cannot hold GPU {index}'s staging buffers for links="
-                f"{list(links)}: {format_bytes(plan.staging_bytes)} ({len(links)} links, each copying 1/{len(links)} "
-                "of the largest streamed layer, twice). Raise that entry or drop the GPU from links=."
-            )
     return plan
 
 
@@ -112,4 +114,6 @@ def options_unused(plan: OffloadPlan) -> list[str]:
         else:
             why = "each routed layer is alone in its slot, which keeps all of its experts"
         unused.append(f"PrefetchConfig(recent_experts=True) changes nothing in this plan: {why}. Drop recent_experts.")
+    if (host := host_unused(plan)) is not None:
+        unused.append(host)
     return unused

@@ -14,7 +14,18 @@ from ..alignment import LINK_SHARE_ALIGN_BYTES, round_up
 from ..config import PrefetchConfig, UVAConfig
 from ..host.arena import HostArena
 from .links import STAGES
-from .placements import ROUTED_BREAK_EVEN, LayerPlan, RingPlan, Source, cache_bytes, caches_experts, kept_plain
+from .placements import (
+    ROUTED_BREAK_EVEN,
+    HostCompute,
+    LayerPlan,
+    RingPlan,
+    Source,
+    cache_bytes,
+    caches_experts,
+    format_bytes,
+    host_lines,
+    kept_plain,
+)
 
 if TYPE_CHECKING:
     from .memory import MemoryBudget
@@ -56,6 +67,8 @@ class OffloadPlan:
     # Pipeline placement (`pipeline.py`): each GPU, in layer order, with the budget its layers were planned for; the
     # first is the execution device, which also holds everything outside the layer list. () on one device.
     gpus: tuple[tuple[int, MemoryBudget], ...] = ()
+    # PrefetchConfig.cpu_experts: the routed experts computed on the host's cores (host_compute.py); None: none.
+    host_compute: HostCompute | None = None
 
     @property
     def backend(self) -> str:
@@ -429,6 +442,7 @@ def _totals(plan: OffloadPlan) -> list[tuple[str, str]]:
             )
             totals.append(("recent experts", what))
         totals.append(("streamed per token", per_token))
+    totals += host_lines(plan.rings, plan.host_compute)
     return totals
 
 
@@ -459,10 +473,3 @@ def render_html(plan: OffloadPlan) -> str:
         f"<tr><th>{html.escape(label)}</th><td>{html.escape(value)}</td></tr>" for label, value in _totals(plan)
     )
     return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table><table><tbody>{totals}</tbody></table>"
-
-
-def format_bytes(num_bytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
-        if abs(num_bytes) >= scale:
-            return f"{num_bytes / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
-    return f"{num_bytes / 2**10:.1f} KiB" if abs(num_bytes) >= 2**10 else f"{num_bytes} B"

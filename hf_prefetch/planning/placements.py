@@ -21,13 +21,26 @@ from ..alignment import STAGING_ALIGN_BYTES, round_up
 from ..formats.lossless import Layout, layout_of, not_encoded
 from ..host.arena import padded_bytes
 
-__all__ = ["RingPlan", "LayerPlan", "ParamSpec", "Placement", "Storage", "Compute", "Routing", "Source", "PoolKey"]
+__all__ = [
+    "RingPlan",
+    "LayerPlan",
+    "ParamSpec",
+    "Placement",
+    "Storage",
+    "Compute",
+    "Routing",
+    "Source",
+    "PoolKey",
+    "HostCompute",
+    "host_layers",
+]
 
 PoolKey = tuple[str, tuple[int, ...], tuple[int, ...], torch.dtype]
 
 
 # Separates a tensor-subclass parameter's name from one of its inner tensors' attributes in a spec's name.
 INNER_SEP = ":"
+
 
 def staged_nbytes(layout: Layout) -> int:
     """Bytes one compressed parameter takes in a staging buffer, aligned for the next one."""
@@ -327,3 +340,66 @@ def cache_bytes(rings: tuple[RingPlan, ...], cached_experts: int) -> int:
 def expert_row_bytes(rings: tuple[RingPlan, ...]) -> int:
     """Device bytes one more cached expert per routed layer costs (0 without routed tensors)."""
     return sum(_cached_rows_bytes(layer, 1) for ring in rings for layer in ring.streamed)
+
+
+@dataclass(frozen=True)
+class HostCompute:
+    """Where the routed experts of `host_layers(rings)` are computed: `always` (True) every forward's picks on the
+    host; otherwise (`"auto"`) in forwards that route, `share` of the picked experts the device does not hold."""
+
+    always: bool
+    share: float
+    host_gbps: float | None = None  # expert bytes per second the host's compute reads, beside the link's copies
+    link_gbps: float | None = None  # the link's copies beside the host's compute
+
+    @property
+    def mode(self) -> bool | str:
+        return True if self.always else "auto"
+
+
+def host_layers(rings: tuple[RingPlan, ...]) -> list[LayerPlan]:
+    """The streamed layers whose routed experts may compute on the host: those that take turns in a slot (a layer alone
+    in its slot is copied once and computes on the device from it)."""
+    return [layer for ring in rings for layer in ring.streamed if layer.routed and not layer.owns_slot]
+
+
+def host_lines(rings: tuple[RingPlan, ...], compute: HostCompute | None) -> list[tuple[str, str]]:
+    """The plan's lines on experts computed on the host (none without them)."""
+    if compute is None:
+        return []
+    layers = host_layers(rings)
+    if not layers:
+        return []
+    routed = sum(
+        spec.nbytes // spec.routing.num_experts * min(spec.routing.top_k or 1, spec.routing.num_experts)
+        for layer in layers
+        for spec in layer.routed
+    )
+    on_host = int(routed * compute.share)
+    count = f"{len(layers)} layer{'s' if len(layers) != 1 else ''}"
+    if compute.always:
+        what = f"{count} compute their routed experts on the host's cores in every forward"
+    else:
+        what = (
+            f"{count} compute {compute.share:.0%} of the picked experts the device does not hold on the host's cores, "
+            "the rest over the link, in forwards that route"
+        )
+    lines = [("experts on host", what)]
+    per_token = (
+        f"host reads {format_bytes(on_host)}, the link copies {format_bytes(routed - on_host)} of routed experts"
+    )
+    if compute.host_gbps is not None and compute.link_gbps is not None:
+        seconds = max(on_host / (compute.host_gbps * 1e9), (routed - on_host) / (compute.link_gbps * 1e9))
+        per_token += (
+            f"; {seconds * 1e3:.2f} ms predicted (host {compute.host_gbps:.1f} GB/s, link "
+            f"{compute.link_gbps:.1f} GB/s beside each other)"
+        )
+    lines.append(("host experts/token", per_token))
+    return lines
+
+
+def format_bytes(num_bytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if abs(num_bytes) >= scale:
+            return f"{num_bytes / scale:.{2 if unit == 'GiB' else 1}f} {unit}"
+    return f"{num_bytes / 2**10:.1f} KiB" if abs(num_bytes) >= 2**10 else f"{num_bytes} B"

@@ -76,6 +76,7 @@ class PrefetchEngine(CapturedCopies, RoutedFills, CompressedDecodes):
         self.routing = False
         self._tokens: int | None = None  # of the latest forward `prepare`d outside a capture
         self.compiled = False  # compiled code has called the engine (through ops.py)
+        self._host_warned = False  # experts meant for the host gathered over the link in a capture or compiled code
         self._caches = ExpertCaches([layer for ring in self.rings for layer in ring.layers])
         # copy_stream: runs every host-to-device weight copy. Ordered after the compute stream by a wait before each
         # copy (the slot may still be read by queued kernels); the compute stream is ordered after it by each layer's
@@ -127,7 +128,7 @@ class PrefetchEngine(CapturedCopies, RoutedFills, CompressedDecodes):
                 self._timings.add(layer.counters, ready, layer.done, "stall_seconds")
             compute.wait_event(layer.done)  # the join: compute after copy
         layer.gathered = False
-        if layer.fill is Fill.ROUTED and not self.routing:
+        if layer.fill is Fill.ROUTED and not self.routing and not layer.host_always:
             self._complete(transfers, position, capturing)  # copied for a routing forward, running in a whole one
         self._decode(layer, capturing)
         if self.timing and not capturing:

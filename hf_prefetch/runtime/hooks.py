@@ -23,6 +23,7 @@ from torch.nn.modules import module as _torch_modules
 
 from . import ops  # noqa: F401  (registers torch.ops.hf_prefetch)
 from .engine import PrefetchEngine
+from .host_experts import HostExperts
 
 __all__ = ["PrefetchHook", "RoutedHook", "around_torch_hooks"]
 
@@ -79,13 +80,23 @@ class RoutedHook(ModelHook):
     """On the experts module of a layer with ROUTED parameters: before it runs, the rows of the experts its router
     picked are copied into the layer's slot (`PrefetchEngine.gather`; see [Note: routed experts] in routed.py)."""
 
-    def __init__(self, engine: PrefetchEngine, engine_id: int, ring: int, position: int, path: str, index_arg: str):
+    def __init__(
+        self,
+        engine: PrefetchEngine,
+        engine_id: int,
+        ring: int,
+        position: int,
+        path: str,
+        index_arg: str,
+        host: HostExperts | None = None,
+    ):
         self.engine = engine
         self.engine_id = engine_id
         self.ring = ring
         self.position = position
         self.path = path
         self.index_arg = index_arg
+        self.host = host  # PrefetchConfig.cpu_experts: the module's twin on host storage
 
     def pre_forward(self, module, *args, **kwargs):
         index = kwargs.get(self.index_arg, args[1] if len(args) > 1 else None)
@@ -98,9 +109,18 @@ class RoutedHook(ModelHook):
         if torch.compiler.is_compiling():
             anchor = _input_anchor(args[:1], {k: v for k, v in kwargs.items() if k != self.index_arg})
             torch.ops.hf_prefetch.gather(anchor, index, self.engine_id, self.ring, self.position)
+        elif self.host is not None and self.engine.computes_on_host(self.host):
+            args, kwargs = self.engine.experts_on_host(
+                self.ring, self.position, self.host, self.index_arg, args, kwargs
+            )
         else:
             _eager_step(self.engine.gather, self, "hf_prefetch.gather", index)
         return args, kwargs
+
+    def post_forward(self, module, output):
+        if self.host is not None and self.host.pending is not None and not torch.compiler.is_compiling():
+            output = self.engine.experts_joined(self.ring, self.position, self.host, output)
+        return output
 
     def __repr__(self) -> str:
         return f"RoutedHook({self.path}, ring={self.ring}, position={self.position})"
@@ -110,12 +130,15 @@ def around_torch_hooks(module: nn.Module, call: Callable[..., Any], *args: Any, 
     """A call of a streamed layer (`call`: its `_call_impl`, from the forward gate): where torch forward hooks or
     pre-hooks of its own or global ones run around its forward (a user's `register_forward_hook`), eager, its weights
     are in place for them too (`PrefetchHook.around`). Any other call runs as it is."""
-    if not (
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or _torch_modules._global_forward_hooks
-        or _torch_modules._global_forward_pre_hooks
-    ) or torch.compiler.is_compiling():
+    if (
+        not (
+            module._forward_hooks
+            or module._forward_pre_hooks
+            or _torch_modules._global_forward_hooks
+            or _torch_modules._global_forward_pre_hooks
+        )
+        or torch.compiler.is_compiling()
+    ):
         return call(*args, **kwargs)
     hook = getattr(module, "_hf_hook", None)
     hooks = hook.hooks if isinstance(hook, SequentialHook) else [hook]
@@ -193,5 +216,3 @@ def _tensors(value):
 
 
 # --- state_dict and load_state_dict ------------------------------------------------------------------------------
-
-

@@ -140,6 +140,9 @@ class LayerCounters:
     # count in routed_rows when fetched, picked again or not).
     recent_hits: int = 0
     recent_fetched: int = 0  # rows fetched ahead (in routed_rows; those not picked again crossed for nothing)
+    host_picks: int = 0  # the router's picks computed on the host's cores (a repeated pick counts again)
+    host_bytes: int = 0  # expert bytes the host's computations read (each picked expert once per forward)
+    host_seconds: float = 0.0  # the host's compute time of those picks (in its worker thread)
     decoded_bytes: int = 0  # values written into the slot by decoding compressed bytes
     compressed_bytes: int = 0  # the compressed bytes they were decoded from (also counted in copied_bytes)
     decodes: int = 0
@@ -314,6 +317,10 @@ class LayerTransfer:
     tallies: torch.Tensor | None = None
     tallies_seen: list[int] | None = None  # `tallies` as the host last read them (they only grow)
     gathered: bool = False  # since the layer's wait, its experts' hook ran (`gather`)
+    # PrefetchConfig.cpu_experts ([Note: experts on the host] in host_experts.py): the share of its picks the host
+    # computes (0: none), and whether it computes all of them in every forward (its copies never bring them).
+    host_share: float = 0.0
+    host_always: bool = False
     # Recorded after this layer's latest copy; the compute stream waits on it before the layer runs. With timing on,
     # every copy gets a fresh event so that late reads see the right copy. `event` says what it is.
     done: torch.cuda.Event | None = None
@@ -358,7 +365,11 @@ class RingTransfers:
 
     def first_layers_without_routed(self) -> list[int]:
         """The ring's first layers in their slots without their routed tensors (`Fill.ROUTED`)."""
-        return [p for p in range(self.num_first) if self.holds(p) and self.layers[p].fill is Fill.ROUTED]
+        return [
+            p
+            for p in range(self.num_first)
+            if self.holds(p) and self.layers[p].fill is Fill.ROUTED and not self.layers[p].host_always
+        ]
 
     # --- The state's transitions: every change of `state` and `capture` is one of these ----------------------------
 

@@ -50,11 +50,19 @@ from __future__ import annotations
 
 import torch
 
+from ..config import warn_at_caller
 from .experts import copy_routed_rows, count_picks, fetch_recent, gather_looked_up, remember_picks
 from .graph_copies import captured_copy
+from .host_experts import HostExperts, HostSplit, locate, pick_host_experts, split_inputs, worker
 from .ring import CopyEvent, Fill, LayerTransfer, RingTransfers
 
 __all__ = ["RoutedFills", "BYPASSED", "fetch_ahead", "fetched_nothing"]
+
+ON_THE_LINK = (
+    "hf_prefetch: PrefetchConfig(cpu_experts={mode!r}) computes experts on the host only in eager forwards: the host "
+    "reads the router's choice, which a CUDA-graph capture or torch.compile's graph cannot. This {where} gathers "
+    "them over the link (the same results as cpu_experts=False)."
+)
 
 BYPASSED = (
     "hf_prefetch: streamed layer {position} ran while its slot held only the experts its router picked, but its "
@@ -76,6 +84,10 @@ class RoutedFills:
         if not layer.routed:
             return
         capturing = self._capturing()
+        if layer.host_share and (capturing or self.compiled) and not self._host_warned:
+            self._host_warned = True
+            where = "capture" if capturing else "compiled forward"
+            warn_at_caller(ON_THE_LINK.format(mode=True if layer.host_always else "auto", where=where))
         if not transfers.holds(position, capturing):  # the experts module ran without its layer's wait
             self._load_now(transfers, position)
         layer.gathered = True
@@ -92,6 +104,9 @@ class RoutedFills:
                 count_picks(layer, index)  # a prefill's picks rank the cache for the decode after it
             self._complete(transfers, position, capturing)
             return
+        self._copy_picks(layer, index, capturing)
+
+    def _copy_picks(self, layer: LayerTransfer, index: torch.Tensor, capturing: bool) -> None:
         # Recorded in a capture, each replay reads its own router's choice. A gather holds the compute stream for all
         # of its time: copy time and stall time alike.
         begin = self._timings.begin_blocking() if self.timing and not capturing else None
@@ -101,6 +116,96 @@ class RoutedFills:
             gather_looked_up(layer, index)
         if begin is not None:
             self._timings.end_blocking(layer.counters, begin)
+
+    # --- Experts on the host ([Note: experts on the host] in host_experts.py) -------------------------------------
+
+    def computes_on_host(self, host: HostExperts) -> bool:
+        """Whether this call of `host`'s experts module computes on the host: eager, outside a capture, in every
+        forward (`cpu_experts=True`) or in forwards that route (`"auto"`)."""
+        return (host.always or self.routing) and not self._capturing()
+
+    def experts_on_host(
+        self, ring: int, position: int, host: HostExperts, index_arg: str, args: tuple, kwargs: dict
+    ) -> tuple[tuple, dict]:
+        """Steps 1-4 of [Note: experts on the host]: the host's part submitted, the device's picks copied into the
+        slot; returns the arguments of the module's forward on the device."""
+        transfers = self.rings[ring]
+        layer = transfers.layers[position]
+        host.pending = None  # a call interrupted before its forward ended left its part behind: never used
+        hidden, index, weights = locate(args, kwargs, index_arg)
+        if not (isinstance(hidden, torch.Tensor) and isinstance(weights, torch.Tensor)):
+            raise TypeError(
+                f"hf_prefetch: the experts module of streamed layer {position} was called without hidden states and "
+                "routing weights as tensors, which PrefetchConfig(cpu_experts=...) needs to compute it on the host."
+            )
+        if not transfers.holds(position):  # the experts module ran without its layer's wait
+            self._load_now(transfers, position)
+        if layer.fill is Fill.WHOLE and not host.always:  # the slot holds every expert: nothing crosses the link
+            self.gather(ring, position, index)
+            return args, kwargs
+        held = None
+        if not host.always and (layer.cache is not None or layer.recent is not None):
+            held = torch.zeros(host.num_experts, dtype=torch.bool, device=index.device)
+            if layer.cache is not None:
+                held |= layer.cache.slot_of >= 0
+            if layer.recent is not None:
+                held |= layer.recent.ready > 0
+        index_h, weights_h, hidden_h, held_h = self._read_on_host([index, weights, hidden, held])
+        on_host = pick_host_experts(index_h, held_h, host.num_experts, 1.0 if host.always else host.share)
+        if not on_host:
+            self.gather(ring, position, index)
+            return args, kwargs
+        layer.gathered = True
+        if layer.recent is not None:
+            remember_picks(layer, index, self.routing)
+        host_side, device_side = split_inputs(index_h, weights_h, on_host, host.num_experts)
+        rows_h, index_hs, weights_hs = host_side
+        whole = rows_h.numel() == index_h.shape[0]
+        inputs = (hidden_h if whole else hidden_h[rows_h], index_hs, weights_hs, torch.get_num_threads())
+        future = worker().submit(host.run, *inputs)
+        layer.counters.host_picks += int(sum((index_h == e).sum() for e in on_host))
+        layer.counters.host_bytes += len(on_host) * host.row_bytes
+        if layer.cache is not None:  # the cache ranks every pick, wherever it computed
+            count_picks(layer, torch.tensor(sorted(on_host), device=index.device))
+        if device_side is None:
+            rows_d = None
+            hidden_d, index_d, weights_d = hidden[:0], index[:0], weights[:0]
+        else:
+            # Only the device's own picks cross the link (each once), named on the host: no synchronisation.
+            picks = torch.tensor(sorted(set(device_side[1].reshape(-1).tolist())), device=index.device)
+            rows_d, index_d, weights_d = (t.to(index.device) for t in device_side)
+            hidden_d = hidden if rows_d.numel() == index.shape[0] else hidden.index_select(0, rows_d)
+            index_d, weights_d = index_d.to(index.dtype), weights_d.to(weights.dtype)
+            self._copy_picks(layer, picks, capturing=False)
+        host.pending = HostSplit(future, rows_h.to(hidden.device), rows_d, index_h.shape[0], device_side is not None)
+        return _replaced(args, kwargs, index_arg, hidden_d, index_d, weights_d)
+
+    def experts_joined(self, ring: int, position: int, host: HostExperts, output: torch.Tensor) -> torch.Tensor:
+        """Step 5 of [Note: experts on the host]: the host's result on the device, plus the device's."""
+        split, host.pending = host.pending, None
+        if split is None:
+            return output
+        out_h, seconds = split.future.result()
+        self.rings[ring].layers[position].counters.host_seconds += seconds
+        out_h = out_h.to(output.device)
+        if not split.device_computes and split.host_rows.numel() == split.tokens:
+            return out_h
+        result = torch.zeros((split.tokens, *out_h.shape[1:]), dtype=out_h.dtype, device=output.device)
+        result.index_copy_(0, split.host_rows, out_h)
+        if split.device_computes:
+            result.index_add_(0, split.device_rows, output.to(out_h.dtype))  # rows are unique: one add each
+        return result
+
+    def _read_on_host(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        # One synchronisation with the compute stream, after the layer's wait.
+        if not self._cuda:
+            return tensors
+        copies = [
+            None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
+            for t in tensors
+        ]
+        torch.cuda.current_stream(self.device).synchronize()
+        return copies
 
     def _complete(self, transfers: RingTransfers, position: int, capturing: bool) -> None:
         # A layer copied without its routed tensors runs in a whole forward: copy them now, on the compute stream. It
@@ -131,8 +236,25 @@ class RoutedFills:
         layer.fill = Fill.WHOLE
 
     def _whole(self, layer: LayerTransfer, position: int, capturing: bool) -> bool:
-        # A copy brings the routed tensors too unless this forward routes; a layer alone in its slot keeps it whole.
-        return not layer.routed or not self.routing or layer.next_in_slot == position
+        # A copy brings the routed tensors too unless this forward routes or the host computes them in every forward
+        # (`host_always`); a layer alone in its slot keeps it whole.
+        if not layer.routed or layer.next_in_slot == position:
+            return True
+        return not self.routing and not layer.host_always
+
+
+def _replaced(args: tuple, kwargs: dict, index_arg: str, hidden, index, weights) -> tuple[tuple, dict]:
+    # The experts module's call with its three inputs replaced, each where the caller passed it.
+    args, kwargs = list(args), dict(kwargs)
+    for position, name, value in ((0, "hidden_states", hidden), (1, index_arg, index), (2, None, weights)):
+        if len(args) > position:
+            args[position] = value
+        elif name is not None and name in kwargs:
+            kwargs[name] = value
+        elif name is None:
+            key = next(k for k in kwargs if k not in ("hidden_states", index_arg))
+            kwargs[key] = value
+    return tuple(args), kwargs
 
 
 def fetch_ahead(layer: LayerTransfer, whole: bool, tokens: int | None) -> None:

@@ -1,0 +1,273 @@
+"""Routed experts computed on the host's cores (PrefetchConfig(cpu_experts=...), hf_prefetch/runtime/host_experts.py):
+the module's own forward on host storage, the split of a forward's picks between host and device, its checks and
+its failure paths."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import hf_prefetch
+from hf_prefetch import PrefetchConfig
+from hf_prefetch.runtime.hooks import RoutedHook
+from hf_prefetch.runtime.host_experts import HostExperts, pick_host_experts, split_inputs
+from tests.models import assert_same_generation, generate_with_logits, llama_and_logits
+from tests.moe_models import FAMILIES, VOCAB, moe_model
+
+# Layers 1 and 3 stream, taking turns in one slot; a forward of up to 4 tokens routes.
+ROUTED = dict(group_size=2, num_in_group=1, prefetch_step=1, routed_max_tokens=4)
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _ids(seed: int = 1, length: int = 6) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _hooks(model) -> list[RoutedHook]:
+    found = []
+    for module in model.modules():
+        hook = getattr(module, "_hf_hook", None)
+        for h in getattr(hook, "hooks", [hook]):
+            if isinstance(h, RoutedHook):
+                found.append(h)
+    return found
+
+
+def _host_parts(monkeypatch) -> list:
+    """Every host computation's (inputs, output), recorded as the worker runs it."""
+    calls = []
+    run = HostExperts.run
+
+    def recording(self, hidden, index, weights, threads):
+        out, seconds = run(self, hidden, index, weights, threads)
+        calls.append((self, hidden.clone(), index.clone(), weights.clone(), out.clone()))
+        return out, seconds
+
+    monkeypatch.setattr(HostExperts, "run", recording)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "family, implementation",
+    [(family, "eager") for family in FAMILIES] + [("qwen3_moe", "grouped_mm"), ("gpt_oss", "batched_mm")],
+)
+def test_cpu_experts_true_on_the_cpu_is_bitwise_the_resident_model_and_copies_no_expert(family, implementation):
+    model = moe_model(family, experts_implementation=implementation)
+    want = generate_with_logits(copy.deepcopy(model), _ids())
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, cpu_experts=True), device="cpu")
+    try:
+        assert_same_generation(generate_with_logits(model, _ids()), want)
+        stats = hf_prefetch.stats(model)
+        # Every forward's picks (the prefill's too) computed on the host: no expert row crossed, no layer completed.
+        assert stats.host_picks > 0 and stats.routed_rows == 0 and stats.completions == 0
+        assert stats.host_bytes > 0 and stats.host_seconds > 0
+        routed = sum(t.nbytes for layer in hf_prefetch.get_state(model).engine.rings[0].layers for t in layer.routed)
+        whole = sum(layer.copies for layer in stats.layers) * routed / len(stats.layers)
+        assert stats.copied_bytes < whole  # the copies brought everything but the experts
+        assert "host picks" in str(stats)
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_auto_on_the_cpu_computes_the_routing_forwards_on_the_host_bitwise():
+    model = moe_model("qwen3_moe")
+    want = generate_with_logits(copy.deepcopy(model), _ids())
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, cpu_experts="auto"), device="cpu")
+    try:
+        plan = hf_prefetch.get_state(model).plan
+        assert plan.host_compute.share == 1.0 and not plan.host_compute.always  # no link on a CPU device
+        assert "experts on host" in str(plan)
+        assert_same_generation(generate_with_logits(model, _ids()), want)
+        stats = hf_prefetch.stats(model)
+        # The prefill (6 tokens, more than routed_max_tokens) copied whole; the 5 decode forwards computed on the host,
+        # except the first one's layer 1: copied whole at the prefill's end, it holds every expert in its slot.
+        assert stats.host_picks == 5 * 4 * len(stats.layers) - 4 and stats.routed_rows == 0
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
+def test_a_split_is_deterministic_and_its_host_part_is_the_modules_own_forward_on_the_host(
+    monkeypatch, device, implementation
+):
+    reference = moe_model("qwen3_moe", experts_implementation=implementation)
+    want = generate_with_logits(copy.deepcopy(reference).to(device), _ids().to(device))
+    calls = _host_parts(monkeypatch)
+    model = copy.deepcopy(reference)
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, cpu_experts="auto"), device=device)
+    try:
+        paths = {}
+        for hook in _hooks(model):
+            hook.host.share = 0.5  # half of each forward's picks on each side
+            paths[id(hook.host)] = hook.path
+        first = generate_with_logits(model, _ids().to(device))
+        second = generate_with_logits(model, _ids().to(device))
+        assert_same_generation(second, first)  # every run the same
+        stats = hf_prefetch.stats(model)
+        assert 0 < stats.host_picks < stats.host_picks + stats.routed_picks
+        assert stats.routed_rows > 0  # the device's share crossed the link
+        # A sum in another order than the resident model's, of the same experts' results.
+        for got, expected in zip(first.logits, want.logits, strict=True):
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    finally:
+        hf_prefetch.remove_offload(model)
+    # Each host part is the experts module's own forward on the host, on the same inputs, bit for bit.
+    assert calls
+    for host, hidden, index, weights, out in calls:
+        module = copy.deepcopy(reference.get_submodule(paths[id(host)])).cpu()
+        with torch.no_grad():
+            assert torch.equal(type(module).forward(module, hidden, index, weights), out)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cpu_experts_true_gives_the_host_computed_model_every_run(device):
+    # On a GPU, the host's kernels accumulate as the host's: the tokens are those of the model with its experts run on
+    # the host, every run alike, and within rounding of the resident GPU model.
+    reference = moe_model("gpt_oss").to(torch.bfloat16)
+    want = generate_with_logits(copy.deepcopy(reference).to(device), _ids().to(device))
+    model = copy.deepcopy(reference)
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, cpu_experts=True), device=device)
+    try:
+        runs = [generate_with_logits(model, _ids().to(device)) for _ in range(2)]
+        assert_same_generation(runs[1], runs[0])
+        if device == "cpu":
+            assert_same_generation(runs[0], want)
+        largest = max(
+            (a.float() - b.float()).abs().max().item() for a, b in zip(runs[0].logits, want.logits, strict=True)
+        )
+        assert largest < 0.5, largest
+        assert hf_prefetch.stats(model).routed_rows == 0
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_pick_host_experts_leaves_held_experts_on_the_device_and_takes_the_least_picked_first():
+    index = torch.tensor([[3, 5], [5, 7], [9, 3], [5, 1]])  # 5 three times, 3 twice, the others once
+    held = torch.zeros(10, dtype=torch.bool)
+    assert pick_host_experts(index, None, 10, 1.0) == {1, 3, 5, 7, 9}
+    assert pick_host_experts(index, None, 10, 0.0) == set()
+    # Five experts, 40%: two, picked once each, highest first among ties.
+    assert pick_host_experts(index, None, 10, 0.4) == {9, 7}
+    held[9] = held[7] = True
+    assert pick_host_experts(index, held, 10, 0.4) == {1}  # round(3 * 0.4) of 1, 3, 5
+    assert pick_host_experts(torch.tensor([[10, -1]]), None, 10, 1.0) == set()  # sentinels are no experts
+
+
+def test_split_inputs_gives_each_side_its_tokens_and_fills_the_other_sides_picks_with_a_zero_weighted_own_pick():
+    index = torch.tensor([[3, 5], [7, 7], [5, 1]])
+    weights = torch.tensor([[0.6, 0.4], [0.5, 0.5], [0.9, 0.1]])
+    host, device = split_inputs(index, weights, {5}, 10)
+    rows, idx, w = host
+    assert rows.tolist() == [0, 2]
+    assert idx.tolist() == [[5, 5], [5, 5]] and torch.equal(w, torch.tensor([[0.0, 0.4], [0.9, 0.0]]))
+    rows, idx, w = device
+    assert rows.tolist() == [0, 1, 2]
+    assert idx.tolist() == [[3, 3], [7, 7], [1, 1]]
+    assert torch.equal(w, torch.tensor([[0.6, 0.0], [0.5, 0.5], [0.0, 0.1]]))
+    assert split_inputs(index, weights, {3, 5, 7, 1}, 10)[1] is None  # every pick on the host
+
+
+def test_a_failing_host_computation_fails_the_forward_and_the_next_one_is_bitwise(monkeypatch):
+    model = moe_model("qwen3_moe")
+    want = generate_with_logits(copy.deepcopy(model), _ids())
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, cpu_experts=True), device="cpu")
+    run = HostExperts.run
+    failures = {"left": 1}
+
+    def failing(self, *args):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise KeyboardInterrupt  # a Ctrl-C delivered while the host computes
+        return run(self, *args)
+
+    monkeypatch.setattr(HostExperts, "run", failing)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            generate_with_logits(model, _ids())
+        assert all(hook.host.pending is None for hook in _hooks(model))
+        assert_same_generation(generate_with_logits(model, _ids()), want)
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_an_interrupted_device_forward_leaves_no_host_part_for_the_next_call(monkeypatch):
+    model = moe_model("qwen3_moe")
+    want = generate_with_logits(copy.deepcopy(model), _ids())
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, cpu_experts=True), device="cpu")
+    experts = model.model.layers[1].mlp.experts
+    forward = experts._old_forward
+    failures = {"left": 1}
+
+    def failing(*args, **kwargs):
+        if failures["left"]:
+            failures["left"] -= 1
+            raise RuntimeError("device forward failed")
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(experts, "_old_forward", failing)
+    try:
+        with pytest.raises(RuntimeError, match="device forward failed"):
+            generate_with_logits(model, _ids())
+        assert_same_generation(generate_with_logits(model, _ids()), want)
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_compiled_or_captured_forwards_gather_over_the_link_and_say_so():
+    model = moe_model("qwen3_moe")
+    want = generate_with_logits(copy.deepcopy(model), _ids())
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, cpu_experts="auto"), device="cpu")
+    try:
+        engine = hf_prefetch.get_state(model).engine
+        engine.compiled = True  # what ops.py sets once compiled code calls the engine
+        monkey = [h for h in _hooks(model)]
+        for hook in monkey:
+            hook.host, hook.saved = None, hook.host  # the compiled graph's path: the custom op's gather
+        with pytest.warns(UserWarning, match="gathers them over the link"):
+            got = generate_with_logits(model, _ids())
+        assert_same_generation(got, want)
+        assert hf_prefetch.stats(model).host_picks == 0
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_bad_input_is_refused_before_anything_changes():
+    with pytest.raises(ValueError, match=r"cpu_experts='yes' must be False"):
+        PrefetchConfig(cpu_experts="yes")
+    llama, _, _ = llama_and_logits(4)
+    with pytest.raises(ValueError, match="the model has no routed experts"):
+        hf_prefetch.dispatch_model(llama, PrefetchConfig(cpu_experts=True), device="cpu")
+    assert hf_prefetch.get_state(llama) is None
+    model = moe_model("qwen3_moe")
+    config = PrefetchConfig(**ROUTED, cpu_experts=True, offload_params=["gate_up_proj"])
+    with pytest.raises(ValueError, match=r"experts.down_proj stays on the device .*offload_params"):
+        hf_prefetch.dispatch_model(model, config, device="cpu")
+    assert hf_prefetch.get_state(model) is None
+    model.config._experts_implementation = "sonicmoe"
+    with pytest.raises(ValueError, match="experts_implementation='sonicmoe', a CUDA kernel"):
+        hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, cpu_experts=True), device="cpu")
+    assert hf_prefetch.get_state(model) is None
+
+
+def test_quantized_experts_are_refused_naming_their_format(tmp_path):
+    from tests.moe_models import mxfp4_checkpoint
+
+    folder = mxfp4_checkpoint(tmp_path / "mxfp4")
+    with pytest.raises(ValueError, match=r"stored as torch.uint8 \(MXFP4 blocks and scales\)"):
+        hf_prefetch.from_pretrained(folder, PrefetchConfig(**ROUTED, cpu_experts=True), device="cpu")
+
+
+def test_a_plan_whose_routed_layers_own_their_slots_says_cpu_experts_changes_nothing():
+    model = moe_model("qwen3_moe")
+    # Two streamed layers, two slots: each is alone in its slot and keeps its experts on the device.
+    config = PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=2, cpu_experts=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        hf_prefetch.dispatch_model(model, config, device="cpu")
+    try:
+        assert any("computes nothing on the host" in str(w.message) for w in caught)
+        assert not any(hook.host for hook in _hooks(model))
+    finally:
+        hf_prefetch.remove_offload(model)
