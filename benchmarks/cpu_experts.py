@@ -250,6 +250,7 @@ def main() -> None:
             flush=True,
         )
     resident, _, want = measure(reference, ids, args.short, args.long)
+    print(f"resident (all on the GPU): {resident:.4f} s/token", flush=True)
     samples = {name: [] for name in models}
     moved, host_rates, tokens = {}, {}, {}
     for _ in range(args.pairs):
@@ -260,6 +261,8 @@ def main() -> None:
             stats = hf_prefetch.stats(model)
             host_rates[name] = stats.host_bytes / stats.host_seconds / 1e9 if stats.host_seconds else None
             tokens[name] = tokens.get(name, True) and torch.equal(got, want)
+            rate = f", host {host_rates[name]:.1f} GB/s" if host_rates[name] else ""
+            print(f"{name}: {seconds:.4f} s/token, link {copied / 1e9:.3f} GB/token{rate}", flush=True)
     router_bytes = moved["router only"]
     bound = max(resident, router_bytes / (limits["ceiling"] * 1e9))
     best_link = min(statistics.median(samples["router only"]), statistics.median(samples["default"]))
@@ -277,7 +280,10 @@ def main() -> None:
                 tokens_identical=tokens[name],
             )
         )
-    numerics = {name: agreement(models[name], reference, ids, args.agree) for name in ("host", "auto")}
+    numerics = {}
+    for name in ("host", "auto"):
+        numerics[name] = agreement(models[name], reference, ids, args.agree)
+        print(f"{name} against the resident model: {numerics[name]}", flush=True)
     throttled = []
     if args.throttle:
         models.clear()  # their dispatches end as they are collected

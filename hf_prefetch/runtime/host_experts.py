@@ -1,7 +1,5 @@
 """Routed experts computed on the host's cores (`PrefetchConfig(cpu_experts=...)`): the experts module's own forward
-run on its host storage, beside the device's work ([Note: experts on the host]).
-
-[Note: experts on the host]
+run on its host storage, beside the device's work ([Note: experts on the host]
 A streamed layer whose experts compute on the host keeps its routed tensors in host storage as every routed layer
 does. When its experts module is called (its `RoutedHook`, eager), the engine's `experts_on_host`:
 1. Reads the router's choice, the routing weights and the hidden states into host memory: one synchronisation with
@@ -11,46 +9,47 @@ does. When its experts module is called (its `RoutedHook`, eager), the engine's 
    a forward that routes, the experts the device holds stay on the device and the others are split by `share`
    (`planning/host_compute.py`): the host takes those picked by the fewest tokens (ties: the highest index), a
    deterministic choice of the picks and of what the device holds.
-3. Submits the host's part to one worker thread: the module's own forward (`type(module).forward`) on a twin of the
-   module whose parameters are the host tensors, called with the tokens that picked a host expert. Their other
-   picks are replaced by one of the token's host picks with weight 0, so that the forward reads only host experts'
-   weights and adds exact zeros for them.
-4. Copies the device's picks (only those) into the slot as a gather does, and calls the module's forward on the device
-   with the tokens that picked a device expert, their host picks replaced the same way by a device pick: the device
-   never reads a row that is not the layer's. A forward with no device pick runs on zero tokens.
-5. After the device's forward (`experts_joined`): waits for the host's result, copies it to the device and adds the
-   device's result to it, row by row.
-The host part is bitwise the module's own forward run on the host on those inputs, every run (torch's CPU kernels are
-deterministic for a given thread count); with every pick on the host (`cpu_experts=True`, and on a CPU device where
-there is no link) it is the module's forward on all of them, so on a CPU device the result is bitwise today's. A
-split sums the two parts: not bitwise the resident model's result on either side (benchmarks/cpu_experts.py reports
-the difference). In a CUDA-graph capture and under torch.compile the experts are gathered over the link as before
-(the split needs the host to read the router's choice), and a warning says so once.
+3. Starts the copy of the device's picks (only those, each once) into the slot, as a gather does: on CUDA the GPU
+   reads them over the link while the host computes.
+4. Computes the host's part on the calling thread: the module's own forward (`type(module).forward`) on a twin of the
+   module whose parameters are the host tensors, called with the tokens that picked a host expert. Their other picks
+   are replaced by one of the token's host picks with weight 0, so that the forward reads only host experts' weights
+   and adds exact zeros for them. On the calling thread, with its thread count: another thread would split torch's
+   CPU sums differently (and run a second OpenMP team beside the first).
+5. Returns the arguments of the module's forward on the device: the tokens that picked a device expert, their host
+   picks replaced the same way by a device pick, so that the device never reads a row that is not the layer's. A
+   forward with no device pick runs on zero tokens.
+6. After the device's forward (`experts_joined`): copies the host's result to the device and adds the device's
+   result to it, row by row.
+The host part is bitwise the module's own forward run on the host on those inputs, every run; with every pick on the
+host (`cpu_experts=True`, and on a CPU device where there is no link) it is the module's forward on all of them, so on
+a CPU device the result is bitwise today's. A split sums the two parts: not bitwise the resident model's result on
+either side (benchmarks/cpu_experts.py reports the difference). In a CUDA-graph capture and under torch.compile the
+experts are gathered over the link as before (the split needs the host to read the router's choice), and a warning
+says so once.
 """
 
 from __future__ import annotations
 
 import copy
-import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["HostExperts", "HostSplit", "host_twin", "pick_host_experts"]
+__all__ = ["HostExperts", "HostSplit", "host_twin", "pick_host_experts", "split_inputs", "locate"]
 
 
 @dataclass
 class HostSplit:
-    """One call's host part under way: its result comes from `future`; `host_rows` and `device_rows` are the tokens
-    each side computed (None: every token)."""
+    """One call's host part, computed: its `result`; `host_rows` and `device_rows` are the tokens each side computed
+    (`device_rows` None: the device computed none)."""
 
-    future: Future
-    host_rows: torch.Tensor | None
+    result: torch.Tensor | None
+    host_rows: torch.Tensor
     device_rows: torch.Tensor | None
     tokens: int
     device_computes: bool  # whether the device's forward computed any pick
@@ -69,16 +68,8 @@ class HostExperts:
         self.row_bytes = sum(t.nbytes for t in host_params.values()) // self.num_experts
         self.pending: HostSplit | None = None
 
-    def run(
-        self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor, threads: int
-    ) -> tuple[torch.Tensor, float]:
-        """The module's own forward on the host (in the worker thread), with the caller's `threads`, and its seconds.
-
-        A thread that is not the main one starts with OpenMP's default number of threads, not torch's, and torch's CPU
-        kernels split their sums by it: the worker uses the count of the thread that called the model, so that its
-        results are the module's own on that thread, bit for bit."""
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+    def run(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, float]:
+        """The module's own forward on the host, and its seconds."""
         begin = time.perf_counter()
         with torch.no_grad():
             out = self.forward(self.twin, hidden, index, weights)
@@ -138,19 +129,6 @@ def _side(index: torch.Tensor, weights: torch.Tensor, mine: torch.Tensor):
     first = mine.to(torch.int8).argmax(dim=-1, keepdim=True)  # a pick of this side in each row
     filler = index.gather(-1, first).expand_as(index)
     return rows, torch.where(mine, index, filler), torch.where(mine, weights, torch.zeros_like(weights))
-
-
-_worker: ThreadPoolExecutor | None = None
-_worker_lock = threading.Lock()
-
-
-def worker() -> ThreadPoolExecutor:
-    """The one thread that runs host experts (made on first use: `import hf_prefetch` starts no thread)."""
-    global _worker
-    with _worker_lock:
-        if _worker is None:
-            _worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_prefetch-host-experts")
-        return _worker
 
 
 def locate(args: tuple, kwargs: dict, index_arg: str) -> tuple[Any, Any, Any]:

@@ -53,7 +53,7 @@ import torch
 from ..config import warn_at_caller
 from .experts import copy_routed_rows, count_picks, fetch_recent, gather_looked_up, remember_picks
 from .graph_copies import captured_copy
-from .host_experts import HostExperts, HostSplit, locate, pick_host_experts, split_inputs, worker
+from .host_experts import HostExperts, HostSplit, locate, pick_host_experts, split_inputs
 from .ring import CopyEvent, Fill, LayerTransfer, RingTransfers
 
 __all__ = ["RoutedFills", "BYPASSED", "fetch_ahead", "fetched_nothing"]
@@ -127,8 +127,8 @@ class RoutedFills:
     def experts_on_host(
         self, ring: int, position: int, host: HostExperts, index_arg: str, args: tuple, kwargs: dict
     ) -> tuple[tuple, dict]:
-        """Steps 1-4 of [Note: experts on the host]: the host's part submitted, the device's picks copied into the
-        slot; returns the arguments of the module's forward on the device."""
+        """Steps 1-5 of [Note: experts on the host]: the device's picks copied into the slot, the host's part
+        computed; returns the arguments of the module's forward on the device."""
         transfers = self.rings[ring]
         layer = transfers.layers[position]
         host.pending = None  # a call interrupted before its forward ended left its part behind: never used
@@ -159,35 +159,35 @@ class RoutedFills:
         if layer.recent is not None:
             remember_picks(layer, index, self.routing)
         host_side, device_side = split_inputs(index_h, weights_h, on_host, host.num_experts)
-        rows_h, index_hs, weights_hs = host_side
-        whole = rows_h.numel() == index_h.shape[0]
-        inputs = (hidden_h if whole else hidden_h[rows_h], index_hs, weights_hs, torch.get_num_threads())
-        future = worker().submit(host.run, *inputs)
         layer.counters.host_picks += int(sum((index_h == e).sum() for e in on_host))
         layer.counters.host_bytes += len(on_host) * host.row_bytes
         if layer.cache is not None:  # the cache ranks every pick, wherever it computed
             count_picks(layer, torch.tensor(sorted(on_host), device=index.device))
-        if device_side is None:
-            rows_d = None
-            hidden_d, index_d, weights_d = hidden[:0], index[:0], weights[:0]
-        else:
-            # Only the device's own picks cross the link (each once), named on the host: no synchronisation.
+        rows_h, index_hs, weights_hs = host_side
+        rows_d, picks = None, None
+        hidden_d, index_d, weights_d = hidden[:0], index[:0], weights[:0]
+        if device_side is not None:  # on the device before the gather starts: nothing below waits for it
             picks = torch.tensor(sorted(set(device_side[1].reshape(-1).tolist())), device=index.device)
             rows_d, index_d, weights_d = (t.to(index.device) for t in device_side)
             hidden_d = hidden if rows_d.numel() == index.shape[0] else hidden.index_select(0, rows_d)
             index_d, weights_d = index_d.to(index.dtype), weights_d.to(weights.dtype)
+        split = HostSplit(None, rows_h.to(hidden.device), rows_d, index_h.shape[0], device_side is not None)
+        if picks is not None:
+            # Only the device's own picks cross the link, each once. On CUDA the GPU reads them over the link while
+            # the host computes its part.
             self._copy_picks(layer, picks, capturing=False)
-        host.pending = HostSplit(future, rows_h.to(hidden.device), rows_d, index_h.shape[0], device_side is not None)
+        whole = rows_h.numel() == index_h.shape[0]
+        split.result, seconds = host.run(hidden_h if whole else hidden_h[rows_h], index_hs, weights_hs)
+        layer.counters.host_seconds += seconds
+        host.pending = split
         return _replaced(args, kwargs, index_arg, hidden_d, index_d, weights_d)
 
     def experts_joined(self, ring: int, position: int, host: HostExperts, output: torch.Tensor) -> torch.Tensor:
-        """Step 5 of [Note: experts on the host]: the host's result on the device, plus the device's."""
+        """Step 6 of [Note: experts on the host]: the host's result on the device, plus the device's."""
         split, host.pending = host.pending, None
         if split is None:
             return output
-        out_h, seconds = split.future.result()
-        self.rings[ring].layers[position].counters.host_seconds += seconds
-        out_h = out_h.to(output.device)
+        out_h = split.result.to(output.device)
         if not split.device_computes and split.host_rows.numel() == split.tokens:
             return out_h
         result = torch.zeros((split.tokens, *out_h.shape[1:]), dtype=out_h.dtype, device=output.device)

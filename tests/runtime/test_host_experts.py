@@ -39,8 +39,8 @@ def _host_parts(monkeypatch) -> list:
     calls = []
     run = HostExperts.run
 
-    def recording(self, hidden, index, weights, threads):
-        out, seconds = run(self, hidden, index, weights, threads)
+    def recording(self, hidden, index, weights):
+        out, seconds = run(self, hidden, index, weights)
         calls.append((self, hidden.clone(), index.clone(), weights.clone(), out.clone()))
         return out, seconds
 
@@ -179,7 +179,7 @@ def test_a_failing_host_computation_fails_the_forward_and_the_next_one_is_bitwis
     def failing(self, *args):
         if failures["left"]:
             failures["left"] -= 1
-            raise KeyboardInterrupt  # a Ctrl-C delivered while the host computes
+            raise KeyboardInterrupt  # a Ctrl-C while the host computes
         return run(self, *args)
 
     monkeypatch.setattr(HostExperts, "run", failing)
