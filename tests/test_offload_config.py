@@ -153,6 +153,9 @@ with warnings.catch_warnings():
         "PrefetchConfig.recent_experts": dataclasses.replace(
             BASE, prefetch=dataclasses.replace(BASE.prefetch, recent_experts=False)
         ),
+        "PrefetchConfig.cpu_experts": dataclasses.replace(
+            BASE, prefetch=dataclasses.replace(BASE.prefetch, cpu_experts="auto")
+        ),
         "PrefetchConfig.compress": dataclasses.replace(
             BASE, prefetch=dataclasses.replace(BASE.prefetch, compress=True)
         ),
