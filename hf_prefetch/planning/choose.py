@@ -91,8 +91,11 @@ def options_unused(plan: OffloadPlan) -> list[str]:
     nothing = compresses_nothing(plan)
     if nothing is not None:
         unused.append(f"PrefetchConfig(compress=True) changes nothing in this plan: {nothing}. Drop compress=True.")
+    on_host = getattr(config, "cpu_experts", False) is True and plan.host_compute is not None
     if config.expert_cache and not plan.cache_bytes:
-        if not plan.routed_bytes:
+        if on_host:
+            why = "with cpu_experts=True every pick of the routed layers computes on the host, which needs no cache"
+        elif not plan.routed_bytes:
             why = "no streamed parameter is routed (no experts module streams expert by expert)"
         elif plan.routed_max_tokens == 0:
             why = "with routed_max_tokens=0 no forward routes, so a cache would never be read"
@@ -105,9 +108,11 @@ def options_unused(plan: OffloadPlan) -> list[str]:
             f"PrefetchConfig(expert_cache={config.expert_cache}) keeps no expert on the device in this plan: {why}. "
             "Drop expert_cache."
         )
-    fetching = any(caches_experts(layer) for ring in plan.rings for layer in ring.streamed)
+    fetching = any(caches_experts(layer) for ring in plan.rings for layer in ring.streamed) and not on_host
     if getattr(config, "recent_experts", None) is True and not (fetching and plan.routed_max_tokens > 0):
-        if not plan.routed_bytes:
+        if on_host:
+            why = "with cpu_experts=True every pick of the routed layers computes on the host, so none is fetched"
+        elif not plan.routed_bytes:
             why = "no streamed parameter is routed (no experts module streams expert by expert)"
         elif plan.routed_max_tokens == 0:
             why = "with routed_max_tokens=0 no forward routes, so no copy fetches picks ahead"

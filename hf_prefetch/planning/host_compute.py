@@ -34,7 +34,7 @@ HOST_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # without the decorator, its own forward). Others (deepgemm, sonicmoe) are CUDA kernels.
 _HOST_IMPLEMENTATIONS = (None, "eager", "grouped_mm", "batched_mm")
 
-SPEED_BYTES = 256 * 2**20
+SPEED_BYTES = 128 * 2**20
 """Expert bytes each side moves per timed round when `"auto"` measures the host's and the link's speeds."""
 
 
@@ -65,14 +65,19 @@ def plan_host_compute(model: nn.Module, plan: OffloadPlan, device: torch.device)
     for layer in layers:
         for routing in dict.fromkeys(spec.routing for spec in layer.routed):
             _check_module(model, layer, routing, given)
+    if not layers or (mode == "auto" and plan.routed_max_tokens == 0):
+        return plan  # nothing computes on the host (`host_unused` says why)
     if mode is True:
         # Their bytes never cross the link: no expert cache to fill.
         return replace(plan, host_compute=HostCompute(always=True, share=1.0), cached_experts=0)
-    if device.type != "cuda" or not layers:
+    if device.type != "cuda":
         return replace(plan, host_compute=HostCompute(always=False, share=1.0))  # no link: all on the host
     spec = max(layers[0].routed, key=lambda s: s.nbytes)
     shapes = [tuple(s.shape[1:]) for s in layers[0].routed]
-    host_gbps, link_gbps = measure_host_speeds(device, shapes, spec.dtype)
+    try:
+        host_gbps, link_gbps = measure_host_speeds(device, shapes, spec.dtype)
+    except torch.cuda.OutOfMemoryError:  # a device too full for the measurement's buffer: a smaller one
+        host_gbps, link_gbps = measure_host_speeds(device, shapes, spec.dtype, SPEED_BYTES // 8)
     share = split_share(host_gbps, link_gbps)
     return replace(plan, host_compute=HostCompute(False, share, host_gbps, link_gbps))
 
@@ -82,7 +87,12 @@ def host_unused(plan: OffloadPlan) -> str | None:
     mode = getattr(plan.config, "cpu_experts", False)
     if mode is False or plan.backend != "prefetch":
         return None
-    if not host_layers(plan.rings):
+    if not plan.routed_bytes:
+        why = (
+            "no streamed parameter is routed (PrefetchConfig(routed_experts=False) streams expert tensors whole, "
+            "or no experts module streams)"
+        )
+    elif not host_layers(plan.rings):
         why = (
             "no streamed layer has routed experts that take turns in a slot (routed layers alone in their slot "
             "keep their experts on the device)"
@@ -111,6 +121,11 @@ def _check_module(model: nn.Module, layer: LayerPlan, routing: Routing, given: s
                 f"{given}: {path}.{name} stays on the device (PrefetchConfig.offload_params leaves it out), and the "
                 f"host computes {path} from host memory. Offload all of its tensors (offload_params=['experts'] or "
                 "empty), or drop cpu_experts."
+            )
+        if param.dtype not in HOST_DTYPES and param.dtype.is_floating_point and param.dtype.itemsize > 1:
+            raise ValueError(
+                f"{given}: {path}.{name} is stored as {param.dtype}; the host computes from bf16, fp16 or fp32 "
+                "weights. Cast the model (e.g. model.to(torch.bfloat16)), or drop cpu_experts."
             )
         if param.dtype not in HOST_DTYPES:
             raise ValueError(
@@ -142,14 +157,14 @@ def _format_of(module: nn.Module, param: torch.Tensor) -> str:
 
 
 def measure_host_speeds(
-    device: torch.device, shapes: list[tuple[int, ...]], dtype: torch.dtype
+    device: torch.device, shapes: list[tuple[int, ...]], dtype: torch.dtype, nbytes: int = SPEED_BYTES
 ) -> tuple[float, float]:
     """(host, link) in GB/s beside each other, measured now: the host's matmuls of one token through expert matrices
-    of `shapes` and `dtype` (about `SPEED_BYTES` of them, each read once a round) while pinned copies of as many bytes
+    of `shapes` and `dtype` (about `nbytes` of them, each read once a round) while pinned copies of as many bytes
     run to `device` on a stream of their own, for as long as the host's rounds take."""
     matrices = [(s[0], max(1, torch.Size(s[1:]).numel())) for s in shapes if len(s) >= 1]
     one = sum(rows * cols for rows, cols in matrices) * dtype.itemsize
-    copies = max(1, SPEED_BYTES // max(one, 1))
+    copies = max(1, nbytes // max(one, 1))
     weights = [torch.full(s, 0.01, dtype=dtype) for _ in range(copies) for s in matrices]
     inputs = {s[1]: torch.full((1, s[1]), 0.5, dtype=dtype) for s in matrices}
     nbytes = sum(w.numel() for w in weights) * dtype.itemsize

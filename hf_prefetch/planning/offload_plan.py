@@ -23,6 +23,7 @@ from .placements import (
     cache_bytes,
     caches_experts,
     format_bytes,
+    host_layers,
     host_lines,
     kept_plain,
 )
@@ -106,7 +107,12 @@ class OffloadPlan:
 
     @property
     def streamed_bytes_per_forward(self) -> int:
-        return sum(ring.bytes_per_forward for ring in self.rings)
+        """What crosses the link in a forward of many tokens (with `cpu_experts=True`, the routed experts computed on
+        the host do not)."""
+        total = sum(ring.bytes_per_forward for ring in self.rings)
+        if self.host_compute is not None and self.host_compute.always:
+            total -= sum(spec.nbytes for layer in host_layers(self.rings) for spec in layer.routed)
+        return total
 
     @property
     def routed_bytes(self) -> int:
@@ -117,13 +123,20 @@ class OffloadPlan:
     def streamed_bytes_per_token(self) -> int:
         """What crosses the link in a forward of one token; equals `streamed_bytes_per_forward` without ROUTED
         parameters or when no forward routes (`routed_max_tokens` 0). With an expert cache, its share of the experts
-        is expected to hit (a router that picks every expert equally often)."""
+        is expected to hit (a router that picks every expert equally often); with `cpu_experts`, the host's share of
+        the picks does not cross (all of them with True)."""
         if self.routed_max_tokens == 0:
             return self.streamed_bytes_per_forward
         total = sum(ring.bytes_per_token for ring in self.rings)
+        if self.host_compute is not None:
+            for layer in host_layers(self.rings):
+                for spec in layer.routed:
+                    r = spec.routing
+                    picked = spec.nbytes * min(r.top_k, r.num_experts) // r.num_experts if r.top_k else spec.nbytes
+                    total -= int(picked * self.host_compute.share)
         for ring in self.rings:
             for layer in ring.layers:
-                if not caches_experts(layer):
+                if not caches_experts(layer) or self.cached_experts == 0:
                     continue
                 for spec in layer.routed:
                     r = spec.routing
@@ -424,13 +437,18 @@ def _totals(plan: OffloadPlan) -> list[tuple[str, str]]:
         per_token = f"{size(plan.streamed_bytes_per_token)} (routed experts: {picks} per token)"
         if plan.link_gbps is not None:
             per_token += f", {plan.streamed_bytes_per_token / (plan.link_gbps * 1e9) * 1e3:.2f} ms"
-        totals.append(("routed experts", f"{size(plan.routed_bytes)}, copied expert by expert in forwards of {when}"))
+        if plan.host_compute is not None and plan.host_compute.always:
+            how = "computed on the host's cores in every forward (cpu_experts=True), except in layers alone in a slot"
+        else:
+            how = f"copied expert by expert in forwards of {when}"
+        totals.append(("routed experts", f"{size(plan.routed_bytes)}, {how}"))
         if plan.cache_bytes:
             cached = min(plan.cached_experts, max(r.num_experts for r in routings))
             totals.append(
                 ("expert cache", f"{size(plan.cache_bytes)} on the device: {cached} experts per routed layer")
             )
-        fetching = [layer for ring in plan.rings for layer in ring.streamed if caches_experts(layer)]
+        on_host = plan.host_compute is not None and plan.host_compute.always  # no recent picks to fetch
+        fetching = [layer for ring in plan.rings for layer in ring.streamed if caches_experts(layer) and not on_host]
         recent = getattr(plan.config, "recent_experts", None)
         if fetching and recent is not False and plan.routed_max_tokens > 0:
             layers = f"{len(fetching)} layer{'s' if len(fetching) != 1 else ''}"

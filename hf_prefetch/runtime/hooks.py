@@ -106,10 +106,12 @@ class RoutedHook(ModelHook):
                 f"({self.index_arg}, a tensor of expert indices), which its routed weights need; got "
                 f"{type(index).__name__}."
             )
+        if self.host is not None and not torch.compiler.is_compiling():
+            self.host.pending = None  # a call that never reached its post_forward (an exception) left its part behind
         if torch.compiler.is_compiling():
             anchor = _input_anchor(args[:1], {k: v for k, v in kwargs.items() if k != self.index_arg})
             torch.ops.hf_prefetch.gather(anchor, index, self.engine_id, self.ring, self.position)
-        elif self.host is not None and self.engine.computes_on_host(self.host):
+        elif self.host is not None and self.engine.computes_on_host(self.host) and self.host.as_dispatched(module):
             args, kwargs = self.engine.experts_on_host(
                 self.ring, self.position, self.host, self.index_arg, args, kwargs
             )

@@ -6,9 +6,10 @@ does. When its experts module is called (its `RoutedHook`, eager), the engine's 
    the compute stream, after the layer's wait (so the device's view of which experts it holds, the expert cache's
    lookup and the recent picks fetched with the copy, is final too).
 2. Splits the picked experts: with `cpu_experts=True` all of them go to the host, in every forward; with `"auto"`, in
-   a forward that routes, the experts the device holds stay on the device and the others are split by `share`
+   a forward that routes, the experts a GPU holds stay there and the others are split by `share`
    (`planning/host_compute.py`): the host takes those picked by the fewest tokens (ties: the highest index), a
-   deterministic choice of the picks and of what the device holds.
+   deterministic choice of the picks and of what the device holds. On a CPU device nothing is held apart: every pick
+   computes in one host forward, the module's own sums.
 3. Starts the copy of the device's picks (only those, each once) into the slot, as a gather does: on CUDA the GPU
    reads them over the link while the host computes.
 4. Computes the host's part on the calling thread: the module's own forward (`type(module).forward`) on a twin of the
@@ -21,6 +22,10 @@ does. When its experts module is called (its `RoutedHook`, eager), the engine's 
    forward with no device pick runs on zero tokens.
 6. After the device's forward (`experts_joined`): copies the host's result to the device and adds the device's
    result to it, row by row.
+A module whose parameters were assigned anew since the dispatch (their new values are not in host storage yet:
+[Note: weights in place]) runs on the device as with `cpu_experts=False`, and so does a call whose layer's slot
+holds every expert (copied whole). A call that did not reach its end (an exception) leaves no part for the next:
+each call of the module forgets the last one's first.
 The host part is bitwise the module's own forward run on the host on those inputs, every run; with every pick on the
 host (`cpu_experts=True`, and on a CPU device where there is no link) it is the module's forward on all of them, so on
 a CPU device the result is bitwise today's. A split sums the two parts: not bitwise the resident model's result on
@@ -62,11 +67,19 @@ class HostExperts:
     def __init__(self, module: nn.Module, host_params: dict[str, torch.Tensor], share: float, always: bool) -> None:
         self.forward: Callable[..., torch.Tensor] = type(module).forward
         self.twin = host_twin(module, host_params)
+        # The module's parameters as dispatched (each pointing at its slot): one assigned anew since computes with its
+        # new value, which host storage does not hold yet ([Note: weights in place]), so the module runs on the device.
+        self._dispatched = [(name, param, param.data_ptr()) for name, param in module.named_parameters()]
         self.num_experts = int(module.num_experts)
         self.share = share
         self.always = always
         self.row_bytes = sum(t.nbytes for t in host_params.values()) // self.num_experts
         self.pending: HostSplit | None = None
+
+    def as_dispatched(self, module: nn.Module) -> bool:
+        """Whether every parameter of the module is still the one the dispatch pointed at its slot."""
+        params = module._parameters
+        return all(params.get(name) is param and param.data_ptr() == ptr for name, param, ptr in self._dispatched)
 
     def run(self, hidden: torch.Tensor, index: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, float]:
         """The module's own forward on the host, and its seconds."""

@@ -143,8 +143,8 @@ class RoutedFills:
         if layer.fill is Fill.WHOLE and not host.always:  # the slot holds every expert: nothing crosses the link
             self.gather(ring, position, index)
             return args, kwargs
-        held = None
-        if not host.always and (layer.cache is not None or layer.recent is not None):
+        held = None  # on a CPU device every pick computes on the host, held or not: the module's own sums
+        if self._cuda and not host.always and (layer.cache is not None or layer.recent is not None):
             held = torch.zeros(host.num_experts, dtype=torch.bool, device=index.device)
             if layer.cache is not None:
                 held |= layer.cache.slot_of >= 0
@@ -159,15 +159,18 @@ class RoutedFills:
         if layer.recent is not None:
             remember_picks(layer, index, self.routing)
         host_side, device_side = split_inputs(index_h, weights_h, on_host, host.num_experts)
-        layer.counters.host_picks += int(sum((index_h == e).sum() for e in on_host))
+        flat = [e for e in index_h.reshape(-1).tolist() if 0 <= e < host.num_experts]
+        host_picks = [e for e in flat if e in on_host]
+        layer.counters.host_picks += len(host_picks)
         layer.counters.host_bytes += len(on_host) * host.row_bytes
         if layer.cache is not None:  # the cache ranks every pick, wherever it computed
-            count_picks(layer, torch.tensor(sorted(on_host), device=index.device))
+            count_picks(layer, torch.tensor(host_picks, device=index.device))
         rows_h, index_hs, weights_hs = host_side
         rows_d, picks = None, None
         hidden_d, index_d, weights_d = hidden[:0], index[:0], weights[:0]
         if device_side is not None:  # on the device before the gather starts: nothing below waits for it
-            picks = torch.tensor(sorted(set(device_side[1].reshape(-1).tolist())), device=index.device)
+            # Every device pick, a repeated one again, as a gather of the router's choice copies and counts them.
+            picks = torch.tensor([e for e in flat if e not in on_host], device=index.device)
             rows_d, index_d, weights_d = (t.to(index.device) for t in device_side)
             hidden_d = hidden if rows_d.numel() == index.shape[0] else hidden.index_select(0, rows_d)
             index_d, weights_d = index_d.to(index.dtype), weights_d.to(weights.dtype)
