@@ -89,6 +89,17 @@ def moe_model(family: str, seed: int = 0, experts_implementation: str = "eager")
 FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3", "gpt_oss")
 
 
+def routed_hooks(model) -> list:
+    """The `RoutedHook`s of a dispatched model's experts modules, in module order."""
+    from hf_prefetch.runtime.hooks import RoutedHook
+
+    found = []
+    for module in model.modules():
+        hook = getattr(module, "_hf_hook", None)
+        found += [h for h in getattr(hook, "hooks", [hook]) if isinstance(h, RoutedHook)]
+    return found
+
+
 # The e2m1 values of the 16 nibbles (transformers' FP4_VALUES).
 _FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
 

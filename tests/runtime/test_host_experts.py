@@ -10,10 +10,9 @@ import torch
 
 import hf_prefetch
 from hf_prefetch import PrefetchConfig
-from hf_prefetch.runtime.hooks import RoutedHook
 from hf_prefetch.runtime.host_experts import HostExperts, pick_host_experts, split_inputs
 from tests.models import assert_same_generation, generate_with_logits, llama_and_logits
-from tests.moe_models import FAMILIES, VOCAB, moe_model
+from tests.moe_models import FAMILIES, VOCAB, moe_model, routed_hooks
 
 # Layers 1 and 3 stream, taking turns in one slot; a forward of up to 4 tokens routes.
 ROUTED = dict(group_size=2, num_in_group=1, prefetch_step=1, routed_max_tokens=4)
@@ -22,16 +21,6 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 def _ids(seed: int = 1, length: int = 6) -> torch.Tensor:
     return torch.randint(3, VOCAB, (1, length), generator=torch.Generator().manual_seed(seed))
-
-
-def _hooks(model) -> list[RoutedHook]:
-    found = []
-    for module in model.modules():
-        hook = getattr(module, "_hf_hook", None)
-        for h in getattr(hook, "hooks", [hook]):
-            if isinstance(h, RoutedHook):
-                found.append(h)
-    return found
 
 
 def _host_parts(monkeypatch) -> list:
@@ -99,7 +88,7 @@ def test_a_split_is_deterministic_and_its_host_part_is_the_modules_own_forward_o
     hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, cpu_experts="auto"), device=device)
     try:
         paths = {}
-        for hook in _hooks(model):
+        for hook in routed_hooks(model):
             hook.host.share = 0.5  # half of each forward's picks on each side
             paths[id(hook.host)] = hook.path
         first = generate_with_logits(model, _ids().to(device))
@@ -186,7 +175,7 @@ def test_a_failing_host_computation_fails_the_forward_and_the_next_one_is_bitwis
     try:
         with pytest.raises(KeyboardInterrupt):
             generate_with_logits(model, _ids())
-        assert all(hook.host.pending is None for hook in _hooks(model))
+        assert all(hook.host.pending is None for hook in routed_hooks(model))
         assert_same_generation(generate_with_logits(model, _ids()), want)
     finally:
         hf_prefetch.remove_offload(model)
@@ -222,7 +211,7 @@ def test_compiled_or_captured_forwards_gather_over_the_link_and_say_so():
     try:
         engine = hf_prefetch.get_state(model).engine
         engine.compiled = True  # what ops.py sets once compiled code calls the engine
-        monkey = [h for h in _hooks(model)]
+        monkey = [h for h in routed_hooks(model)]
         for hook in monkey:
             hook.host, hook.saved = None, hook.host  # the compiled graph's path: the custom op's gather
         with pytest.warns(UserWarning, match="gathers them over the link"):
@@ -268,6 +257,6 @@ def test_a_plan_whose_routed_layers_own_their_slots_says_cpu_experts_changes_not
         hf_prefetch.dispatch_model(model, config, device="cpu")
     try:
         assert any("computes nothing on the host" in str(w.message) for w in caught)
-        assert not any(hook.host for hook in _hooks(model))
+        assert not any(hook.host for hook in routed_hooks(model))
     finally:
         hf_prefetch.remove_offload(model)

@@ -11,9 +11,8 @@ import torch
 
 import hf_prefetch
 from hf_prefetch import PrefetchConfig
-from hf_prefetch.runtime.hooks import RoutedHook
 from tests.models import assert_same_generation, generate_with_logits
-from tests.moe_models import VOCAB, moe_model
+from tests.moe_models import VOCAB, moe_model, routed_hooks
 from tests.routing import control_routing
 
 # Layers 1 and 3 stream, taking turns in one slot; a forward of up to 4 tokens routes.
@@ -24,16 +23,6 @@ def _ids(batch: int = 1, length: int = 6, seed: int = 1) -> torch.Tensor:
     return torch.randint(3, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
-def _hooks(model) -> list[RoutedHook]:
-    found = []
-    for module in model.modules():
-        hook = getattr(module, "_hf_hook", None)
-        for h in getattr(hook, "hooks", [hook]):
-            if isinstance(h, RoutedHook):
-                found.append(h)
-    return found
-
-
 def _dispatch(model, **fields):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -41,7 +30,7 @@ def _dispatch(model, **fields):
 
 
 def _split(model, share: float = 0.5) -> None:
-    for hook in _hooks(model):
+    for hook in routed_hooks(model):
         hook.host.share = share
 
 
