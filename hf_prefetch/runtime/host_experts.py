@@ -7,8 +7,9 @@ does. When its experts module is called (its `RoutedHook`, eager), the engine's 
    lookup and the recent picks fetched with the copy, is final too).
 2. Splits the picked experts: with `cpu_experts=True` all of them go to the host, in every forward; with `"auto"`, in
    a forward that routes, the experts a GPU holds stay there and the others are split by `share`
-   (`planning/host_compute.py`): the host takes those picked by the fewest tokens (ties: the highest index), a
-   deterministic choice of the picks and of what the device holds. On a CPU device nothing is held apart: every pick
+   (`planning/host_compute.py`): the host takes as many as finish both sides soonest at that ratio of speeds
+   (`host_count`), those picked by the fewest tokens (ties: the highest index), a deterministic choice of the picks
+   and of what the device holds. On a CPU device nothing is held apart: every pick
    computes in one host forward, the module's own sums.
 3. Starts the copy of the device's picks (only those, each once) into the slot, as a gather does: on CUDA the GPU
    reads them over the link while the host computes.
@@ -45,7 +46,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["HostExperts", "HostSplit", "host_twin", "pick_host_experts", "split_inputs", "locate"]
+__all__ = ["HostExperts", "HostSplit", "host_twin", "pick_host_experts", "host_count", "split_inputs", "locate"]
 
 
 @dataclass
@@ -105,16 +106,26 @@ def host_twin(module: nn.Module, host_params: dict[str, torch.Tensor]) -> nn.Mod
 
 
 def pick_host_experts(index: torch.Tensor, held: torch.Tensor | None, num_experts: int, share: float) -> set[int]:
-    """Which picked experts the host computes ([Note: experts on the host], step 2): of the distinct experts in
-    `index` (a host tensor) that the device does not hold (`held`, a bool per expert, or None), `round(n * share)`,
-    those picked by the fewest tokens, ties to the highest index."""
+    """Which picked experts the host computes ([Note: experts on the host], step 2): of the n distinct experts in
+    `index` (a host tensor) that the device does not hold (`held`, a bool per expert, or None), the number k that
+    finishes both sides soonest (`host_count`), those picked by the fewest tokens, ties to the highest index."""
     flat = [e for e in index.reshape(-1).tolist() if 0 <= e < num_experts]
     counts: dict[int, int] = {}
     for expert in flat:
         counts[expert] = counts.get(expert, 0) + 1
     free = [e for e in counts if held is None or not bool(held[e])]
-    take = int(round(len(free) * share)) if share < 1.0 else len(free)
-    return set(sorted(free, key=lambda e: (counts[e], -e))[:take])
+    return set(sorted(free, key=lambda e: (counts[e], -e))[: host_count(len(free), share)])
+
+
+def host_count(n: int, share: float) -> int:
+    """Of n experts, how many the host computes when it reads at `share / (1 - share)` times the link's speed: the k
+    whose slower side, `max(k / share, (n - k) / (1 - share))`, is fastest (n * share rounded down or up, whichever
+    is; the lower on a tie)."""
+    if share >= 1.0 or share <= 0.0:
+        return n if share >= 1.0 else 0
+    low = int(n * share)
+    candidates = [k for k in (low, low + 1) if k <= n]
+    return min(candidates, key=lambda k: (max(k / share, (n - k) / (1 - share)), k))
 
 
 Side = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

@@ -10,7 +10,7 @@ import torch
 
 import hf_prefetch
 from hf_prefetch import PrefetchConfig
-from hf_prefetch.runtime.host_experts import HostExperts, pick_host_experts, split_inputs
+from hf_prefetch.runtime.host_experts import HostExperts, host_count, pick_host_experts, split_inputs
 from tests.models import assert_same_generation, generate_with_logits, llama_and_logits
 from tests.moe_models import FAMILIES, VOCAB, moe_model, routed_hooks
 
@@ -137,11 +137,23 @@ def test_pick_host_experts_leaves_held_experts_on_the_device_and_takes_the_least
     held = torch.zeros(10, dtype=torch.bool)
     assert pick_host_experts(index, None, 10, 1.0) == {1, 3, 5, 7, 9}
     assert pick_host_experts(index, None, 10, 0.0) == set()
-    # Five experts, 40%: two, picked once each, highest first among ties.
+    # Five experts, 40%: two (2 / 0.4 = 5 = 3 / 0.6), picked once each, highest first among ties.
     assert pick_host_experts(index, None, 10, 0.4) == {9, 7}
     held[9] = held[7] = True
-    assert pick_host_experts(index, held, 10, 0.4) == {1}  # round(3 * 0.4) of 1, 3, 5
+    # Of 1, 3, 5: one (its slower side, 2 / 0.6, beats two's, 2 / 0.4).
+    assert pick_host_experts(index, held, 10, 0.4) == {1}
     assert pick_host_experts(torch.tensor([[10, -1]]), None, 10, 1.0) == set()  # sentinels are no experts
+
+
+@pytest.mark.parametrize("n", range(0, 17))
+@pytest.mark.parametrize("share", [0.05, 0.3, 0.36, 0.45, 0.5, 0.7, 0.95])
+def test_host_count_finishes_both_sides_soonest(n, share):
+    def slower(k):
+        return max(k / share, (n - k) / (1 - share))
+
+    best = min(slower(k) for k in range(n + 1))
+    assert slower(host_count(n, share)) == best
+    assert host_count(n, 0.0) == 0 and host_count(n, 1.0) == n
 
 
 def test_split_inputs_gives_each_side_its_tokens_and_fills_the_other_sides_picks_with_a_zero_weighted_own_pick():
