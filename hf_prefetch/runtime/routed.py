@@ -176,8 +176,8 @@ class RoutedFills:
             index_d, weights_d = index_d.to(index.dtype), weights_d.to(weights.dtype)
         split = HostSplit(None, rows_h.to(hidden.device), rows_d, index_h.shape[0], device_side is not None)
         if picks is not None:
-            # Only the device's own picks cross the link, each once. On CUDA the GPU reads them over the link while
-            # the host computes its part.
+            # Only the device's own picks cross the link. On CUDA the GPU reads them over the link while the host
+            # computes its part.
             self._copy_picks(layer, picks, capturing=False)
         whole = rows_h.numel() == index_h.shape[0]
         split.result, seconds = host.run(hidden_h if whole else hidden_h[rows_h], index_hs, weights_hs)
