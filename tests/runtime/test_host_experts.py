@@ -170,48 +170,56 @@ def test_split_inputs_gives_each_side_its_tokens_and_fills_the_other_sides_picks
     assert split_inputs(index, weights, {3, 5, 7, 1}, 10)[1] is None  # every pick on the host
 
 
-def test_a_failing_host_computation_fails_the_forward_and_the_next_one_is_bitwise(monkeypatch):
-    model = moe_model("qwen3_moe")
-    want = generate_with_logits(copy.deepcopy(model), _ids())
-    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, cpu_experts=True), device="cpu")
-    run = HostExperts.run
-    failures = {"left": 1}
-
-    def failing(self, *args):
-        if failures["left"]:
-            failures["left"] -= 1
-            raise KeyboardInterrupt  # a Ctrl-C while the host computes
-        return run(self, *args)
-
-    monkeypatch.setattr(HostExperts, "run", failing)
-    try:
-        with pytest.raises(KeyboardInterrupt):
-            generate_with_logits(model, _ids())
-        assert all(hook.host.pending is None for hook in routed_hooks(model))
-        assert_same_generation(generate_with_logits(model, _ids()), want)
-    finally:
-        hf_prefetch.remove_offload(model)
-
-
-def test_an_interrupted_device_forward_leaves_no_host_part_for_the_next_call(monkeypatch):
+@pytest.mark.parametrize(
+    "where, error",
+    [("host", KeyboardInterrupt), ("device", RuntimeError)],  # a Ctrl-C while the host computes; a failing kernel
+)
+def test_a_failure_in_either_part_fails_the_forward_and_the_next_one_is_bitwise(monkeypatch, where, error):
     model = moe_model("qwen3_moe")
     want = generate_with_logits(copy.deepcopy(model), _ids())
     hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, cpu_experts=True), device="cpu")
     experts = model.model.layers[1].mlp.experts
-    forward = experts._old_forward
+    owner, name = (HostExperts, "run") if where == "host" else (experts, "_old_forward")
+    original = getattr(owner, name)
     failures = {"left": 1}
 
     def failing(*args, **kwargs):
         if failures["left"]:
             failures["left"] -= 1
-            raise RuntimeError("device forward failed")
-        return forward(*args, **kwargs)
+            raise error("failed")
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(experts, "_old_forward", failing)
+    monkeypatch.setattr(owner, name, failing)
     try:
-        with pytest.raises(RuntimeError, match="device forward failed"):
+        with pytest.raises(error):
             generate_with_logits(model, _ids())
         assert_same_generation(generate_with_logits(model, _ids()), want)
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+@pytest.mark.parametrize("mode", [True, "auto"])
+def test_beam_search_sampling_and_left_padded_batches_on_the_host_are_bitwise(mode):
+    model = moe_model("gpt_oss")
+    reference = copy.deepcopy(model)
+    ids = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = 0, 0  # left padding
+    cases = [
+        dict(attention_mask=mask),  # 2 tokens per decode forward: routes
+        dict(num_beams=3, attention_mask=mask),  # 6 tokens per decode forward: whole ("auto" copies)
+        dict(do_sample=True, top_k=20),
+    ]
+    wants = []
+    for case in cases:
+        torch.manual_seed(7)
+        wants.append(generate_with_logits(reference, ids, **case))
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, cpu_experts=mode), device="cpu")
+    try:
+        for case, want in zip(cases, wants, strict=True):
+            torch.manual_seed(7)
+            assert_same_generation(generate_with_logits(model, ids, **case), want)
+        assert hf_prefetch.stats(model).host_picks > 0
     finally:
         hf_prefetch.remove_offload(model)
 
@@ -223,9 +231,8 @@ def test_compiled_or_captured_forwards_gather_over_the_link_and_say_so():
     try:
         engine = hf_prefetch.get_state(model).engine
         engine.compiled = True  # what ops.py sets once compiled code calls the engine
-        monkey = [h for h in routed_hooks(model)]
-        for hook in monkey:
-            hook.host, hook.saved = None, hook.host  # the compiled graph's path: the custom op's gather
+        for hook in routed_hooks(model):
+            hook.host = None  # the compiled graph's path: its custom op calls the engine's gather
         with pytest.warns(UserWarning, match="gathers them over the link"):
             got = generate_with_logits(model, _ids())
         assert_same_generation(got, want)
