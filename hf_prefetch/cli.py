@@ -5,12 +5,12 @@
   the terminal as it comes, then prints seconds per token and the ratio to the transfer bound.
 - `bench PATH`: measures this machine's link, decodes, and prints seconds per token, bound and ratio.
 
-PATH is a checkpoint folder or a Hugging Face Hub id (`org/name`, `--revision`; `loading/hub.py`): `plan` downloads
-no weights, `generate` and `bench` what a load reads and the tokenizer. The model class is `--model-class`, else the
-one `config.json`'s `architectures` names (as transformers' pipelines choose it), else the Auto class that maps its
-`model_type`. Bad input ends with `hf-prefetch <command>: error: ...` and exit status 2, like argparse's own errors;
-the library's messages name the flags (`--reserve`) for its arguments (`reserve_bytes`), and its warnings are printed
-as `hf-prefetch <command>: warning: ...`.
+PATH is a checkpoint folder or a Hub id (`org/name`, `--revision`; `loading/hub.py`): `plan` downloads no weights,
+`generate` and `bench` what a load reads and the tokenizer. The model class is `--model-class`, else the one
+config.json's `architectures` names (as transformers' pipelines choose it), else the Auto class mapping its
+`model_type`. Bad input ends with `hf-prefetch <command>: error: ...` and exit status 2, like argparse's errors; the
+library's messages name the flags (`--reserve`) for its arguments (`reserve_bytes`), its warnings are printed as
+`hf-prefetch <command>: warning: ...`.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ _FLAGS = dict(
     reserve_bytes="--reserve", max_memory="--max-memory", group_size="--group-size", num_in_group="--num-in-group",
     prefetch_step="--prefetch-step", offload_params="--offload-params", routed_experts="--no-routed-experts",
     model_class="--model-class", revision="--revision", links="--links", device="--device", dtype="--dtype",
-    compress="--compress",
+    compress="--compress", cpu_experts="--cpu-experts",
 )  # fmt: skip
 _VALUE = r"\{[^{}]*\}|\[[^\]]*\]|'[^']*'|\"[^\"]*\"|[\w.:+-]+"
 _ASSIGNED = re.compile(rf"(?<![\w.])({'|'.join(_FLAGS)})(?:(\[[^\]]+\])(?!=)|(\[[^\]]+\])?=({_VALUE}))")
@@ -93,6 +93,7 @@ def flags(message: str) -> str:
             parsed = value.removeprefix("transformers.")
         if name in ("routed_experts", "compress"):  # flags without a value
             return _FLAGS[name] if parsed is (name == "compress") else match.group(0)
+        parsed = str(parsed).lower() if name == "cpu_experts" else parsed  # --cpu-experts true|false|auto
         if isinstance(parsed, dict):
             parsed = ",".join(f"{k}={v}" for k, v in parsed.items())
         elif isinstance(parsed, list | tuple):
@@ -176,6 +177,7 @@ def _common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--offload-params", metavar="SEGMENTS", help="comma-separated name segments, e.g. experts")
     parser.add_argument("--no-routed-experts", action="store_true", help="stream expert tensors whole")
     parser.add_argument("--compress", action="store_true", help="stream bf16/fp32 weights losslessly compressed")
+    parser.add_argument("--cpu-experts", choices=("true", "false", "auto"), help="routed experts on the host's cores")
     parser.add_argument("--device", help="execution device (default: the current GPU, else cpu)")
     parser.add_argument(
         "--links", metavar="GPUS", help="GPUs whose host links share the streamed bytes: all, or indices like 0,1"
@@ -207,11 +209,9 @@ def parse_links(text: str | None) -> list[int] | str | None:
 def parse_budget(text: str | None) -> dict[int | str, str] | str | None:
     """`0=10GiB,cpu=64GiB` -> `{0: "10GiB", "cpu": "64GiB"}`; `auto` stays a string. Sizes are checked by the
     library (`max_memory`), keys and the shape here."""
-    if text is None:
-        return None
+    if text is None or text.strip() == "auto":
+        return None if text is None else "auto"
     text = text.strip()
-    if text == "auto":
-        return text
     budget: dict[int | str, str] = {}
     for piece in text.split(","):
         key, sep, value = (part.strip() for part in piece.partition("="))
@@ -329,10 +329,8 @@ def _model_class(args: argparse.Namespace, folder: Path, config: dict[str, Any])
 def _config(args: argparse.Namespace):
     from .config import PrefetchConfig
 
-    fields: dict[str, Any] = {}
-    for name in ("group_size", "num_in_group", "prefetch_step"):
-        if getattr(args, name) is not None:
-            fields[name] = getattr(args, name)
+    numbers = ("group_size", "num_in_group", "prefetch_step")
+    fields: dict[str, Any] = {name: getattr(args, name) for name in numbers if getattr(args, name) is not None}
     if args.offload_params is not None:
         fields["offload_params"] = {s.strip() for s in args.offload_params.split(",") if s.strip()}
         if not fields["offload_params"]:
@@ -343,6 +341,8 @@ def _config(args: argparse.Namespace):
         fields["routed_experts"] = False
     if args.compress:
         fields["compress"] = True
+    if args.cpu_experts is not None:
+        fields["cpu_experts"] = {"true": True, "false": False, "auto": "auto"}[args.cpu_experts]
     return PrefetchConfig(**fields)
 
 

@@ -222,6 +222,23 @@ def test_compress_reaches_the_plan_and_the_tokens(tmp_path, capsys):
     assert out.strip() == tokenizer.decode(want[0, ids.shape[1] :], skip_special_tokens=True).strip()
 
 
+def test_cpu_experts_reaches_the_plan_and_its_errors_name_the_flag(tmp_path, capsys):
+    from tests.moe_models import moe_model
+
+    moe_model("qwen3_moe").save_pretrained(tmp_path)
+    options = ["--group-size", "2", "--prefetch-step", "1", "--device", "cpu"]
+    code, out, err = _run(capsys, "plan", tmp_path, *options, "--cpu-experts", "true")
+    assert code == 0, err
+    expected = hf_prefetch.plan(tmp_path, hf_prefetch.PrefetchConfig(group_size=2, prefetch_step=1, cpu_experts=True))
+    assert "experts on host" in out and out.strip() == str(expected).strip()
+    code, out, err = _run(capsys, "plan", tmp_path, *options, "--cpu-experts", "maybe")
+    assert code == 2 and "invalid choice: 'maybe'" in err
+    llama = tmp_path / "llama"
+    tiny_llama(2).save_pretrained(llama)
+    code, out, err = _run(capsys, "plan", llama, "--device", "cpu", "--cpu-experts", "auto")
+    assert code == 2 and "PrefetchConfig(--cpu-experts auto): the model has no routed experts" in err, err
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_a_prequantized_bitsandbytes_checkpoint_plans_and_generates_what_transformers_loads(tmp_path, capsys):
     # The command line reads a checkpoint saved from an 8-bit model as stored, like from_pretrained.
