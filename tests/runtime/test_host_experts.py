@@ -78,14 +78,15 @@ def test_auto_on_the_cpu_computes_the_routing_forwards_on_the_host_bitwise():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
+@pytest.mark.parametrize("held", [{}, dict(expert_cache=4, recent_experts=True)])  # on a GPU: picks held there
 def test_a_split_is_deterministic_and_its_host_part_is_the_modules_own_forward_on_the_host(
-    monkeypatch, device, implementation
+    monkeypatch, device, implementation, held
 ):
     reference = moe_model("qwen3_moe", experts_implementation=implementation)
     want = generate_with_logits(copy.deepcopy(reference).to(device), _ids().to(device))
     calls = _host_parts(monkeypatch)
     model = copy.deepcopy(reference)
-    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, cpu_experts="auto"), device=device)
+    hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, cpu_experts="auto", **held), device=device)
     try:
         paths = {}
         for hook in routed_hooks(model):
