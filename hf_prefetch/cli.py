@@ -370,7 +370,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _bound_seconds(model) -> tuple[float | None, str]:
-    """The transfer bound of one decode token (None on the CPU) and a sentence about the link."""
+    """One decode token's bound, the link's or its host experts' (None on the CPU), and a sentence about the link."""
     import torch
 
     from . import get_state
@@ -383,9 +383,9 @@ def _bound_seconds(model) -> tuple[float | None, str]:
         return None, "link: none (CPU execution: copies are synchronous; no transfer bound)"
     with torch.cuda.device(device):
         gbps = measure_link_gbps(device)
-    links = state.plan.num_links
-    speed = f"{gbps:.1f} GB/s" if links == 1 else f"{links} links x {gbps:.1f} GB/s"
-    return per_token / (gbps * 1e9 * links), f"link: {speed} pinned host -> {device}; {per_token / 1e9:.3f} GB/token"
+    speed = f"{gbps:.1f} GB/s" if state.plan.num_links == 1 else f"{state.plan.num_links} links x {gbps:.1f} GB/s"
+    bound = max(per_token / (gbps * 1e9 * state.plan.num_links), state.plan.host_seconds_per_token or 0.0)
+    return bound, f"link: {speed} pinned host -> {device}; {per_token / 1e9:.3f} GB/token"
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ from .placements import (
     format_bytes,
     host_layers,
     host_lines,
+    host_seconds,
     kept_plain,
 )
 
@@ -216,6 +217,11 @@ class OffloadPlan:
         if self.link_gbps is None:
             return None
         return self.streamed_bytes_per_forward / (self.link_gbps * 1e9 * self.num_links)
+
+    @property
+    def host_seconds_per_token(self) -> float | None:
+        """The host's compute time of its share of a one-token forward's experts (`placements.host_seconds`)."""
+        return host_seconds(self.rings, self.host_compute)
 
     def __str__(self) -> str:
         return render_text(self)

@@ -363,6 +363,23 @@ def host_layers(rings: tuple[RingPlan, ...]) -> list[LayerPlan]:
     return [layer for ring in rings for layer in ring.streamed if layer.routed and not layer.owns_slot]
 
 
+def routed_bytes_per_token(rings: tuple[RingPlan, ...]) -> int:
+    """The routed experts' bytes a one-token forward picks in the layers of `host_layers`."""
+    return sum(
+        spec.nbytes // spec.routing.num_experts * min(spec.routing.top_k or 1, spec.routing.num_experts)
+        for layer in host_layers(rings)
+        for spec in layer.routed
+    )
+
+
+def host_seconds(rings: tuple[RingPlan, ...], compute: HostCompute | None) -> float | None:
+    """With `cpu_experts` and speeds measured at dispatch (`"auto"` on a GPU): the host's compute time of its share of
+    a one-token forward's picked experts, beside the copies; None otherwise."""
+    if compute is None or compute.host_gbps is None:
+        return None
+    return routed_bytes_per_token(rings) * compute.share / (compute.host_gbps * 1e9)
+
+
 def host_lines(rings: tuple[RingPlan, ...], compute: HostCompute | None) -> list[tuple[str, str]]:
     """The plan's lines on experts computed on the host (none without them)."""
     if compute is None:
@@ -370,11 +387,7 @@ def host_lines(rings: tuple[RingPlan, ...], compute: HostCompute | None) -> list
     layers = host_layers(rings)
     if not layers:
         return []
-    routed = sum(
-        spec.nbytes // spec.routing.num_experts * min(spec.routing.top_k or 1, spec.routing.num_experts)
-        for layer in layers
-        for spec in layer.routed
-    )
+    routed = routed_bytes_per_token(rings)
     on_host = int(routed * compute.share)
     count = f"{len(layers)} layer{'s' if len(layers) != 1 else ''}"
     if compute.always:

@@ -280,3 +280,22 @@ def test_a_plan_whose_routed_layers_own_their_slots_says_cpu_experts_changes_not
         assert not any(hook.host for hook in routed_hooks(model))
     finally:
         hf_prefetch.remove_offload(model)
+
+
+def test_the_plan_predicts_the_hosts_time_from_measured_speeds():
+    import dataclasses
+
+    from hf_prefetch.planning.placements import HostCompute, host_layers
+
+    plan = hf_prefetch.plan(moe_model("qwen3_moe"), PrefetchConfig(**ROUTED, cpu_experts="auto"), device="cpu")
+    assert plan.host_seconds_per_token is None  # no speeds measured on a CPU device
+    measured = dataclasses.replace(plan, host_compute=HostCompute(False, 0.25, host_gbps=10.0, link_gbps=30.0))
+    layers = host_layers(measured.rings)
+    picked = sum(s.nbytes // s.routing.num_experts * s.routing.top_k for layer in layers for s in layer.routed)
+    assert measured.host_seconds_per_token == pytest.approx(picked * 0.25 / 10e9)
+    # The link copies the other three quarters of the picks (the plan on the CPU: none of them).
+    specs = [s.nbytes // s.routing.num_experts * s.routing.top_k for layer in layers for s in layer.routed]
+    moved = sum(bytes_ - int(bytes_ * 0.25) for bytes_ in specs)
+    assert measured.streamed_bytes_per_token - plan.streamed_bytes_per_token == moved
+    shown = str(measured)
+    assert "25% of the picked experts" in shown and "ms predicted (host 10.0 GB/s, link 30.0 GB/s" in shown
