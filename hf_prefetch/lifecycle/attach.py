@@ -241,6 +241,7 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
     # Routing needs the arena mapped on CUDA (pinned); without it no forward routes and a cache would stay unused.
     routable = device.type != "cuda" or state.arena.pinned
     rings: list[RingTransfers] = []
+    hosted = {id(layer) for layer in host_layers(plan.rings)}  # PrefetchConfig.cpu_experts's layers
     for ring, ring_device in zip(plan.rings, ring_devices, strict=True):
         specs = [spec.key for layer in ring.streamed for spec in layer.offloaded]
         staging_key = _staging_key(ring)
@@ -279,7 +280,7 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
             transfer = LayerTransfer(host, slots, layer.slot, layer.next_in_slot, nbytes, routed, decodes)
             if not decodes:  # a compressed layer's staged bytes are copied one by one (engine.store tells them apart)
                 transfer.span = byte_span(slots, host)
-            if (compute := plan.host_compute) is not None and any(layer is h for h in host_layers(plan.rings)):
+            if (compute := plan.host_compute) is not None and id(layer) in hosted:
                 transfer.host_share, transfer.host_always = compute.share, compute.always
             if routable and routed and all(r.device_rows.dim() == 2 for r in routed) and not transfer.host_always:
                 add_lookups(transfer, layer, plan, ring_device)

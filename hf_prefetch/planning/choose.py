@@ -93,13 +93,8 @@ def options_unused(plan: OffloadPlan) -> list[str]:
         unused.append(f"PrefetchConfig(compress=True) changes nothing in this plan: {nothing}. Drop compress=True.")
     on_host = getattr(config, "cpu_experts", False) is True and plan.host_compute is not None
     if config.expert_cache and not plan.cache_bytes:
-        if on_host:
-            why = "with cpu_experts=True every pick of the routed layers computes on the host, which needs no cache"
-        elif not plan.routed_bytes:
-            why = "no streamed parameter is routed (no experts module streams expert by expert)"
-        elif plan.routed_max_tokens == 0:
-            why = "with routed_max_tokens=0 no forward routes, so a cache would never be read"
-        else:  # `placements.caches_experts`: a layer that shares its slot, with the tensors of one experts module
+        why = _nothing_looked_up(plan, on_host, "which needs no cache", "so a cache would never be read")
+        if why is None:  # `placements.caches_experts`: a layer that shares its slot, with one experts module's tensors
             alone = all(layer.owns_slot for ring in plan.rings for layer in ring.streamed if layer.routed)
             why = "each routed layer is alone in its slot, which keeps all of its experts"
             if not alone:
@@ -110,15 +105,21 @@ def options_unused(plan: OffloadPlan) -> list[str]:
         )
     fetching = any(caches_experts(layer) for ring in plan.rings for layer in ring.streamed) and not on_host
     if getattr(config, "recent_experts", None) is True and not (fetching and plan.routed_max_tokens > 0):
-        if on_host:
-            why = "with cpu_experts=True every pick of the routed layers computes on the host, so none is fetched"
-        elif not plan.routed_bytes:
-            why = "no streamed parameter is routed (no experts module streams expert by expert)"
-        elif plan.routed_max_tokens == 0:
-            why = "with routed_max_tokens=0 no forward routes, so no copy fetches picks ahead"
-        else:
-            why = "each routed layer is alone in its slot, which keeps all of its experts"
+        why = _nothing_looked_up(plan, on_host, "so none is fetched", "so no copy fetches picks ahead")
+        why = why or "each routed layer is alone in its slot, which keeps all of its experts"
         unused.append(f"PrefetchConfig(recent_experts=True) changes nothing in this plan: {why}. Drop recent_experts.")
     if (host := host_unused(plan)) is not None:
         unused.append(host)
     return unused
+
+
+def _nothing_looked_up(plan: OffloadPlan, on_host: bool, host_tail: str, idle_tail: str) -> str | None:
+    # Why neither an expert cache nor recent experts would be looked up, where the reason is the plan's as a whole
+    # (None: the reason is its layers').
+    if on_host:
+        return f"with cpu_experts=True every pick of the routed layers computes on the host, {host_tail}"
+    if not plan.routed_bytes:
+        return "no streamed parameter is routed (no experts module streams expert by expert)"
+    if plan.routed_max_tokens == 0:
+        return f"with routed_max_tokens=0 no forward routes, {idle_tail}"
+    return None

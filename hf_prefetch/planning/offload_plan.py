@@ -27,6 +27,7 @@ from .placements import (
     host_lines,
     host_seconds,
     kept_plain,
+    picked_bytes,
 )
 
 if TYPE_CHECKING:
@@ -132,9 +133,7 @@ class OffloadPlan:
         if self.host_compute is not None:
             for layer in host_layers(self.rings):
                 for spec in layer.routed:
-                    r = spec.routing
-                    picked = spec.nbytes * min(r.top_k, r.num_experts) // r.num_experts if r.top_k else spec.nbytes
-                    total -= int(picked * self.host_compute.share)
+                    total -= int(picked_bytes(spec) * self.host_compute.share)
         for ring in self.rings:
             for layer in ring.layers:
                 if not caches_experts(layer) or self.cached_experts == 0:

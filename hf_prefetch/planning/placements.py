@@ -243,14 +243,7 @@ class LayerPlan:
     def bytes_per_token(self) -> int:
         """What a forward of one token copies of this layer: the routed parameters' rows of `top_k` experts (all of
         them where top_k is unknown), and every other offloaded byte (encoded where compressed)."""
-        total = 0
-        for p in self.offloaded:
-            routing = p.routing if p.placement is Placement.ROUTED else None
-            if routing is not None and routing.top_k is not None:
-                total += p.nbytes * min(routing.top_k, routing.num_experts) // routing.num_experts
-            else:
-                total += p.host_nbytes
-        return total
+        return sum(picked_bytes(p) if p.placement is Placement.ROUTED else p.host_nbytes for p in self.offloaded)
 
     @property
     def resident_bytes(self) -> int:
@@ -363,13 +356,16 @@ def host_layers(rings: tuple[RingPlan, ...]) -> list[LayerPlan]:
     return [layer for ring in rings for layer in ring.streamed if layer.routed and not layer.owns_slot]
 
 
+def picked_bytes(spec: ParamSpec) -> int:
+    """A routed parameter's bytes that a forward of one token picks: the rows of its `top_k` experts (every row where
+    top_k is unknown)."""
+    r = spec.routing
+    return spec.nbytes * min(r.top_k, r.num_experts) // r.num_experts if r.top_k is not None else spec.nbytes
+
+
 def routed_bytes_per_token(rings: tuple[RingPlan, ...]) -> int:
     """The routed experts' bytes a one-token forward picks in the layers of `host_layers`."""
-    return sum(
-        spec.nbytes // spec.routing.num_experts * min(spec.routing.top_k or 1, spec.routing.num_experts)
-        for layer in host_layers(rings)
-        for spec in layer.routed
-    )
+    return sum(picked_bytes(spec) for layer in host_layers(rings) for spec in layer.routed)
 
 
 def host_seconds(rings: tuple[RingPlan, ...], compute: HostCompute | None) -> float | None:

@@ -52,13 +52,12 @@ __all__ = ["HostExperts", "HostSplit", "host_twin", "pick_host_experts", "host_c
 @dataclass
 class HostSplit:
     """One call's host part, computed: its `result`; `host_rows` and `device_rows` are the tokens each side computed
-    (`device_rows` None: the device computed none)."""
+    (`device_rows` None: the device computed none), of the call's `tokens`."""
 
     result: torch.Tensor | None
     host_rows: torch.Tensor
     device_rows: torch.Tensor | None
     tokens: int
-    device_computes: bool  # whether the device's forward computed any pick
 
 
 class HostExperts:

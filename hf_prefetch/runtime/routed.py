@@ -131,7 +131,6 @@ class RoutedFills:
         computed; returns the arguments of the module's forward on the device."""
         transfers = self.rings[ring]
         layer = transfers.layers[position]
-        host.pending = None  # a call interrupted before its forward ended left its part behind: never used
         hidden, index, weights = locate(args, kwargs, index_arg)
         if not (isinstance(hidden, torch.Tensor) and isinstance(weights, torch.Tensor)):
             raise TypeError(
@@ -174,7 +173,7 @@ class RoutedFills:
             rows_d, index_d, weights_d = (t.to(index.device) for t in device_side)
             hidden_d = hidden if rows_d.numel() == index.shape[0] else hidden.index_select(0, rows_d)
             index_d, weights_d = index_d.to(index.dtype), weights_d.to(weights.dtype)
-        split = HostSplit(None, rows_h.to(hidden.device), rows_d, index_h.shape[0], device_side is not None)
+        split = HostSplit(None, rows_h.to(hidden.device), rows_d, index_h.shape[0])
         if picks is not None:
             # Only the device's own picks cross the link. On CUDA the GPU reads them over the link while the host
             # computes its part.
@@ -191,11 +190,11 @@ class RoutedFills:
         if split is None:
             return output
         out_h = split.result.to(output.device)
-        if not split.device_computes and split.host_rows.numel() == split.tokens:
+        if split.device_rows is None and split.host_rows.numel() == split.tokens:
             return out_h
         result = torch.zeros((split.tokens, *out_h.shape[1:]), dtype=out_h.dtype, device=output.device)
         result.index_copy_(0, split.host_rows, out_h)
-        if split.device_computes:
+        if split.device_rows is not None:
             result.index_add_(0, split.device_rows, output.to(out_h.dtype))  # rows are unique: one add each
         return result
 
