@@ -16,9 +16,10 @@ decode. GPU only.
    max(all-on-GPU s/token, router-only bytes per token / the concurrent ceiling of step 1, link and host together).
 3. Numerics of the host systems against the resident model: greedy-token agreement over `--agree` tokens (the share of
    positions before the first differing token, and of all positions) and the largest logit difference over the steps
-   before the first difference; each run twice, tokens bitwise the same.
+   before the first difference; each run twice, tokens bitwise the same. The yardstick: the resident model itself with
+   transformers' eager experts against its batched_mm decode (sums in another order, no host involved).
 4. With `--throttle`, a background copy loop shares the link (a consumer link's speed, about half): "router only" and
-   an "auto" dispatched while it runs, with the share it chose.
+   an "auto" dispatched while it runs, with the speeds it measured and the count of a token's picks it gives the host.
 
     python benchmarks/cpu_experts.py --shape gpt-oss-20b --layers 12 [--pairs 2] [--throttle] [--no-default]
         [--no-host]
@@ -45,6 +46,7 @@ from moe import build, generate  # noqa: E402
 from moe_policy import SHAPES  # noqa: E402
 
 import hf_prefetch  # noqa: E402
+from tests.moe_models import routed_hooks  # noqa: E402
 from tests.routing import control_routing  # noqa: E402
 
 PROMPT_TOKENS = 16
@@ -126,17 +128,18 @@ def measure(model, ids, short: int, long: int) -> tuple[float, float, torch.Tens
     return (times[1] - times[0]) / (long - short), (counted[1] - counted[0]) / (long - short), out
 
 
-def agreement(model, reference, ids, tokens: int) -> dict:
-    """Step 3: greedy tokens and logits against the resident model; two runs of `model` bitwise the same."""
+def greedy(model, ids, tokens: int):
+    with torch.no_grad():
+        return model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
+            do_sample=False, output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
 
-    def run(m):
-        with torch.no_grad():
-            return m.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=tokens, min_new_tokens=tokens,
-                do_sample=False, output_logits=True, return_dict_in_generate=True,
-            )  # fmt: skip
 
-    want, got, again = run(reference), run(model), run(model)
+def agreement(model, want, ids, tokens: int) -> dict:
+    """Step 3: greedy tokens and logits against the resident model's (`want`); two runs of `model` bitwise the
+    same."""
+    got, again = greedy(model, ids, tokens), greedy(model, ids, tokens)
     new_want, new_got = want.sequences[0, ids.shape[1] :], got.sequences[0, ids.shape[1] :]
     same = (new_want == new_got).tolist()
     first = same.index(False) if False in same else len(same)
@@ -159,7 +162,9 @@ def agreement(model, reference, ids, tokens: int) -> dict:
 
 
 class Throttle:
-    """A background copy loop on its own stream: the link shared, as a slower one."""
+    """A background copy loop on its own stream: the link shared, as a slower one. The loop waits on blocking events
+    (the thread sleeps until each copy ends): a spinning wait would take one of the host's cores from the experts'
+    matmuls, whose threads then all wait for the one that lost its core."""
 
     def __init__(self, nbytes: int = 256 * 2**20) -> None:
         self.source = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -175,10 +180,13 @@ class Throttle:
         return self
 
     def _loop(self) -> None:
+        done = torch.cuda.Event(blocking=True)
         while self.running:
             with torch.cuda.stream(self.stream):
                 self.dest.copy_(self.source, non_blocking=True)
-            self.stream.synchronize()
+                self.dest.copy_(self.source, non_blocking=True)  # the next copy queued while this one runs
+            done.record(self.stream)
+            done.synchronize()
 
     def __exit__(self, *exc) -> None:
         self.running = False
@@ -259,6 +267,18 @@ def main() -> None:
             ),
             flush=True,
         )
+        hosts = [hook.host for hook in routed_hooks(models[name]) if hook.host is not None]
+        if hosts and hosts[0].times:
+            host = hosts[0]
+            print(
+                f"{name}: the host's times of one token through 1..{len(host.times)} experts: "
+                + ", ".join(f"{t * 1e3:.2f}" for t in host.times)
+                + f" ms; one expert over the link {host.link_row_seconds * 1e3:.2f} ms; a split's synchronisation "
+                f"{host.sync_seconds * 1e3:.2f} ms; of {top_k} picks the host takes {host.count(top_k)}",
+                flush=True,
+            )
+    for model in (reference, *models.values()):  # first calls: kernels loaded, pinned host buffers allocated
+        generate(model, ids, args.short)
     resident, _, want = measure(reference, ids, args.short, args.long)
     print(f"resident (all on the GPU): {resident:.4f} s/token", flush=True)
     samples = {name: [] for name in models}
@@ -290,10 +310,20 @@ def main() -> None:
                 tokens_identical=tokens[name],
             )
         )
-    numerics = {}
+    numerics, greedy_want = {}, greedy(reference, ids, args.agree)
     for name in [name for name in ("auto", "host") if name in models]:
-        numerics[name] = agreement(models[name], reference, ids, args.agree)
+        numerics[name] = agreement(models[name], greedy_want, ids, args.agree)
         print(f"{name} against the resident model: {numerics[name]}", flush=True)
+    # The yardstick: the resident model itself with another of transformers' experts implementations on the GPU
+    # (eager against generate's batched_mm), sums in another order with no host involved.
+    eager = copy.deepcopy(reference)
+    for module in eager.modules():  # the copy's own routing control, on the same seeds
+        module._forward_pre_hooks.clear()
+    eager.set_experts_implementation("eager")
+    control_routing(eager, "random", device="cuda")
+    numerics["resident, eager experts"] = agreement(eager, greedy_want, ids, args.agree)
+    print(f"resident with eager experts against the resident model: {numerics['resident, eager experts']}", flush=True)
+    del eager
     throttled = []
     if args.throttle:
         models.clear()  # their dispatches end as they are collected
@@ -306,7 +336,9 @@ def main() -> None:
             for _ in range(args.pairs):
                 for name, model in slow.items():
                     times[name].append(measure(model, ids, args.short, args.long)[0])
+                    print(f"throttled {name}: {times[name][-1]:.4f} s/token", flush=True)
             chose = hf_prefetch.get_state(slow["auto"]).plan.host_compute
+            slow_host = next(hook.host for hook in routed_hooks(slow["auto"]) if hook.host is not None)
         base = statistics.median(times["router only"])
         for name in slow:
             throttled.append(
@@ -317,9 +349,10 @@ def main() -> None:
                 )
             )
         throttled_note = (
-            f"link shared with a background copy: {shared_link:.1f} GB/s; auto chose share {chose.share:.2f} "
-            f"(host {chose.host_gbps:.1f}, link {chose.link_gbps:.1f} GB/s)"
+            f"link shared with a background copy: {shared_link:.1f} GB/s; auto measured host {chose.host_gbps:.1f}, "
+            f"link {chose.link_gbps:.1f} GB/s and gives the host {slow_host.count(top_k)} of a token's {top_k} picks"
         )
+        print(throttled_note, flush=True)
     print(f"resident (all on the GPU) {resident:.4f} s/token; bound {bound:.4f} s/token")
     print(
         "| system | s/token | link GB/token | speed-up vs best link-only | x bound | host GB/s | tokens = resident |"

@@ -66,9 +66,9 @@ class PrefetchConfig:
             computed. False: on the device, their picked rows copied over the link. True: on the host's cores, by
             the experts module's own forward on its host storage, in every forward: their bytes never cross the link;
             only the hidden states of the tokens and the results do. `"auto"`: in forwards that route (few tokens),
-            the picked experts the device does not hold are split between the host's cores and the link, in the
-            ratio of their measured speeds beside each other, so that both finish together; forwards of many tokens
-            copy as with False. On a CPU device both compute on the host, as False does. See docs/design.md
+            the host computes as many of the picked experts as finish soonest beside the link's copies of the others,
+            from the host's times measured at dispatch (none where the link alone is sooner); forwards of many
+            tokens copy as with False. On a CPU device both compute on the host, as False does. See docs/design.md
             ("Experts on the host").
         compress (`bool`, defaults to False): Keep the streamed bf16 and fp32 weights of layers that take turns in a
             slot losslessly compressed in host memory (about 75% of bf16's bytes, 88% of fp32's), copy the compressed

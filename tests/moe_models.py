@@ -81,8 +81,7 @@ def moe_model(family: str, seed: int = 0, experts_implementation: str = "eager")
         model = _build(GptOssForCausalLM, config, seed)
     else:
         raise ValueError(family)
-    if experts_implementation != "eager":
-        model.set_experts_implementation(experts_implementation)
+    model.set_experts_implementation(experts_implementation)  # transformers' default is grouped_mm
     return model
 
 

@@ -751,7 +751,7 @@ def test_cache_loads_are_counted_and_a_cache_larger_than_the_experts_is_capped()
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "deepseek_v3"])
 def test_from_pretrained_routes_experts_read_straight_from_the_checkpoint(family, tmp_path):
-    model = moe_model(family)
+    model = moe_model(family, experts_implementation="grouped_mm")  # transformers' default, as the load gets
     model.save_pretrained(tmp_path)
     loaded = hf_prefetch.from_pretrained(tmp_path, PrefetchConfig(**ROUTED), device="cpu")
     try:
@@ -764,7 +764,7 @@ def test_from_pretrained_routes_experts_read_straight_from_the_checkpoint(family
 
 
 def test_from_pretrained_with_a_budget_streams_only_the_experts(tmp_path):
-    model = moe_model("qwen3_moe")
+    model = moe_model("qwen3_moe", experts_implementation="grouped_mm")  # transformers' default, as the load gets
     model.save_pretrained(tmp_path)
     budget = dict(max_memory={0: 1_000_000, "cpu": 10**9}, reserve_bytes=0, device="cpu")
     loaded = hf_prefetch.from_pretrained(tmp_path, PrefetchConfig(prefetch_step=1), **budget)

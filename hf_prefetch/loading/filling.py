@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from ..config import warn_at_caller
 from ..formats.parts import get_part
 from ..formats.prequantized import quant_method
 from ..host.arena import HostArena
@@ -84,7 +85,21 @@ def file_pieces(
     pieces: list[FilePiece | None] = [None] * len(layout)
     # Routed experts' rows are read in place by kernels (through the arena's device view), as UVA's weights are.
     routed = any(spec.routing is not None for _, spec in layout)
-    if map_files is False or (map_files is None and direct_io) or compressing or plan.backend == "uva" or routed:
+    unmapped = (
+        "compress=True stores the streamed weights encoded anew"
+        if compressing
+        else "the UVA backend's kernels read the weights in place"
+        if plan.backend == "uva"
+        else "routed experts' rows are read in place by kernels and by the host's experts compute"
+        if routed
+        else None
+    )
+    if map_files and unmapped is not None:
+        warn_at_caller(
+            f"map_files=True maps nothing in this plan: {unmapped}, so the streamed weights are read into host "
+            "memory. Drop map_files."
+        )
+    if map_files is False or (map_files is None and direct_io) or unmapped is not None:
         return pieces
     mappable: dict[Path, bool] = {}
     for i, (path, spec) in enumerate(layout):

@@ -105,7 +105,8 @@ def from_pretrained(
             read-only and page-locked in place) instead of copying them into host memory: no copy and no fresh memory
             at load, and no second copy of them in the page cache. By default, a weight stored as it is loaded (same
             dtype, one tensor) in a shard the page cache holds is mapped; `True` maps such weights of every shard
-            (the pages the cache lacks are read as they are locked), `False` none. The first `state_dict()`,
+            (the pages the cache lacks are read as they are locked), `False` none. A plan that streams compressed, has
+            routed experts or uses the UVA backend maps nothing (`True` then warns). The first `state_dict()`,
             `load_state_dict`, `reload_weights`, `sync_from_device` or `remove_offload(model, "cpu")` copies them
             into private memory first. Do not write over a shard a model was loaded from while it lives (see
             docs/design.md, [Note: mapped host storage]).

@@ -338,7 +338,8 @@ def expert_row_bytes(rings: tuple[RingPlan, ...]) -> int:
 @dataclass(frozen=True)
 class HostCompute:
     """Where the routed experts of `host_layers(rings)` are computed: `always` (True) every forward's picks on the
-    host; otherwise (`"auto"`) in forwards that route, `share` of the picked experts the device does not hold."""
+    host; otherwise (`"auto"`) in forwards that route, up to `share` of the picked experts, each forward's count
+    decided by the host's times measured at dispatch (runtime/host_experts.py)."""
 
     always: bool
     share: float
@@ -390,8 +391,9 @@ def host_lines(rings: tuple[RingPlan, ...], compute: HostCompute | None) -> list
         what = f"{count} compute their routed experts on the host's cores in every forward"
     else:
         what = (
-            f"{count} compute {compute.share:.0%} of the picked experts the device does not hold on the host's cores, "
-            "the rest over the link, in forwards that route"
+            f"{count} compute up to {compute.share:.0%} of the picked experts on the host's cores, the rest over the "
+            "link, in forwards that route (each forward's count from the host's times measured at dispatch: none "
+            "where the link alone is sooner)"
         )
     lines = [("experts on host", what)]
     per_token = (
@@ -400,8 +402,8 @@ def host_lines(rings: tuple[RingPlan, ...], compute: HostCompute | None) -> list
     if compute.host_gbps is not None and compute.link_gbps is not None:
         seconds = max(on_host / (compute.host_gbps * 1e9), (routed - on_host) / (compute.link_gbps * 1e9))
         per_token += (
-            f"; {seconds * 1e3:.2f} ms predicted (host {compute.host_gbps:.1f} GB/s, link "
-            f"{compute.link_gbps:.1f} GB/s beside each other)"
+            f"; {seconds * 1e3:.2f} ms predicted at that share (host {compute.host_gbps:.1f} GB/s, link "
+            f"{compute.link_gbps:.1f} GB/s beside each other, fixed costs left out)"
         )
     lines.append(("host experts/token", per_token))
     return lines

@@ -142,15 +142,11 @@ class RoutedFills:
         if layer.fill is Fill.WHOLE and not host.always:  # the slot holds every expert: nothing crosses the link
             self.gather(ring, position, index)
             return args, kwargs
-        held = None  # on a CPU device every pick computes on the host, held or not: the module's own sums
-        if self._cuda and not host.always and (layer.cache is not None or layer.recent is not None):
-            held = torch.zeros(host.num_experts, dtype=torch.bool, device=index.device)
-            if layer.cache is not None:
-                held |= layer.cache.slot_of >= 0
-            if layer.recent is not None:
-                held |= layer.recent.ready > 0
-        index_h, weights_h, hidden_h, held_h = self._read_on_host([index, weights, hidden, held])
-        on_host = pick_host_experts(index_h, held_h, host.num_experts, 1.0 if host.always else host.share)
+        if not host.splits(index.shape[0]):  # predicted: the link alone is sooner, and no synchronisation is paid
+            self.gather(ring, position, index)
+            return args, kwargs
+        index_h, weights_h, hidden_h = self._read_on_host([index, weights, hidden])
+        on_host = pick_host_experts(index_h, host.num_experts, host.count)
         if not on_host:
             self.gather(ring, position, index)
             return args, kwargs
@@ -189,7 +185,10 @@ class RoutedFills:
         split, host.pending = host.pending, None
         if split is None:
             return output
-        out_h = split.result.to(output.device)
+        out_h = split.result
+        if self._cuda:  # from pinned memory, without the wait for the stream a copy from pageable memory makes
+            out_h = torch.empty(out_h.shape, dtype=out_h.dtype, pin_memory=True).copy_(out_h)
+            out_h = out_h.to(output.device, non_blocking=True)
         if split.device_rows is None and split.host_rows.numel() == split.tokens:
             return out_h
         result = torch.zeros((split.tokens, *out_h.shape[1:]), dtype=out_h.dtype, device=output.device)
@@ -198,14 +197,11 @@ class RoutedFills:
             result.index_add_(0, split.device_rows, output.to(out_h.dtype))  # rows are unique: one add each
         return result
 
-    def _read_on_host(self, tensors: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    def _read_on_host(self, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         # One synchronisation with the compute stream, after the layer's wait.
         if not self._cuda:
             return tensors
-        copies = [
-            None if t is None else torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-            for t in tensors
-        ]
+        copies = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True) for t in tensors]
         torch.cuda.current_stream(self.device).synchronize()
         return copies
 

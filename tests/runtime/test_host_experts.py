@@ -10,7 +10,15 @@ import torch
 
 import hf_prefetch
 from hf_prefetch import PrefetchConfig
-from hf_prefetch.runtime.host_experts import HostExperts, host_count, pick_host_experts, split_inputs
+from hf_prefetch.runtime.host_experts import (
+    HOST_IMPLEMENTATION,
+    HostExperts,
+    best_host_count,
+    host_count,
+    host_twin,
+    pick_host_experts,
+    split_inputs,
+)
 from tests.models import assert_same_generation, generate_with_logits, llama_and_logits
 from tests.moe_models import FAMILIES, VOCAB, moe_model, routed_hooks
 
@@ -90,7 +98,10 @@ def test_a_split_is_deterministic_and_its_host_part_is_the_modules_own_forward_o
     try:
         paths = {}
         for hook in routed_hooks(model):
-            hook.host.share = 0.5  # half of each forward's picks on each side
+            if device != "cpu":  # calibrated at dispatch: the host's times of one token through 1 .. top_k experts
+                times = hook.host.times
+                assert len(times) == 4 and all(t > 0 for t in times) and hook.host.link_row_seconds > 0
+            hook.host.share, hook.host.times = 0.5, None  # half of each forward's picks on each side
             paths[id(hook.host)] = hook.path
         first = generate_with_logits(model, _ids().to(device))
         second = generate_with_logits(model, _ids().to(device))
@@ -103,10 +114,15 @@ def test_a_split_is_deterministic_and_its_host_part_is_the_modules_own_forward_o
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     finally:
         hf_prefetch.remove_offload(model)
-    # Each host part is the experts module's own forward on the host, on the same inputs, bit for bit.
+    # Each host part is the experts module's own forward on the host, on the same inputs, bit for bit: beside a GPU
+    # with the host's implementation (generate switched the module to batched_mm for decoding), on a CPU device with
+    # the module's.
     assert calls
     for host, hidden, index, weights, out in calls:
         module = copy.deepcopy(reference.get_submodule(paths[id(host)])).cpu()
+        if device != "cpu":
+            module.config = copy.copy(module.config)
+            module.config._experts_implementation = HOST_IMPLEMENTATION
         with torch.no_grad():
             assert torch.equal(type(module).forward(module, hidden, index, weights), out)
 
@@ -133,17 +149,77 @@ def test_cpu_experts_true_gives_the_host_computed_model_every_run(device):
         hf_prefetch.remove_offload(model)
 
 
-def test_pick_host_experts_leaves_held_experts_on_the_device_and_takes_the_least_picked_first():
+@pytest.mark.parametrize("implementation", ["eager", "grouped_mm", "batched_mm"])
+def test_a_twin_beside_a_gpu_keeps_the_hosts_implementation_whatever_the_module_switches_to(implementation):
+    module = moe_model("qwen3_moe", experts_implementation=implementation).model.layers[1].mlp.experts
+    params = {name: p.detach().clone() for name, p in module.named_parameters()}
+    beside_gpu, on_cpu = host_twin(module, params, HOST_IMPLEMENTATION), host_twin(module, params)
+    assert beside_gpu.config is not module.config and on_cpu.config is module.config
+    module.config._experts_implementation = "batched_mm"  # what generate does for GPU decoding
+    assert beside_gpu.config._experts_implementation == HOST_IMPLEMENTATION
+    assert on_cpu.config._experts_implementation == "batched_mm"
+    hidden = torch.randn(3, module.config.hidden_size)
+    index = torch.tensor([[1, 4, 9, 15], [2, 4, 4, 0], [7, 8, 9, 3]])
+    weights = torch.rand(3, 4)
+    with torch.no_grad():
+        got = type(module).forward(beside_gpu, hidden, index, weights)
+        module.config._experts_implementation = HOST_IMPLEMENTATION
+        assert torch.equal(got, type(module).forward(module, hidden, index, weights))
+
+
+def test_a_twin_of_a_module_without_implementations_shares_its_configuration():
+    class Experts(torch.nn.Module):  # no @use_experts_implementation: its own forward only
+        def __init__(self):
+            super().__init__()
+            self.config = type("Config", (), {})()
+            self.weight = torch.nn.Parameter(torch.ones(4, 2, 2))
+
+    module = Experts()
+    twin = host_twin(module, {"weight": torch.zeros(4, 2, 2)}, HOST_IMPLEMENTATION)
+    assert twin.config is module.config and not hasattr(twin.config, "_experts_implementation")
+    assert torch.equal(twin.weight, torch.zeros(4, 2, 2)) and torch.equal(module.weight, torch.ones(4, 2, 2))
+
+
+def test_pick_host_experts_takes_the_least_picked_first_from_the_picks_alone():
     index = torch.tensor([[3, 5], [5, 7], [9, 3], [5, 1]])  # 5 three times, 3 twice, the others once
-    held = torch.zeros(10, dtype=torch.bool)
-    assert pick_host_experts(index, None, 10, 1.0) == {1, 3, 5, 7, 9}
-    assert pick_host_experts(index, None, 10, 0.0) == set()
-    # Five experts, 40%: two (2 / 0.4 = 5 = 3 / 0.6), picked once each, highest first among ties.
-    assert pick_host_experts(index, None, 10, 0.4) == {9, 7}
-    held[9] = held[7] = True
-    # Of 1, 3, 5: one (its slower side, 2 / 0.6, beats two's, 2 / 0.4).
-    assert pick_host_experts(index, held, 10, 0.4) == {1}
-    assert pick_host_experts(torch.tensor([[10, -1]]), None, 10, 1.0) == set()  # sentinels are no experts
+    assert pick_host_experts(index, 10, lambda n: n) == {1, 3, 5, 7, 9}
+    assert pick_host_experts(index, 10, lambda n: 0) == set()
+    # Two of five, picked once each, highest first among ties; then 3 (twice) before 5 (three times).
+    assert pick_host_experts(index, 10, lambda n: 2) == {9, 7}
+    assert pick_host_experts(index, 10, lambda n: 4) == {9, 7, 1, 3}
+    seen = []
+    pick_host_experts(index, 10, lambda n: seen.append(n) or 0)
+    assert seen == [5]  # the count is asked of the distinct picks
+    assert pick_host_experts(torch.tensor([[10, -1]]), 10, lambda n: n) == set()  # sentinels are no experts
+
+
+def test_best_host_count_weighs_the_measured_host_times_and_the_sync_against_the_link():
+    row = 1.0  # one expert's row over the link: 1 s
+    # A host as fast as the link per expert with no fixed cost: half each.
+    assert best_host_count(4, (1.0, 2.0, 3.0, 4.0), row, 0.0) == 2
+    # The same host with a fixed cost of 3.1 s a call: of 4 picks a split finishes at best in max(4.1, 3) = 4.1,
+    # against 4 over the link alone, so nothing on the host; of 8 it pays: max(5.1, 6) = 6 < 8.
+    slow_start = (4.1, 5.1, 6.1, 7.1)
+    assert best_host_count(4, slow_start, row, 0.0) == 0
+    assert best_host_count(8, slow_start, row, 0.0) == 2
+    assert best_host_count(16, slow_start, row, 0.0) == 6  # past the measured times, at the last step's cost
+    # The synchronisation alone can tip it.
+    assert best_host_count(2, (0.5, 1.0), row, 0.0) == 1
+    assert best_host_count(2, (0.5, 1.0), row, 1.6) == 0
+    assert best_host_count(0, (0.5,), row, 0.0) == 0
+    assert best_host_count(3, (), row, 0.0) == 0  # nothing measured: the link
+
+
+def test_auto_beside_a_gpu_skips_the_hosts_synchronisation_for_forwards_predicted_not_to_gain():
+    module = moe_model("qwen3_moe").model.layers[1].mlp.experts  # 16 experts, top 4
+    params = {name: p.detach().clone() for name, p in module.named_parameters()}
+    host = HostExperts(module, params, share=0.4, always=False, beside_gpu=True)
+    assert host.splits(1) and host.count(4) == 1  # uncalibrated: the share (max(1 / 0.4, 3 / 0.6) = 5)
+    host.times, host.link_row_seconds, host.sync_seconds = (4.1, 5.1, 6.1, 7.1), 1.0, 0.0
+    assert not host.splits(1) and host.count(4) == 0
+    assert host.splits(4)  # four tokens reach about 10 distinct experts, where the host pays
+    host.always = True
+    assert host.splits(1) and host.count(4) == 4
 
 
 @pytest.mark.parametrize("n", range(0, 17))
@@ -298,4 +374,5 @@ def test_the_plan_predicts_the_hosts_time_from_measured_speeds():
     moved = sum(bytes_ - int(bytes_ * 0.25) for bytes_ in specs)
     assert measured.streamed_bytes_per_token - plan.streamed_bytes_per_token == moved
     shown = str(measured)
-    assert "25% of the picked experts" in shown and "ms predicted (host 10.0 GB/s, link 30.0 GB/s" in shown
+    assert "up to 25% of the picked experts" in shown
+    assert "ms predicted at that share (host 10.0 GB/s, link 30.0 GB/s" in shown

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 import hf_prefetch
 from hf_prefetch import PrefetchConfig
@@ -190,3 +191,31 @@ def test_cpu_experts_with_routed_experts_false_names_routed_experts_false():
         hf_prefetch.plan(model, PrefetchConfig(**ROUTED, cpu_experts=True, routed_experts=False), device="cpu")
     host = [str(w.message) for w in caught if "cpu_experts" in str(w.message)]
     assert host and "routed_experts=False" in host[0], host
+
+
+@pytest.mark.parametrize("mode", [True, "auto"])
+def test_compress_leaves_the_routed_experts_plain_so_the_host_computes_from_them(mode):
+    # The codec never encodes routed experts (copied row by row): the host reads the same plain tensors it always does.
+    model = moe_model("qwen3_moe").to(torch.bfloat16)
+    want = generate_with_logits(copy.deepcopy(model), _ids())
+    with pytest.warns(UserWarning, match="routed experts, copied row by row"):
+        hf_prefetch.dispatch_model(model, PrefetchConfig(**ROUTED, cpu_experts=mode, compress=True), device="cpu")
+    try:
+        assert_same_generation(generate_with_logits(model, _ids()), want)
+        assert hf_prefetch.stats(model).host_picks > 0
+    finally:
+        hf_prefetch.remove_offload(model)
+
+
+def test_map_files_true_says_that_a_model_with_routed_experts_keeps_its_streamed_weights_in_host_memory(tmp_path):
+    moe_model("qwen3_moe").to(torch.bfloat16).save_pretrained(tmp_path)
+    want = generate_with_logits(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16), _ids())
+    config = PrefetchConfig(**ROUTED, cpu_experts=True)
+    with pytest.warns(UserWarning, match="map_files=True maps nothing in this plan: routed experts' rows") as caught:
+        loaded = hf_prefetch.from_pretrained(tmp_path, config, device="cpu", map_files=True, dtype=torch.bfloat16)
+    assert any(w.filename == __file__ for w in caught if "map_files" in str(w.message))  # the caller's line
+    try:
+        assert hf_prefetch.get_state(loaded).arena.file_bytes == 0  # no host tensor is a file's page
+        assert_same_generation(generate_with_logits(loaded, _ids()), want)
+    finally:
+        hf_prefetch.remove_offload(loaded)
