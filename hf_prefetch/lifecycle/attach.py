@@ -301,7 +301,7 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
                 module, host = model.get_submodule(path), None
                 if computes:  # its twin on host storage: [Note: experts on the host] in runtime/host_experts.py
                     stored = {name: by_name[f"{path}.{name}"].host for name, _ in module.named_parameters()}
-                    host = host_experts(module, stored, plan.host_compute, ring_devices[ring_index], measured)
+                    host = host_experts(module, stored, plan.host_compute, ring_devices[ring_index], measured, routing)
                 hook = RoutedHook(engine, engine_id, ring_index, position, path, routing.index_arg, host)
                 journal.hook(module, hook, f"routed-experts hook on {path}")
     state.write_throughs = _write_through_load_state_dict(model, state)

@@ -95,7 +95,13 @@ class HostExperts:
     (1.0 with `always`), and the host part of the call under way."""
 
     def __init__(
-        self, module: nn.Module, host_params: dict[str, torch.Tensor], share: float, always: bool, beside_gpu: bool
+        self,
+        module: nn.Module,
+        host_params: dict[str, torch.Tensor],
+        share: float,
+        always: bool,
+        beside_gpu: bool,
+        top_k: int | None = None,
     ) -> None:
         self.forward: Callable[..., torch.Tensor] = type(module).forward
         self.twin = host_twin(module, host_params, HOST_IMPLEMENTATION if beside_gpu else None)
@@ -106,7 +112,7 @@ class HostExperts:
         self.share = share
         self.always = always
         self.row_bytes = sum(t.nbytes for t in host_params.values()) // self.num_experts
-        self.top_k = int(getattr(getattr(module, "config", None), "num_experts_per_tok", 0) or 0) or None
+        self.top_k = top_k  # the router's picks per token (None: unknown, taken as 1)
         self.pending: HostSplit | None = None
         # `"auto"` beside a GPU (`calibrate`): the host's seconds of one token through k = 1, 2, ... experts, one
         # expert's row over the link, and the synchronisation a split costs. None: the count follows `share`.
@@ -151,11 +157,13 @@ def host_experts(
     compute: Any,
     device: torch.device,
     measured: dict,
+    routing: Any = None,
 ) -> HostExperts:
     """The `HostExperts` of one experts module under the plan's `compute` (its `HostCompute`: `share`, `always`,
-    `link_gbps`); `"auto"` beside a GPU calibrated (`calibrate`) once per module class and parameter shapes in
-    `measured`, whose times the other layers of that shape share."""
-    host = HostExperts(module, host_params, compute.share, compute.always, device.type != "cpu")
+    `link_gbps`) and `routing` (its `Routing`: `top_k`); `"auto"` beside a GPU calibrated (`calibrate`) once per
+    module class and parameter shapes in `measured`, whose times the other layers of that shape share."""
+    top_k = getattr(routing, "top_k", None)
+    host = HostExperts(module, host_params, compute.share, compute.always, device.type != "cpu", top_k)
     link_gbps = compute.link_gbps
     if compute.always or device.type == "cpu" or not link_gbps:
         return host

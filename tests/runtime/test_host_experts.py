@@ -213,11 +213,13 @@ def test_best_host_count_weighs_the_measured_host_times_and_the_sync_against_the
 def test_auto_beside_a_gpu_skips_the_hosts_synchronisation_for_forwards_predicted_not_to_gain():
     module = moe_model("qwen3_moe").model.layers[1].mlp.experts  # 16 experts, top 4
     params = {name: p.detach().clone() for name, p in module.named_parameters()}
-    host = HostExperts(module, params, share=0.4, always=False, beside_gpu=True)
+    host = HostExperts(module, params, share=0.4, always=False, beside_gpu=True, top_k=4)
     assert host.splits(1) and host.count(4) == 1  # uncalibrated: the share (max(1 / 0.4, 3 / 0.6) = 5)
     host.times, host.link_row_seconds, host.sync_seconds = (4.1, 5.1, 6.1, 7.1), 1.0, 0.0
     assert not host.splits(1) and host.count(4) == 0
-    assert host.splits(4)  # four tokens reach about 10 distinct experts, where the host pays
+    assert host.splits(4)  # four tokens reach about 11 distinct experts, where the host pays
+    host.top_k = 1
+    assert not host.splits(4)  # four tokens of one pick each reach about 4
     host.always = True
     assert host.splits(1) and host.count(4) == 4
 
