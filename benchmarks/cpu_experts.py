@@ -46,7 +46,6 @@ from moe import build, generate  # noqa: E402
 from moe_policy import SHAPES  # noqa: E402
 
 import hf_prefetch  # noqa: E402
-from tests.moe_models import routed_hooks  # noqa: E402
 from tests.routing import control_routing  # noqa: E402
 
 PROMPT_TOKENS = 16
@@ -267,14 +266,13 @@ def main() -> None:
             ),
             flush=True,
         )
-        hosts = [hook.host for hook in routed_hooks(models[name]) if hook.host is not None]
-        if hosts and hosts[0].times:
-            host = hosts[0]
+        if compute is not None and compute.times:
             print(
-                f"{name}: the host's times of one token through 1..{len(host.times)} experts: "
-                + ", ".join(f"{t * 1e3:.2f}" for t in host.times)
-                + f" ms; one expert over the link {host.link_row_seconds * 1e3:.2f} ms; a split's synchronisation "
-                f"{host.sync_seconds * 1e3:.2f} ms; of {top_k} picks the host takes {host.count(top_k)}",
+                f"{name}: the host's times of one token through 1..{len(compute.times)} experts: "
+                + ", ".join(f"{t * 1e3:.2f}" for t in compute.times)
+                + f" ms; one expert over the link {compute.row_bytes / (compute.link_gbps * 1e9) * 1e3:.2f} ms; a "
+                f"split's synchronisation {compute.sync_seconds * 1e3:.2f} ms; of {top_k} picks the host takes "
+                f"{compute.count(top_k)}",
                 flush=True,
             )
     for model in (reference, *models.values()):  # first calls: kernels loaded, pinned host buffers allocated
@@ -338,7 +336,6 @@ def main() -> None:
                     times[name].append(measure(model, ids, args.short, args.long)[0])
                     print(f"throttled {name}: {times[name][-1]:.4f} s/token", flush=True)
             chose = hf_prefetch.get_state(slow["auto"]).plan.host_compute
-            slow_host = next(hook.host for hook in routed_hooks(slow["auto"]) if hook.host is not None)
         base = statistics.median(times["router only"])
         for name in slow:
             throttled.append(
@@ -350,7 +347,7 @@ def main() -> None:
             )
         throttled_note = (
             f"link shared with a background copy: {shared_link:.1f} GB/s; auto measured host {chose.host_gbps:.1f}, "
-            f"link {chose.link_gbps:.1f} GB/s and gives the host {slow_host.count(top_k)} of a token's {top_k} picks"
+            f"link {chose.link_gbps:.1f} GB/s and gives the host {chose.count(top_k)} of a token's {top_k} picks"
         )
         print(throttled_note, flush=True)
     print(f"resident (all on the GPU) {resident:.4f} s/token; bound {bound:.4f} s/token")

@@ -39,7 +39,7 @@ from ..runtime.devices import DeviceEngines, inputs_to
 from ..runtime.engine import PrefetchEngine
 from ..runtime.experts import add_lookups
 from ..runtime.hooks import PrefetchHook, RoutedHook, around_torch_hooks
-from ..runtime.host_experts import host_experts
+from ..runtime.host_experts import HostExperts
 from ..runtime.ops import register_engine
 from ..runtime.pool import BufferPool
 from ..runtime.ring import Decode, LayerTransfer, RingTransfers, RoutedTensor, byte_span
@@ -290,7 +290,6 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
     engine_id = register_engine(engine)
     if plan.gpus:
         _align_devices(model, state, ring_devices)
-    measured: dict = {}  # the host's times, one calibration per experts shape
     for ring_index, ring in enumerate(plan.rings):
         for position, layer in enumerate(ring.streamed):
             hook = PrefetchHook(engine, engine_id, ring_index, position, layer.path)
@@ -301,7 +300,7 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
                 module, host = model.get_submodule(path), None
                 if computes:  # its twin on host storage: [Note: experts on the host] in runtime/host_experts.py
                     stored = {name: by_name[f"{path}.{name}"].host for name, _ in module.named_parameters()}
-                    host = host_experts(module, stored, plan.host_compute, ring_devices[ring_index], measured, routing)
+                    host = HostExperts(module, stored, plan.host_compute, routing, ring_devices[ring_index])
                 hook = RoutedHook(engine, engine_id, ring_index, position, path, routing.index_arg, host)
                 journal.hook(module, hook, f"routed-experts hook on {path}")
     state.write_throughs = _write_through_load_state_dict(model, state)

@@ -1,26 +1,38 @@
-"""Routed experts computed on the host's cores (`PrefetchConfig(cpu_experts=...)`): which layers do, the share of
-their picks, the checks made before anything moves, and the speeds `"auto"` splits by.
+"""Routed experts computed on the host's cores (`PrefetchConfig(cpu_experts=...)`): which layers do, the checks
+made before anything moves, what `"auto"` splits by, and the rules of a forward's split (which picks, which inputs)
+that the runtime applies.
 
 A token needs each routed expert's bytes once: read by the host's cores from host memory, or copied over the link and
 read by the GPU. Both read host memory, so beside each other each runs slower than alone; `"auto"` measures them
-beside each other (`measure_host_speeds`) and gives the host the share of the picked experts that makes both finish
-together: `share = host / (host + link)`. The runtime side is runtime/host_experts.py ([Note: experts on the host]).
+beside each other (`measure_host_speeds`: `share = host / (host + link)`), then times the experts module's own
+forward on a twin of it, one token through 1 .. top_k experts, beside pinned copies (`measure_host_times`): its fixed
+cost included, these times decide each forward's split (`placements.HostCompute.count`). The runtime side is
+runtime/host_experts.py ([Note: experts on the host]).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import inspect
+import statistics
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 from torch import nn
 
 from .offload_plan import OffloadPlan
-from .placements import HostCompute, LayerPlan, Routing, host_layers
+from .placements import INNER_SEP, HostCompute, LayerPlan, Routing, host_layers
 
 __all__ = [
     "HOST_DTYPES",
+    "HOST_IMPLEMENTATION",
+    "host_twin",
+    "measure_host_times",
+    "pick_host_experts",
+    "split_inputs",
     "plan_host_compute",
     "measure_host_speeds",
     "split_share",
@@ -38,6 +50,14 @@ SPEED_BYTES = 128 * 2**20
 """Expert bytes each side moves per timed round when `"auto"` measures the host's and the link's speeds."""
 
 
+HOST_IMPLEMENTATION = "grouped_mm"
+"""The experts implementation a twin beside a GPU computes with, where the experts module takes one: of transformers'
+three, the fastest measured on the host ([Note: experts on the host], step 4)."""
+
+# transformers' implementations a module with `@use_experts_implementation` takes on the host.
+_SETTABLE = ("eager", "grouped_mm", "batched_mm")
+
+
 def split_share(host_gbps: float, link_gbps: float) -> float:
     """The share of the picked experts the host computes so that both sides finish together."""
     return host_gbps / (host_gbps + link_gbps)
@@ -45,8 +65,8 @@ def split_share(host_gbps: float, link_gbps: float) -> float:
 
 def plan_host_compute(model: nn.Module, plan: OffloadPlan, device: torch.device) -> OffloadPlan:
     """`plan` with its `host_compute` for `PrefetchConfig.cpu_experts` (unchanged where it is False): checks every
-    experts module of `host_layers(plan)` can run on the host and, for `"auto"` on a GPU, measures the speeds the
-    split follows. Raises ValueError naming the module and the fix before anything moves."""
+    experts module of `host_layers(plan)` can run on the host and, for `"auto"` on a GPU, measures the speeds and the
+    host's times the split follows. Raises ValueError naming the module and the fix before anything moves."""
     mode = getattr(plan.config, "cpu_experts", False)
     if mode is False or plan.backend != "prefetch":
         return plan
@@ -79,7 +99,12 @@ def plan_host_compute(model: nn.Module, plan: OffloadPlan, device: torch.device)
     except torch.cuda.OutOfMemoryError:  # a device too full for the measurement's buffer: a smaller one
         host_gbps, link_gbps = measure_host_speeds(device, shapes, spec.dtype, SPEED_BYTES // 8)
     share = split_share(host_gbps, link_gbps)
-    return replace(plan, host_compute=HostCompute(False, share, host_gbps, link_gbps))
+    routing = layers[0].routed[0].routing
+    measured = measure_host_times(model, layers[0], routing, device)
+    if measured is None:  # no hidden size to time with: each forward's count follows the share
+        return replace(plan, host_compute=HostCompute(False, share, host_gbps, link_gbps))
+    times, sync, row_bytes = measured
+    return replace(plan, host_compute=HostCompute(False, share, host_gbps, link_gbps, times, sync, row_bytes))
 
 
 def host_unused(plan: OffloadPlan) -> str | None:
@@ -102,6 +127,135 @@ def host_unused(plan: OffloadPlan) -> str | None:
     else:
         return None
     return f"PrefetchConfig(cpu_experts={mode!r}) computes nothing on the host in this plan: {why}. Drop cpu_experts."
+
+
+def measure_host_times(
+    model: nn.Module, layer: LayerPlan, routing: Routing, device: torch.device, rounds: int = 3
+) -> tuple[tuple[float, ...], float, int] | None:
+    """The host's seconds of one token through k = 1 .. top_k distinct experts of `layer`'s experts module (the median
+    of `rounds`, while pinned copies run to `device` as a split's copies do), the seconds a split adds (the router's
+    choice read on the host, its picks split), and one expert's bytes; None for a module without a known hidden size.
+
+    Measured on a twin of the module (its class, its forward, the host's experts implementation) whose parameters are
+    fresh host tensors of the stored shapes and dtypes, of which only the experts timed are written (the others stay
+    untouched virtual memory): the model's own weights may still be on the meta device, and nothing of it changes."""
+    module = model.get_submodule(f"{layer.path}.{routing.module}")
+    hidden_size = int(getattr(getattr(module, "config", None), "hidden_size", 0) or 0)
+    if not hidden_size:
+        return None
+    specs = {s.name.partition(INNER_SEP)[0]: s for s in layer.routed if s.routing == routing}
+    top_k = min(routing.top_k or 1, routing.num_experts)
+    used = min(2 * top_k, routing.num_experts)  # two sets of experts taken in turns: read from memory, not caches
+    params = {}
+    for name, _ in module.named_parameters():
+        spec = specs[f"{routing.module}.{name}"]
+        params[name] = torch.empty(spec.shape, dtype=spec.dtype)
+        params[name][:used].fill_(0.01)
+    row_bytes = sum(t.nbytes for t in params.values()) // routing.num_experts
+    twin = host_twin(module, params, HOST_IMPLEMENTATION)
+    forward = type(module).forward
+    dtype = next(iter(params.values())).dtype
+    hidden = torch.full((1, hidden_size), 0.5, dtype=dtype)
+    cuda = device.type == "cuda"  # on another device the same forwards, without copies beside them
+    if cuda:
+        pinned = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
+        dest = torch.empty(pinned.shape, dtype=torch.uint8, device=device)
+        stream = torch.cuda.Stream(device)
+    times, turn = [], 0
+    with torch.no_grad(), torch.cuda.device(device) if cuda else contextlib.nullcontext():
+        for k in range(1, top_k + 1):
+            seconds = []
+            for _ in range(rounds + 1):  # the first round warms the kernels up
+                first = (turn % 2) * top_k if used >= 2 * top_k else 0
+                turn += 1
+                experts = [first + j for j in range(k)]
+                index = torch.tensor([experts + experts[:1] * (top_k - k)])
+                weights = torch.tensor([[1.0 / k] * k + [0.0] * (top_k - k)], dtype=dtype)
+                if cuda:
+                    with torch.cuda.stream(stream):
+                        for _ in range(8):  # the link busy throughout (about 10 ms at 55 GB/s)
+                            dest.copy_(pinned, non_blocking=True)
+                begin = time.perf_counter()
+                forward(twin, hidden, index, weights)
+                seconds.append(time.perf_counter() - begin)
+                if cuda:
+                    stream.synchronize()
+            times.append(statistics.median(seconds[1:]))
+        index = torch.tensor([list(range(top_k))], device=device)
+        begin = time.perf_counter()
+        for _ in range(rounds):
+            index_h = index
+            if cuda:
+                torch.cuda.current_stream(device).synchronize()
+                index_h = torch.empty(index.shape, dtype=index.dtype, pin_memory=True).copy_(index, non_blocking=True)
+                torch.cuda.current_stream(device).synchronize()
+            on_host = pick_host_experts(index_h, routing.num_experts, lambda n: n // 2)
+            split_inputs(index_h, torch.ones(index_h.shape), on_host, routing.num_experts)
+        sync = (time.perf_counter() - begin) / rounds
+    return tuple(times), sync, row_bytes
+
+
+def host_twin(module: nn.Module, host_params: dict[str, torch.Tensor], implementation: str | None = None) -> nn.Module:
+    """A copy of the experts module (same class, same attributes) whose parameters are the host tensors and whose
+    buffers are host copies, with no hooks: the model's module keeps its slot buffers and its hooks. With
+    `implementation`, a module that takes one of transformers' experts implementations computes with it, from a
+    configuration of its own (a shallow copy); otherwise the twin shares the module's configuration."""
+    twin = module.__class__.__new__(module.__class__)
+    state = {k: v for k, v in module.__dict__.items() if k not in ("forward", "_hf_hook", "_old_forward")}
+    twin.__dict__.update(copy.copy(state))
+    for name in list(twin.__dict__):
+        if name.startswith("_") and name.endswith("hooks") and isinstance(twin.__dict__[name], dict):
+            twin.__dict__[name] = type(twin.__dict__[name])()  # no torch hooks of the model's module
+    twin._parameters = {name: nn.Parameter(tensor, requires_grad=False) for name, tensor in host_params.items()}
+    twin._buffers = {
+        name: torch.zeros(b.shape, dtype=b.dtype) if b.is_meta else b.detach().to("cpu", copy=True)
+        for name, b in module._buffers.items()
+        if b is not None
+    }
+    twin._modules = dict(module._modules)  # parameterless (an activation): experts modules own every parameter
+    config = getattr(module, "config", None)
+    if implementation is not None and getattr(config, "_experts_implementation", None) in _SETTABLE:
+        twin.config = copy.copy(config)
+        twin.config._experts_implementation = implementation
+    return twin
+
+
+def pick_host_experts(index: torch.Tensor, num_experts: int, count: Callable[[int], int]) -> set[int]:
+    """Which picked experts the host computes ([Note: experts on the host] in runtime/host_experts.py, step 2): of
+    the n distinct experts in `index` (a host tensor), `count(n)` of them, those picked by the fewest tokens, ties to
+    the highest index."""
+    flat = [e for e in index.reshape(-1).tolist() if 0 <= e < num_experts]
+    counts: dict[int, int] = {}
+    for expert in flat:
+        counts[expert] = counts.get(expert, 0) + 1
+    return set(sorted(counts, key=lambda e: (counts[e], -e))[: count(len(counts))])
+
+
+Side = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def split_inputs(
+    index: torch.Tensor, weights: torch.Tensor, on_host: set[int], num_experts: int
+) -> tuple[Side | None, Side | None]:
+    """For host tensors `index` and `weights` (tokens, top_k): each side's (rows, index, weights), the rows being the
+    tokens with a pick on that side, the other side's picks replaced by one of the token's picks on this side with
+    weight 0 (None for a side with no pick)."""
+    host_mask = torch.zeros_like(index, dtype=torch.bool)
+    for expert in on_host:
+        host_mask |= index == expert
+    valid = (index >= 0) & (index < num_experts)
+    device_mask = valid & ~host_mask
+    return _side(index, weights, host_mask), _side(index, weights, device_mask)
+
+
+def _side(index: torch.Tensor, weights: torch.Tensor, mine: torch.Tensor):
+    rows = mine.any(dim=-1).nonzero().reshape(-1)
+    if rows.numel() == 0:
+        return None
+    index, weights, mine = index[rows], weights[rows], mine[rows]
+    first = mine.to(torch.int8).argmax(dim=-1, keepdim=True)  # a pick of this side in each row
+    filler = index.gather(-1, first).expand_as(index)
+    return rows, torch.where(mine, index, filler), torch.where(mine, weights, torch.zeros_like(weights))
 
 
 def _check_module(model: nn.Module, layer: LayerPlan, routing: Routing, given: str) -> None:

@@ -26,8 +26,9 @@ from .placements import (
     host_layers,
     host_lines,
     host_seconds,
+    host_share,
     kept_plain,
-    picked_bytes,
+    routed_bytes_per_token,
 )
 
 if TYPE_CHECKING:
@@ -131,9 +132,7 @@ class OffloadPlan:
             return self.streamed_bytes_per_forward
         total = sum(ring.bytes_per_token for ring in self.rings)
         if self.host_compute is not None:
-            for layer in host_layers(self.rings):
-                for spec in layer.routed:
-                    total -= int(picked_bytes(spec) * self.host_compute.share)
+            total -= int(routed_bytes_per_token(self.rings) * host_share(self.rings, self.host_compute))
         for ring in self.rings:
             for layer in ring.layers:
                 if not caches_experts(layer) or self.cached_experts == 0:

@@ -51,9 +51,10 @@ from __future__ import annotations
 import torch
 
 from ..config import warn_at_caller
+from ..planning.host_compute import pick_host_experts, split_inputs
 from .experts import copy_routed_rows, count_picks, fetch_recent, gather_looked_up, remember_picks
 from .graph_copies import captured_copy
-from .host_experts import HostExperts, HostSplit, locate, pick_host_experts, split_inputs
+from .host_experts import HostExperts, HostSplit, locate
 from .ring import CopyEvent, Fill, LayerTransfer, RingTransfers
 
 __all__ = ["RoutedFills", "BYPASSED", "fetch_ahead", "fetched_nothing"]

@@ -4,21 +4,16 @@ its failure paths."""
 
 import copy
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
 
 import hf_prefetch
 from hf_prefetch import PrefetchConfig
-from hf_prefetch.runtime.host_experts import (
-    HOST_IMPLEMENTATION,
-    HostExperts,
-    best_host_count,
-    host_count,
-    host_twin,
-    pick_host_experts,
-    split_inputs,
-)
+from hf_prefetch.planning.host_compute import HOST_IMPLEMENTATION, host_twin, pick_host_experts, split_inputs
+from hf_prefetch.planning.placements import HostCompute, Routing, best_host_count, host_count
+from hf_prefetch.runtime.host_experts import HostExperts
 from tests.models import assert_same_generation, generate_with_logits, llama_and_logits
 from tests.moe_models import FAMILIES, VOCAB, moe_model, routed_hooks
 
@@ -98,10 +93,10 @@ def test_a_split_is_deterministic_and_its_host_part_is_the_modules_own_forward_o
     try:
         paths = {}
         for hook in routed_hooks(model):
-            if device != "cpu":  # calibrated at dispatch: the host's times of one token through 1 .. top_k experts
-                times = hook.host.times
-                assert len(times) == 4 and all(t > 0 for t in times) and hook.host.link_row_seconds > 0
-            hook.host.share, hook.host.times = 0.5, None  # half of each forward's picks on each side
+            if device != "cpu":
+                compute = hook.host.compute  # measured at planning: one token through 1 .. top_k experts
+                assert len(compute.times) == 4 and all(t > 0 for t in compute.times) and compute.row_bytes > 0
+            hook.host.compute = replace(hook.host.compute, share=0.5, times=None)  # half of the picks on each side
             paths[id(hook.host)] = hook.path
         first = generate_with_logits(model, _ids().to(device))
         second = generate_with_logits(model, _ids().to(device))
@@ -213,15 +208,24 @@ def test_best_host_count_weighs_the_measured_host_times_and_the_sync_against_the
 def test_auto_beside_a_gpu_skips_the_hosts_synchronisation_for_forwards_predicted_not_to_gain():
     module = moe_model("qwen3_moe").model.layers[1].mlp.experts  # 16 experts, top 4
     params = {name: p.detach().clone() for name, p in module.named_parameters()}
-    host = HostExperts(module, params, share=0.4, always=False, beside_gpu=True, top_k=4)
-    assert host.splits(1) and host.count(4) == 1  # uncalibrated: the share (max(1 / 0.4, 3 / 0.6) = 5)
-    host.times, host.link_row_seconds, host.sync_seconds = (4.1, 5.1, 6.1, 7.1), 1.0, 0.0
+    routing = Routing("mlp.experts", 16, 4, "top_k_index")
+    row = sum(t.nbytes for t in params.values()) // 16
+    host = HostExperts(module, params, HostCompute(False, 0.4), routing, torch.device("cuda"))
+    assert host.twin.config._experts_implementation == HOST_IMPLEMENTATION
+    assert host.splits(1) and host.count(4) == 1  # unmeasured: the share (max(1 / 0.4, 3 / 0.6) = 5)
+    # The host's times measured for these experts: one over the link takes as long as 1 s of them here.
+    host.compute = HostCompute(False, 0.4, 1.0, row / 1e9, times=(4.1, 5.1, 6.1, 7.1), row_bytes=row)
     assert not host.splits(1) and host.count(4) == 0
     assert host.splits(4)  # four tokens reach about 11 distinct experts, where the host pays
     host.top_k = 1
     assert not host.splits(4)  # four tokens of one pick each reach about 4
+    host.compute = replace(host.compute, always=True)
     host.always = True
     assert host.splits(1) and host.count(4) == 4
+    # Experts twice the size measured take twice the measured times and twice the link's.
+    auto = replace(host.compute, always=False)
+    assert auto.host_time(2, 2 * row) == pytest.approx(10.2) and auto.host_time(0, row) == 0.0
+    assert auto.count(4, 2 * row) == 0 and auto.count(8, 2 * row) == 2  # max(10.2, 12) = 12 < 16
 
 
 @pytest.mark.parametrize("n", range(0, 17))
@@ -376,5 +380,36 @@ def test_the_plan_predicts_the_hosts_time_from_measured_speeds():
     moved = sum(bytes_ - int(bytes_ * 0.25) for bytes_ in specs)
     assert measured.streamed_bytes_per_token - plan.streamed_bytes_per_token == moved
     shown = str(measured)
-    assert "up to 25% of the picked experts" in shown
-    assert "ms predicted at that share (host 10.0 GB/s, link 30.0 GB/s" in shown
+    assert "compute 25% of the picked experts on the host's cores" in shown
+    assert "ms predicted (link 30.0 GB/s beside the host)" in shown
+    # With the host's times measured (beside a GPU): each layer's count of a token's 4 picks follows them.
+    row = sum(s.nbytes for s in layers[0].routed) // 16
+    link_row = row / 30e9
+    timed = HostCompute(False, 0.25, 10.0, 30.0, times=(link_row, 1.5 * link_row, 4 * link_row, 8 * link_row),
+                        row_bytes=row)  # fmt: skip
+    assert timed.count(4, row) == 2  # max(1.5, 2) rows of time, against 4 over the link
+    measured = dataclasses.replace(plan, host_compute=timed)
+    assert measured.host_seconds_per_token == pytest.approx(len(layers) * 1.5 * link_row)
+    assert measured.streamed_bytes_per_token - plan.streamed_bytes_per_token == len(layers) * 2 * row  # 2 of 4 cross
+    shown = str(measured)
+    assert "of a token's 4 picks the host computes 2 (one token through 1..4 experts took the host" in shown
+
+
+@pytest.mark.parametrize("skeleton", [False, True])
+def test_the_hosts_times_are_measured_on_a_twin_that_leaves_the_model_as_it_is(skeleton):
+    from hf_prefetch.planning.host_compute import measure_host_times
+    from hf_prefetch.planning.placements import host_layers
+
+    model = moe_model("qwen3_moe", experts_implementation="batched_mm")
+    plan = hf_prefetch.plan(model, PrefetchConfig(**ROUTED, cpu_experts="auto"), device="cpu")
+    layer = host_layers(plan.rings)[0]
+    if skeleton:  # from_pretrained plans before the weights are read: the model's tensors are on the meta device
+        model = model.to("meta")
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    routing = layer.routed[0].routing
+    times, sync, row_bytes = measure_host_times(model, layer, routing, torch.device("cpu"))
+    assert len(times) == routing.top_k == 4 and all(t > 0 for t in times) and sync > 0
+    assert row_bytes == sum(s.nbytes for s in layer.routed) // routing.num_experts
+    after = model.state_dict()
+    assert all(t.is_meta or torch.equal(t, after[name]) for name, t in before.items())
+    assert model.config._experts_implementation == "batched_mm"  # the twin computed with its own

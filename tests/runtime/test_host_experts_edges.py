@@ -5,6 +5,7 @@ refusal."""
 
 import copy
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -32,7 +33,7 @@ def _dispatch(model, **fields):
 
 def _split(model, share: float = 0.5) -> None:
     for hook in routed_hooks(model):
-        hook.host.share = share
+        hook.host.compute = replace(hook.host.compute, share=share)
 
 
 @pytest.mark.parametrize("mode", [True, "auto"])
