@@ -23,8 +23,9 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from .host_split import HostCompute, never_splits
 from .offload_plan import OffloadPlan
-from .placements import INNER_SEP, HostCompute, LayerPlan, Routing, host_layers
+from .placements import INNER_SEP, LayerPlan, Routing, host_layers
 
 __all__ = [
     "HOST_DTYPES",
@@ -124,6 +125,11 @@ def host_unused(plan: OffloadPlan) -> str | None:
         )
     elif mode == "auto" and plan.routed_max_tokens == 0:
         why = 'with routed_max_tokens=0 no forward routes, and "auto" splits only forwards that route'
+    elif mode == "auto" and never_splits(plan.rings, plan.host_compute, plan.routed_max_tokens):
+        why = (
+            "by the host's times measured beside this link, no forward that routes finishes sooner with the host's "
+            "help, so every pick crosses the link (the plan's 'experts on host' line gives the times)"
+        )
     else:
         return None
     return f"PrefetchConfig(cpu_experts={mode!r}) computes nothing on the host in this plan: {why}. Drop cpu_experts."
@@ -134,15 +140,13 @@ def measure_host_times(
 ) -> tuple[tuple[float, ...], float, int] | None:
     """The host's seconds of one token through k = 1 .. top_k distinct experts of `layer`'s experts module (the median
     of `rounds`, while pinned copies run to `device` as a split's copies do), the seconds a split adds (the router's
-    choice read on the host, its picks split), and one expert's bytes; None for a module without a known hidden size.
+    choice read on the host, its picks split), and one expert's bytes; None where no input width found among the
+    config's `hidden_size` and the parameters' dimensions runs the module (the split then follows the share).
 
     Measured on a twin of the module (its class, its forward, the host's experts implementation) whose parameters are
     fresh host tensors of the stored shapes and dtypes, of which only the experts timed are written (the others stay
     untouched virtual memory): the model's own weights may still be on the meta device, and nothing of it changes."""
     module = model.get_submodule(f"{layer.path}.{routing.module}")
-    hidden_size = int(getattr(getattr(module, "config", None), "hidden_size", 0) or 0)
-    if not hidden_size:
-        return None
     specs = {s.name.partition(INNER_SEP)[0]: s for s in layer.routed if s.routing == routing}
     top_k = min(routing.top_k or 1, routing.num_experts)
     used = min(2 * top_k, routing.num_experts)  # two sets of experts taken in turns: read from memory, not caches
@@ -155,12 +159,19 @@ def measure_host_times(
     twin = host_twin(module, params, HOST_IMPLEMENTATION)
     forward = type(module).forward
     dtype = next(iter(params.values())).dtype
-    hidden = torch.full((1, hidden_size), 0.5, dtype=dtype)
+    hidden = _input_of(twin, forward, module, params, top_k, dtype)
+    if hidden is None:
+        return None
     cuda = device.type == "cuda"  # on another device the same forwards, without copies beside them
     if cuda:
         pinned = torch.empty(64 * 2**20, dtype=torch.uint8, pin_memory=True)
-        dest = torch.empty(pinned.shape, dtype=torch.uint8, device=device)
+        try:
+            dest = torch.empty(pinned.shape, dtype=torch.uint8, device=device)
+        except torch.cuda.OutOfMemoryError:  # a device too full: copies of a smaller buffer, as many more of them
+            pinned = pinned[: 8 * 2**20]
+            dest = torch.empty(pinned.shape, dtype=torch.uint8, device=device)
         stream = torch.cuda.Stream(device)
+        copies = 8
     times, turn = [], 0
     with torch.no_grad(), torch.cuda.device(device) if cuda else contextlib.nullcontext():
         for k in range(1, top_k + 1):
@@ -173,17 +184,20 @@ def measure_host_times(
                 weights = torch.tensor([[1.0 / k] * k + [0.0] * (top_k - k)], dtype=dtype)
                 if cuda:
                     with torch.cuda.stream(stream):
-                        for _ in range(8):  # the link busy throughout (about 10 ms at 55 GB/s)
+                        for _ in range(copies):  # the link busy throughout the forward
                             dest.copy_(pinned, non_blocking=True)
                 begin = time.perf_counter()
                 forward(twin, hidden, index, weights)
                 seconds.append(time.perf_counter() - begin)
                 if cuda:
                     stream.synchronize()
+                    # Enough copies to outlast the next forward at a fast link's speed (64 GB/s).
+                    copies = max(copies, int(2 * seconds[-1] * 64e9 / pinned.numel()) + 1)
             times.append(statistics.median(seconds[1:]))
         index = torch.tensor([list(range(top_k))], device=device)
-        begin = time.perf_counter()
-        for _ in range(rounds):
+        syncs = []
+        for _ in range(rounds + 1):  # the first round allocates the pinned buffer the others reuse
+            begin = time.perf_counter()
             index_h = index
             if cuda:
                 torch.cuda.current_stream(device).synchronize()
@@ -191,8 +205,28 @@ def measure_host_times(
                 torch.cuda.current_stream(device).synchronize()
             on_host = pick_host_experts(index_h, routing.num_experts, lambda n: n // 2)
             split_inputs(index_h, torch.ones(index_h.shape), on_host, routing.num_experts)
-        sync = (time.perf_counter() - begin) / rounds
-    return tuple(times), sync, row_bytes
+            syncs.append(time.perf_counter() - begin)
+    return tuple(times), statistics.median(syncs[1:]), row_bytes
+
+
+def _input_of(twin, forward, module, params, top_k, dtype) -> torch.Tensor | None:
+    # One token's input to the experts module: of the widths the config's `hidden_size` and the parameters'
+    # dimensions offer, the first the module's forward takes (experts that compute in a latent width take that).
+    config = getattr(module, "config", None)
+    widths = [int(getattr(config, "hidden_size", 0) or 0)]
+    widths += sorted({size for t in params.values() for size in t.shape[1:]}, reverse=True)
+    index = torch.zeros((1, top_k), dtype=torch.long)
+    weights = torch.full((1, top_k), 1.0 / top_k, dtype=dtype)
+    with torch.no_grad():
+        for width in dict.fromkeys(w for w in widths if w > 0):
+            hidden = torch.full((1, width), 0.5, dtype=dtype)
+            try:
+                out = forward(twin, hidden, index, weights)
+            except (RuntimeError, ValueError, IndexError):  # a shape the module's matrices do not take
+                continue
+            if isinstance(out, torch.Tensor) and out.shape[-1] == width:
+                return hidden
+    return None
 
 
 def host_twin(module: nn.Module, host_params: dict[str, torch.Tensor], implementation: str | None = None) -> nn.Module:

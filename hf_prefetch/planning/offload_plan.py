@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING
 from ..alignment import LINK_SHARE_ALIGN_BYTES, round_up
 from ..config import PrefetchConfig, UVAConfig
 from ..host.arena import HostArena
+from .host_split import HostCompute, host_lines, host_seconds, host_share
 from .links import STAGES
 from .placements import (
     ROUTED_BREAK_EVEN,
-    HostCompute,
     LayerPlan,
     RingPlan,
     Source,
@@ -24,9 +24,6 @@ from .placements import (
     caches_experts,
     format_bytes,
     host_layers,
-    host_lines,
-    host_seconds,
-    host_share,
     kept_plain,
     routed_bytes_per_token,
 )

@@ -31,7 +31,6 @@ __all__ = [
     "Routing",
     "Source",
     "PoolKey",
-    "HostCompute",
     "host_layers",
 ]
 
@@ -335,75 +334,6 @@ def expert_row_bytes(rings: tuple[RingPlan, ...]) -> int:
     return sum(_cached_rows_bytes(layer, 1) for ring in rings for layer in ring.streamed)
 
 
-@dataclass(frozen=True)
-class HostCompute:
-    """Where the routed experts of `host_layers(rings)` are computed: `always` (True) every forward's picks on the
-    host; otherwise (`"auto"`) in forwards that route, `count(n)` of a forward's n distinct picks.
-
-    `share`: `host / (host + link)`, the speeds measured beside each other (1.0 on a CPU device: no link). Beside a
-    GPU, `times`: the host's seconds of one token through 1, 2, ... experts of `row_bytes` bytes each (fixed cost
-    included, beside pinned copies), and `sync_seconds` what a split adds, which `count` weighs against the link
-    (`host_compute.measure_host_times`)."""
-
-    always: bool
-    share: float
-    host_gbps: float | None = None  # expert bytes per second the host's compute reads, beside the link's copies
-    link_gbps: float | None = None  # the link's copies beside the host's compute
-    times: tuple[float, ...] | None = None
-    sync_seconds: float = 0.0
-    row_bytes: int = 0
-
-    @property
-    def mode(self) -> bool | str:
-        return True if self.always else "auto"
-
-    def count(self, n: int, row_bytes: int | None = None) -> int:
-        """Of a forward's n distinct picks of experts of `row_bytes` bytes each, how many the host computes. Experts
-        of another size than the measured ones take the measured times scaled by their bytes."""
-        if self.always:
-            return n
-        if not self.times or not self.link_gbps:
-            return host_count(n, self.share)
-        times = tuple(self.host_time(k, row_bytes) for k in range(1, len(self.times) + 1))
-        return best_host_count(n, times, (row_bytes or self.row_bytes) / (self.link_gbps * 1e9), self.sync_seconds)
-
-    def host_time(self, k: int, row_bytes: int | None = None) -> float:
-        """The measured host seconds of one token through k experts (0 for none)."""
-        if not self.times or k == 0:
-            return 0.0
-        scale = (row_bytes or self.row_bytes) / self.row_bytes if self.row_bytes else 1.0
-        return _extended(self.times, k) * scale
-
-
-def host_count(n: int, share: float) -> int:
-    """Of n experts, how many the host computes when it reads at `share / (1 - share)` times the link's speed: the k
-    whose slower side, `max(k / share, (n - k) / (1 - share))`, is fastest (n * share rounded down or up, whichever
-    is; the lower on a tie)."""
-    if share >= 1.0 or share <= 0.0:
-        return n if share >= 1.0 else 0
-    low = int(n * share)
-    candidates = [k for k in (low, low + 1) if k <= n]
-    return min(candidates, key=lambda k: (max(k / share, (n - k) / (1 - share)), k))
-
-
-def best_host_count(n: int, times: tuple[float, ...], link_row_seconds: float, sync_seconds: float) -> int:
-    """The k of n picked experts that the host computes to finish soonest: `sync + max(host(k), (n - k) * row)`, with
-    `host(k)` the measured `times[k - 1]` (extended past them at the last step's cost), against `n * row` over the link
-    alone for k = 0; the lower on a tie."""
-
-    def finish(k: int) -> float:
-        return n * link_row_seconds if k == 0 else sync_seconds + max(_extended(times, k), (n - k) * link_row_seconds)
-
-    return min(range(n + 1), key=lambda k: (finish(k), k)) if times else 0
-
-
-def _extended(times: tuple[float, ...], k: int) -> float:
-    if k <= len(times):
-        return times[k - 1]
-    step = times[-1] - times[-2] if len(times) > 1 else times[-1]
-    return times[-1] + (k - len(times)) * max(step, 0.0)
-
-
 def host_layers(rings: tuple[RingPlan, ...]) -> list[LayerPlan]:
     """The streamed layers whose routed experts may compute on the host: those that take turns in a slot (a layer alone
     in its slot is copied once and computes on the device from it)."""
@@ -420,76 +350,6 @@ def picked_bytes(spec: ParamSpec) -> int:
 def routed_bytes_per_token(rings: tuple[RingPlan, ...]) -> int:
     """The routed experts' bytes a one-token forward picks in the layers of `host_layers`."""
     return sum(picked_bytes(spec) for layer in host_layers(rings) for spec in layer.routed)
-
-
-def host_seconds(rings: tuple[RingPlan, ...], compute: HostCompute | None) -> float | None:
-    """With `cpu_experts` and the host measured at planning (`"auto"` beside a GPU): the host's compute time of its
-    part of a one-token forward's picked experts; None otherwise."""
-    if compute is None:
-        return None
-    if compute.times:
-        return sum(compute.host_time(compute.count(top_k, row), row) for top_k, row in _token_picks(rings))
-    if compute.host_gbps is None:
-        return None
-    return routed_bytes_per_token(rings) * compute.share / (compute.host_gbps * 1e9)
-
-
-def host_share(rings: tuple[RingPlan, ...], compute: HostCompute) -> float:
-    """The share of a one-token forward's picked experts (of the layers of `host_layers`) the host computes."""
-    picks = _token_picks(rings)
-    total = sum(top_k for top_k, _ in picks)
-    if compute.always or not total:
-        return 1.0 if compute.always else compute.share
-    return sum(compute.count(top_k, row) for top_k, row in picks) / total
-
-
-def _token_picks(rings: tuple[RingPlan, ...]) -> list[tuple[int, int]]:
-    # (top_k, bytes of one expert) of every experts module of `host_layers`.
-    found = []
-    for layer in host_layers(rings):
-        for routing in dict.fromkeys(spec.routing for spec in layer.routed):
-            row = sum(s.nbytes for s in layer.routed if s.routing == routing) // routing.num_experts
-            found.append((min(routing.top_k or routing.num_experts, routing.num_experts), row))
-    return found
-
-
-def host_lines(rings: tuple[RingPlan, ...], compute: HostCompute | None) -> list[tuple[str, str]]:
-    """The plan's lines on experts computed on the host (none without them)."""
-    if compute is None:
-        return []
-    layers = host_layers(rings)
-    if not layers:
-        return []
-    routed = routed_bytes_per_token(rings)
-    on_host = int(routed * host_share(rings, compute))
-    count = f"{len(layers)} layer{'s' if len(layers) != 1 else ''}"
-    if compute.always:
-        what = f"{count} compute their routed experts on the host's cores in every forward"
-    elif compute.times:
-        top_k, row = _token_picks(rings)[0]
-        took = compute.count(top_k, row)
-        what = (
-            f"{count} split the picked experts of forwards that route: of a token's {top_k} picks the host computes "
-            f"{took} (one token through 1..{len(compute.times)} experts took the host "
-            + "/".join(f"{t * 1e3:.2f}" for t in compute.times)
-            + f" ms, one expert crosses the link in {row / (compute.link_gbps * 1e9) * 1e3:.2f} ms, a split adds "
-            f"{compute.sync_seconds * 1e3:.2f} ms)"
-        )
-    else:
-        what = (
-            f"{count} compute {compute.share:.0%} of the picked experts on the host's cores, the rest over the link, "
-            "in forwards that route"
-        )
-    lines = [("experts on host", what)]
-    per_token = (
-        f"host reads {format_bytes(on_host)}, the link copies {format_bytes(routed - on_host)} of routed experts"
-    )
-    if compute.host_gbps is not None and compute.link_gbps is not None:
-        host = host_seconds(rings, compute) or 0.0
-        seconds = max(host, (routed - on_host) / (compute.link_gbps * 1e9))
-        per_token += f"; {seconds * 1e3:.2f} ms predicted (link {compute.link_gbps:.1f} GB/s beside the host)"
-    lines.append(("host experts/token", per_token))
-    return lines
 
 
 def format_bytes(num_bytes: int) -> str:

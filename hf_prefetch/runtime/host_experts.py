@@ -5,7 +5,8 @@ does. When its experts module is called (its `RoutedHook`, eager), the engine's 
 1. Reads the router's choice, the routing weights and the hidden states into host memory: one synchronisation with
    the compute stream, after the layer's wait.
 2. Splits the picked experts, as a function of the forward's picks alone (never of what the device holds, which
-   changes from run to run: the same input gives the same output every run). With `cpu_experts=True` all of them go
+   changes from run to run: the same input gives the same output every run of the dispatched model; another
+   dispatch measures the host anew and may split differently). With `cpu_experts=True` all of them go
    to the host, in every forward; on a CPU device (no link) too. With `"auto"` beside a GPU, of a forward's n
    distinct picks the host takes the count k that finishes soonest (the plan's `HostCompute.count`): `sync +
    max(host(k), (n - k) * row / link)` against `n * row / link` over the link alone, from the host's times measured
@@ -56,7 +57,8 @@ import torch
 from torch import nn
 
 from ..planning.host_compute import HOST_IMPLEMENTATION, host_twin
-from ..planning.placements import HostCompute, Routing
+from ..planning.host_split import HostCompute, expected_picks
+from ..planning.placements import Routing
 
 __all__ = ["HostExperts", "HostSplit", "locate"]
 
@@ -106,10 +108,7 @@ class HostExperts:
         synchronisation (the picks are then gathered over the link)."""
         if self.always or not self.compute.times:
             return True
-        top_k = min(self.top_k or 1, self.num_experts)
-        # The distinct experts `tokens` independent picks of top_k of num_experts are expected to reach.
-        expected = self.num_experts * (1.0 - (1.0 - top_k / self.num_experts) ** tokens)
-        return self.count(max(1, round(expected))) > 0
+        return self.count(expected_picks(self.num_experts, self.top_k, tokens)) > 0
 
     def as_dispatched(self, module: nn.Module) -> bool:
         """Whether every parameter of the module is still the one the dispatch pointed at its slot."""

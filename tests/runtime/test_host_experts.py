@@ -3,6 +3,8 @@ the module's own forward on host storage, the split of a forward's picks between
 its failure paths."""
 
 import copy
+import dataclasses
+import inspect
 import warnings
 from dataclasses import replace
 
@@ -12,7 +14,8 @@ import torch
 import hf_prefetch
 from hf_prefetch import PrefetchConfig
 from hf_prefetch.planning.host_compute import HOST_IMPLEMENTATION, host_twin, pick_host_experts, split_inputs
-from hf_prefetch.planning.placements import HostCompute, Routing, best_host_count, host_count
+from hf_prefetch.planning.host_split import HostCompute, best_host_count, host_count
+from hf_prefetch.planning.placements import Routing
 from hf_prefetch.runtime.host_experts import HostExperts
 from tests.models import assert_same_generation, generate_with_logits, llama_and_logits
 from tests.moe_models import FAMILIES, VOCAB, moe_model, routed_hooks
@@ -367,7 +370,7 @@ def test_a_plan_whose_routed_layers_own_their_slots_says_cpu_experts_changes_not
 def test_the_plan_predicts_the_hosts_time_from_measured_speeds():
     import dataclasses
 
-    from hf_prefetch.planning.placements import HostCompute, host_layers
+    from hf_prefetch.planning.placements import host_layers
 
     plan = hf_prefetch.plan(moe_model("qwen3_moe"), PrefetchConfig(**ROUTED, cpu_experts="auto"), device="cpu")
     assert plan.host_seconds_per_token is None  # no speeds measured on a CPU device
@@ -413,3 +416,47 @@ def test_the_hosts_times_are_measured_on_a_twin_that_leaves_the_model_as_it_is(s
     after = model.state_dict()
     assert all(t.is_meta or torch.equal(t, after[name]) for name, t in before.items())
     assert model.config._experts_implementation == "batched_mm"  # the twin computed with its own
+
+
+def test_the_hosts_times_are_measured_in_the_width_the_experts_compute_in():
+    # NemotronH's experts can compute in a latent width smaller than the hidden size.
+    transformers = pytest.importorskip("transformers")
+    if "moe_latent_size" not in inspect.signature(transformers.NemotronHConfig).parameters:
+        pytest.skip("this transformers' NemotronH has no latent experts")
+    from hf_prefetch.planning.host_compute import measure_host_times
+    from hf_prefetch.planning.placements import host_layers
+
+    config = transformers.NemotronHConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=128,
+        layers_block_type=["attention", "moe"] * 4, n_routed_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, moe_shared_expert_intermediate_size=32, moe_latent_size=16, intermediate_size=64,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.NemotronHForCausalLM(config).eval()
+    plan = hf_prefetch.plan(model, PrefetchConfig(**ROUTED, cpu_experts="auto"), device="cpu")
+    layer = host_layers(plan.rings)[0]
+    times, _, _ = measure_host_times(model, layer, layer.routed[0].routing, torch.device("cpu"))
+    assert len(times) == 2 and all(t > 0 for t in times)
+
+
+def test_the_hosts_times_never_make_more_experts_cheaper():
+    row = 1_000_000
+    noisy = HostCompute(False, 0.4, 1.0, 1.0, times=(2.7e-3, 4.3e-3, 5.8e-3, 5.7e-3), row_bytes=row)
+    assert [noisy.host_time(k) for k in (3, 4)] == [5.8e-3, 5.8e-3]  # the noisy last sample does not lower it
+    # Past the measured times: their average step ((5.8 - 2.7) / 3 ms), at least one expert at the host's speed (1 ms).
+    assert noisy.host_time(6) == pytest.approx(5.8e-3 + 2 * 3.1e-3 / 3)
+    slow = HostCompute(False, 0.4, 0.1, 1.0, times=(2e-3, 2e-3), row_bytes=row)  # 10 ms an expert at 0.1 GB/s
+    assert slow.host_time(4) == pytest.approx(2e-3 + 2 * 10e-3)
+
+
+def test_auto_whose_measured_host_never_gains_says_so():
+    from hf_prefetch.planning.host_compute import host_unused
+    from hf_prefetch.planning.placements import host_layers
+
+    plan = hf_prefetch.plan(moe_model("qwen3_moe"), PrefetchConfig(**ROUTED, cpu_experts="auto"), device="cpu")
+    row = sum(s.nbytes for s in host_layers(plan.rings)[0].routed) // 16
+    link_row = row / 30e9
+    slow = HostCompute(False, 0.25, 10.0, 30.0, times=tuple(20 * k * link_row for k in range(1, 5)), row_bytes=row)
+    assert "no forward that routes finishes sooner" in host_unused(dataclasses.replace(plan, host_compute=slow))
+    fast = dataclasses.replace(slow, times=tuple(0.1 * k * link_row for k in range(1, 5)))
+    assert host_unused(dataclasses.replace(plan, host_compute=fast)) is None
