@@ -67,7 +67,7 @@ class PrefetchConfig:
             the experts module's own forward on its host storage, in every forward: their bytes never cross the link;
             only the hidden states of the tokens and the results do. `"auto"`: in forwards that route (few tokens),
             the host computes as many of the picked experts as finish soonest beside the link's copies of the others,
-            from the host's times measured at dispatch (none where the link alone is sooner); forwards of many
+            from the host's times measured at planning (none where the link alone is sooner); forwards of many
             tokens copy as with False. On a CPU device both compute on the host, as False does. See docs/design.md
             ("Experts on the host").
         compress (`bool`, defaults to False): Keep the streamed bf16 and fp32 weights of layers that take turns in a

@@ -6,7 +6,7 @@ A token needs each routed expert's bytes once: read by the host's cores from hos
 read by the GPU. Both read host memory, so beside each other each runs slower than alone; `"auto"` measures them
 beside each other (`measure_host_speeds`: `share = host / (host + link)`), then times the experts module's own
 forward on a twin of it, one token through 1 .. top_k experts, beside pinned copies (`measure_host_times`): its fixed
-cost included, these times decide each forward's split (`placements.HostCompute.count`). The runtime side is
+cost included, these times decide each forward's split (`host_split.HostCompute.count`). The runtime side is
 runtime/host_experts.py ([Note: experts on the host]).
 """
 
@@ -23,6 +23,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from ..config import warn_at_caller
 from .host_split import HostCompute, never_splits
 from .offload_plan import OffloadPlan
 from .placements import INNER_SEP, LayerPlan, Routing, host_layers
@@ -102,7 +103,7 @@ def plan_host_compute(model: nn.Module, plan: OffloadPlan, device: torch.device)
     share = split_share(host_gbps, link_gbps)
     routing = layers[0].routed[0].routing
     measured = measure_host_times(model, layers[0], routing, device)
-    if measured is None:  # no hidden size to time with: each forward's count follows the share
+    if measured is None:  # no input width runs the module (a warning said why): each forward's count follows the share
         return replace(plan, host_compute=HostCompute(False, share, host_gbps, link_gbps))
     times, sync, row_bytes = measured
     return replace(plan, host_compute=HostCompute(False, share, host_gbps, link_gbps, times, sync, row_bytes))
@@ -148,7 +149,7 @@ def measure_host_times(
     untouched virtual memory): the model's own weights may still be on the meta device, and nothing of it changes."""
     module = model.get_submodule(f"{layer.path}.{routing.module}")
     specs = {s.name.partition(INNER_SEP)[0]: s for s in layer.routed if s.routing == routing}
-    top_k = min(routing.top_k or 1, routing.num_experts)
+    top_k = min(routing.top_k or 8, routing.num_experts)  # unknown: 8 timed, the rest extended
     used = min(2 * top_k, routing.num_experts)  # two sets of experts taken in turns: read from memory, not caches
     params = {}
     for name, _ in module.named_parameters():
@@ -191,9 +192,9 @@ def measure_host_times(
                 seconds.append(time.perf_counter() - begin)
                 if cuda:
                     stream.synchronize()
-                    # Enough copies to outlast the next forward at a fast link's speed (64 GB/s).
-                    copies = max(copies, int(2 * seconds[-1] * 64e9 / pinned.numel()) + 1)
             times.append(statistics.median(seconds[1:]))
+            if cuda:  # enough copies to outlast the next k's forwards at a fast link's speed (64 GB/s)
+                copies = max(8, int(2 * (times[-1] + times[-1] / k) * 64e9 / pinned.numel()) + 1)
         index = torch.tensor([list(range(top_k))], device=device)
         syncs = []
         for _ in range(rounds + 1):  # the first round allocates the pinned buffer the others reuse
@@ -217,15 +218,22 @@ def _input_of(twin, forward, module, params, top_k, dtype) -> torch.Tensor | Non
     widths += sorted({size for t in params.values() for size in t.shape[1:]}, reverse=True)
     index = torch.zeros((1, top_k), dtype=torch.long)
     weights = torch.full((1, top_k), 1.0 / top_k, dtype=dtype)
+    first = None
     with torch.no_grad():
         for width in dict.fromkeys(w for w in widths if w > 0):
             hidden = torch.full((1, width), 0.5, dtype=dtype)
             try:
                 out = forward(twin, hidden, index, weights)
-            except (RuntimeError, ValueError, IndexError):  # a shape the module's matrices do not take
+            except (RuntimeError, ValueError, IndexError) as error:  # a shape the module's matrices do not take
+                first = first or error
                 continue
             if isinstance(out, torch.Tensor) and out.shape[-1] == width:
                 return hidden
+    warn_at_caller(
+        f'PrefetchConfig(cpu_experts="auto") could not time the host\'s forward of {type(module).__name__} on one '
+        f"token of any width among {list(dict.fromkeys(w for w in widths if w > 0))} ({first!r}): each forward's "
+        "split follows the host's and the link's speeds instead of the host's times."
+    )
     return None
 
 

@@ -5,6 +5,8 @@ runtime/host_experts.py ([Note: experts on the host])."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .placements import RingPlan, format_bytes, host_layers, routed_bytes_per_token
@@ -50,8 +52,8 @@ class HostCompute:
             return n
         if not self.times or not self.link_gbps:
             return host_count(n, self.share)
-        times = tuple(self.host_time(k, row_bytes) for k in range(1, max(n, len(self.times)) + 1))
-        return best_host_count(n, times, (row_bytes or self.row_bytes) / (self.link_gbps * 1e9), self.sync_seconds)
+        row = (row_bytes or self.row_bytes) / (self.link_gbps * 1e9)
+        return best_host_count(n, self.times, row, self.sync_seconds, self._floor(), self._scale(row_bytes))
 
     def host_time(self, k: int, row_bytes: int | None = None) -> float:
         """The host seconds of one token through k experts (0 for none): the measured times made non-decreasing, and
@@ -59,9 +61,13 @@ class HostCompute:
         host's measured speed."""
         if not self.times or k == 0:
             return 0.0
-        scale = (row_bytes or self.row_bytes) / self.row_bytes if self.row_bytes else 1.0
-        floor = self.row_bytes / (self.host_gbps * 1e9) if self.host_gbps and self.row_bytes else 0.0
-        return _extended(self.times, k, floor) * scale
+        return _extended(self.times, k, self._floor()) * self._scale(row_bytes)
+
+    def _scale(self, row_bytes: int | None) -> float:
+        return (row_bytes or self.row_bytes) / self.row_bytes if self.row_bytes else 1.0
+
+    def _floor(self) -> float:
+        return self.row_bytes / (self.host_gbps * 1e9) if self.host_gbps and self.row_bytes else 0.0
 
 
 def host_count(n: int, share: float) -> int:
@@ -75,21 +81,33 @@ def host_count(n: int, share: float) -> int:
     return min(candidates, key=lambda k: (max(k / share, (n - k) / (1 - share)), k))
 
 
-def best_host_count(n: int, times: tuple[float, ...], link_row_seconds: float, sync_seconds: float) -> int:
+def best_host_count(
+    n: int,
+    times: tuple[float, ...],
+    link_row_seconds: float,
+    sync_seconds: float,
+    floor: float = 0.0,
+    scale: float = 1.0,
+) -> int:
     """The k of n picked experts that the host computes to finish soonest: `sync + max(host(k), (n - k) * row)`, with
-    `host(k)` the measured `times[k - 1]` (extended past them as `_extended` does), against `n * row` over the link
-    alone for k = 0; the lower on a tie."""
+    `host(k)` the measured `times[k - 1]` times `scale` (extended past them as `_extended` does, at least `floor` an
+    expert), against `n * row` over the link alone for k = 0; the lower on a tie."""
+    if not times:
+        return 0
+    steady = list(itertools.accumulate(times, max))
 
     def finish(k: int) -> float:
-        return n * link_row_seconds if k == 0 else sync_seconds + max(_extended(times, k), (n - k) * link_row_seconds)
+        if k == 0:
+            return n * link_row_seconds
+        return sync_seconds + max(_extended(steady, k, floor) * scale, (n - k) * link_row_seconds)
 
-    return min(range(n + 1), key=lambda k: (finish(k), k)) if times else 0
+    return min(range(n + 1), key=lambda k: (finish(k), k))
 
 
-def _extended(times: tuple[float, ...], k: int, floor: float = 0.0) -> float:
+def _extended(times: Sequence[float], k: int, floor: float = 0.0) -> float:
     # Non-decreasing (a noisy sample never makes more experts cheaper), and past the measured times at their average
     # step per expert (one time alone: itself), at least `floor`.
-    steady = [max(times[: i + 1]) for i in range(len(times))]
+    steady = times if all(a <= b for a, b in itertools.pairwise(times)) else list(itertools.accumulate(times, max))
     if k <= len(steady):
         return steady[k - 1]
     step = (steady[-1] - steady[0]) / (len(steady) - 1) if len(steady) > 1 else steady[0]
@@ -97,8 +115,9 @@ def _extended(times: tuple[float, ...], k: int, floor: float = 0.0) -> float:
 
 
 def expected_picks(num_experts: int, top_k: int | None, tokens: int) -> int:
-    """The distinct experts that `tokens` tokens' independent picks of `top_k` (unknown: 1) of `num_experts` reach."""
-    top_k = min(top_k or 1, num_experts)
+    """The distinct experts that `tokens` tokens' independent picks of `top_k` (unknown: every expert, as the plan's
+    bytes count them) of `num_experts` reach."""
+    top_k = min(top_k or num_experts, num_experts)
     return max(1, round(num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)))
 
 
@@ -107,11 +126,16 @@ def never_splits(rings: tuple[RingPlan, ...], compute: HostCompute, max_tokens: 
     if compute.always or not compute.times or not compute.link_gbps:
         return False
     routings = [r for layer in host_layers(rings) for r in dict.fromkeys(s.routing for s in layer.routed)]
-    return all(
-        compute.count(expected_picks(r.num_experts, r.top_k, tokens), row) == 0
-        for r, (_, row) in zip(routings, _token_picks(rings), strict=True)
-        for tokens in range(1, max_tokens + 1)
-    )
+    for routing, (_, row) in zip(routings, _token_picks(rings), strict=True):
+        # Each distinct count of picks once, up to every expert.
+        picks = set()
+        for tokens in range(1, max_tokens + 1):
+            picks.add(expected_picks(routing.num_experts, routing.top_k, tokens))
+            if max(picks) >= routing.num_experts:
+                break
+        if any(compute.count(n, row) > 0 for n in picks):
+            return False
+    return True
 
 
 def host_seconds(rings: tuple[RingPlan, ...], compute: HostCompute | None) -> float | None:
@@ -141,7 +165,7 @@ def _token_picks(rings: tuple[RingPlan, ...]) -> list[tuple[int, int]]:
     for layer in host_layers(rings):
         for routing in dict.fromkeys(spec.routing for spec in layer.routed):
             row = sum(s.nbytes for s in layer.routed if s.routing == routing) // routing.num_experts
-            found.append((min(routing.top_k or 1, routing.num_experts), row))  # unknown top_k: 1, as the runtime
+            found.append((min(routing.top_k or routing.num_experts, routing.num_experts), row))  # as picked_bytes
     return found
 
 
@@ -178,7 +202,7 @@ def host_lines(rings: tuple[RingPlan, ...], compute: HostCompute | None) -> list
     )
     if compute.host_gbps is not None and compute.link_gbps is not None:
         host = host_seconds(rings, compute) or 0.0
-        splits = sum(1 for top_k, row in _token_picks(rings) if 0 < compute.count(top_k, row) < top_k)
+        splits = sum(1 for top_k, row in _token_picks(rings) if compute.count(top_k, row) > 0)
         seconds = max(host, (routed - on_host) / (compute.link_gbps * 1e9)) + splits * compute.sync_seconds
         per_token += f"; {seconds * 1e3:.2f} ms predicted (link {compute.link_gbps:.1f} GB/s beside the host)"
     lines.append(("host experts/token", per_token))

@@ -215,7 +215,7 @@ class OffloadPlan:
 
     @property
     def host_seconds_per_token(self) -> float | None:
-        """The host's compute time of its share of a one-token forward's experts (`placements.host_seconds`)."""
+        """The host's compute time of its share of a one-token forward's experts (`host_split.host_seconds`)."""
         return host_seconds(self.rings, self.host_compute)
 
     def __str__(self) -> str:

@@ -95,7 +95,7 @@ class HostExperts:
         self.num_experts = int(module.num_experts)
         self.compute = compute
         self.always = compute.always
-        self.top_k = routing.top_k  # the router's picks per token (None: unknown, taken as 1)
+        self.top_k = routing.top_k  # the router's picks per token (None: unknown, counted as every expert)
         self.row_bytes = sum(t.nbytes for t in host_params.values()) // self.num_experts
         self.pending: HostSplit | None = None
 

@@ -200,7 +200,7 @@ def test_best_host_count_weighs_the_measured_host_times_and_the_sync_against_the
     slow_start = (4.1, 5.1, 6.1, 7.1)
     assert best_host_count(4, slow_start, row, 0.0) == 0
     assert best_host_count(8, slow_start, row, 0.0) == 2
-    assert best_host_count(16, slow_start, row, 0.0) == 6  # past the measured times, at the last step's cost
+    assert best_host_count(16, slow_start, row, 0.0) == 6  # past the measured times, at their average step
     # The synchronisation alone can tip it.
     assert best_host_count(2, (0.5, 1.0), row, 0.0) == 1
     assert best_host_count(2, (0.5, 1.0), row, 1.6) == 0
@@ -460,3 +460,26 @@ def test_auto_whose_measured_host_never_gains_says_so():
     assert "no forward that routes finishes sooner" in host_unused(dataclasses.replace(plan, host_compute=slow))
     fast = dataclasses.replace(slow, times=tuple(0.1 * k * link_row for k in range(1, 5)))
     assert host_unused(dataclasses.replace(plan, host_compute=fast)) is None
+
+
+def test_an_experts_forward_the_host_cannot_time_leaves_the_split_to_the_speeds_and_says_so(monkeypatch):
+    from hf_prefetch.planning.host_compute import measure_host_times
+    from hf_prefetch.planning.placements import host_layers
+
+    model = moe_model("qwen3_moe")
+    plan = hf_prefetch.plan(model, PrefetchConfig(**ROUTED, cpu_experts="auto"), device="cpu")
+    layer = host_layers(plan.rings)[0]
+    experts = type(model.get_submodule(f"{layer.path}.mlp.experts"))
+
+    def failing(self, hidden, index, weights):
+        raise RuntimeError("no host kernel for this")
+
+    monkeypatch.setattr(experts, "forward", failing)
+    with pytest.warns(UserWarning, match="could not time the host's forward of Qwen3MoeExperts.*no host kernel"):
+        assert measure_host_times(model, layer, layer.routed[0].routing, torch.device("cpu")) is None
+
+
+def test_an_unknown_top_k_counts_every_expert_as_the_plans_bytes_do():
+    from hf_prefetch.planning.host_split import expected_picks
+
+    assert expected_picks(16, None, 1) == 16 and expected_picks(16, 4, 1) == 4 and expected_picks(16, 4, 100) == 16
