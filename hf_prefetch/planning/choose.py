@@ -91,7 +91,7 @@ def options_unused(plan: OffloadPlan) -> list[str]:
     nothing = compresses_nothing(plan)
     if nothing is not None:
         unused.append(f"PrefetchConfig(compress=True) changes nothing in this plan: {nothing}. Drop compress=True.")
-    on_host = getattr(config, "cpu_experts", False) is True and plan.host_compute is not None
+    on_host = plan.host_always
     if config.expert_cache and not plan.cache_bytes:
         why = _nothing_looked_up(plan, on_host, "which needs no cache", "so a cache would never be read")
         if why is None:  # `placements.caches_experts`: a layer that shares its slot, with one experts module's tensors

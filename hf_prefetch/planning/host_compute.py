@@ -282,9 +282,7 @@ def split_inputs(
     """For host tensors `index` and `weights` (tokens, top_k): each side's (rows, index, weights), the rows being the
     tokens with a pick on that side, the other side's picks replaced by one of the token's picks on this side with
     weight 0 (None for a side with no pick)."""
-    host_mask = torch.zeros_like(index, dtype=torch.bool)
-    for expert in on_host:
-        host_mask |= index == expert
+    host_mask = torch.isin(index, torch.tensor(sorted(on_host), dtype=index.dtype))
     valid = (index >= 0) & (index < num_experts)
     device_mask = valid & ~host_mask
     return _side(index, weights, host_mask), _side(index, weights, device_mask)

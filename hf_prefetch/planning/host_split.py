@@ -9,7 +9,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .placements import RingPlan, format_bytes, host_layers, routed_bytes_per_token
+from .placements import RingPlan, Routing, format_bytes, host_layers, routed_bytes_per_token
 
 __all__ = [
     "HostCompute",
@@ -40,10 +40,6 @@ class HostCompute:
     times: tuple[float, ...] | None = None
     sync_seconds: float = 0.0
     row_bytes: int = 0
-
-    @property
-    def mode(self) -> bool | str:
-        return True if self.always else "auto"
 
     def count(self, n: int, row_bytes: int | None = None) -> int:
         """Of a forward's n distinct picks of experts of `row_bytes` bytes each, how many the host computes. Experts
@@ -94,12 +90,11 @@ def best_host_count(
     expert), against `n * row` over the link alone for k = 0; the lower on a tie."""
     if not times:
         return 0
-    steady = list(itertools.accumulate(times, max))
 
     def finish(k: int) -> float:
         if k == 0:
             return n * link_row_seconds
-        return sync_seconds + max(_extended(steady, k, floor) * scale, (n - k) * link_row_seconds)
+        return sync_seconds + max(_extended(times, k, floor) * scale, (n - k) * link_row_seconds)
 
     return min(range(n + 1), key=lambda k: (finish(k), k))
 
@@ -107,7 +102,7 @@ def best_host_count(
 def _extended(times: Sequence[float], k: int, floor: float = 0.0) -> float:
     # Non-decreasing (a noisy sample never makes more experts cheaper), and past the measured times at their average
     # step per expert (one time alone: itself), at least `floor`.
-    steady = times if all(a <= b for a, b in itertools.pairwise(times)) else list(itertools.accumulate(times, max))
+    steady = list(itertools.accumulate(times, max))
     if k <= len(steady):
         return steady[k - 1]
     step = (steady[-1] - steady[0]) / (len(steady) - 1) if len(steady) > 1 else steady[0]
@@ -125,8 +120,7 @@ def never_splits(rings: tuple[RingPlan, ...], compute: HostCompute, max_tokens: 
     """Whether by the host's measured times no forward that routes (1 .. `max_tokens` tokens) gives the host a pick."""
     if compute.always or not compute.times or not compute.link_gbps:
         return False
-    routings = [r for layer in host_layers(rings) for r in dict.fromkeys(s.routing for s in layer.routed)]
-    for routing, (_, row) in zip(routings, _token_picks(rings), strict=True):
+    for routing, _, row in _token_picks(rings):
         # Each distinct count of picks once, up to every expert.
         picks = set()
         for tokens in range(1, max_tokens + 1):
@@ -144,7 +138,7 @@ def host_seconds(rings: tuple[RingPlan, ...], compute: HostCompute | None) -> fl
     if compute is None:
         return None
     if compute.times:
-        return sum(compute.host_time(compute.count(top_k, row), row) for top_k, row in _token_picks(rings))
+        return sum(compute.host_time(compute.count(top_k, row), row) for _, top_k, row in _token_picks(rings))
     if compute.host_gbps is None:
         return None
     return routed_bytes_per_token(rings) * compute.share / (compute.host_gbps * 1e9)
@@ -153,19 +147,21 @@ def host_seconds(rings: tuple[RingPlan, ...], compute: HostCompute | None) -> fl
 def host_share(rings: tuple[RingPlan, ...], compute: HostCompute) -> float:
     """The share of a one-token forward's picked experts (of the layers of `host_layers`) the host computes."""
     picks = _token_picks(rings)
-    total = sum(top_k for top_k, _ in picks)
+    total = sum(top_k for _, top_k, _ in picks)
     if compute.always or not total:
         return 1.0 if compute.always else compute.share
-    return sum(compute.count(top_k, row) for top_k, row in picks) / total
+    return sum(compute.count(top_k, row) for _, top_k, row in picks) / total
 
 
-def _token_picks(rings: tuple[RingPlan, ...]) -> list[tuple[int, int]]:
-    # (top_k, bytes of one expert) of every experts module of `host_layers`.
+def _token_picks(rings: tuple[RingPlan, ...]) -> list[tuple[Routing, int, int]]:
+    # (routing, top_k, bytes of one expert) of every experts module of `host_layers`.
     found = []
     for layer in host_layers(rings):
         for routing in dict.fromkeys(spec.routing for spec in layer.routed):
             row = sum(s.nbytes for s in layer.routed if s.routing == routing) // routing.num_experts
-            found.append((min(routing.top_k or routing.num_experts, routing.num_experts), row))  # as picked_bytes
+            found.append(
+                (routing, min(routing.top_k or routing.num_experts, routing.num_experts), row)
+            )  # as picked_bytes
     return found
 
 
@@ -182,7 +178,7 @@ def host_lines(rings: tuple[RingPlan, ...], compute: HostCompute | None) -> list
     if compute.always:
         what = f"{count} compute their routed experts on the host's cores in every forward"
     elif compute.times and compute.link_gbps:
-        top_k, row = _token_picks(rings)[0]
+        _, top_k, row = _token_picks(rings)[0]
         took = compute.count(top_k, row)
         what = (
             f"{count} split the picked experts of forwards that route: of a token's {top_k} picks the host computes "
@@ -202,7 +198,7 @@ def host_lines(rings: tuple[RingPlan, ...], compute: HostCompute | None) -> list
     )
     if compute.host_gbps is not None and compute.link_gbps is not None:
         host = host_seconds(rings, compute) or 0.0
-        splits = sum(1 for top_k, row in _token_picks(rings) if compute.count(top_k, row) > 0)
+        splits = sum(1 for _, top_k, row in _token_picks(rings) if compute.count(top_k, row) > 0)
         seconds = max(host, (routed - on_host) / (compute.link_gbps * 1e9)) + splits * compute.sync_seconds
         per_token += f"; {seconds * 1e3:.2f} ms predicted (link {compute.link_gbps:.1f} GB/s beside the host)"
     lines.append(("host experts/token", per_token))

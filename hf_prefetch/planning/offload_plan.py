@@ -110,7 +110,7 @@ class OffloadPlan:
         """What crosses the link in a forward of many tokens (with `cpu_experts=True`, the routed experts computed on
         the host do not)."""
         total = sum(ring.bytes_per_forward for ring in self.rings)
-        if self.host_compute is not None and self.host_compute.always:
+        if self.host_always:
             total -= sum(spec.nbytes for layer in host_layers(self.rings) for spec in layer.routed)
         return total
 
@@ -212,6 +212,11 @@ class OffloadPlan:
         if self.link_gbps is None:
             return None
         return self.streamed_bytes_per_forward / (self.link_gbps * 1e9 * self.num_links)
+
+    @property
+    def host_always(self) -> bool:
+        """`cpu_experts=True`: the routed experts of `host_layers` compute on the host in every forward."""
+        return self.host_compute is not None and self.host_compute.always
 
     @property
     def host_seconds_per_token(self) -> float | None:
@@ -438,7 +443,7 @@ def _totals(plan: OffloadPlan) -> list[tuple[str, str]]:
         per_token = f"{size(plan.streamed_bytes_per_token)} (routed experts: {picks} per token)"
         if plan.link_gbps is not None:
             per_token += f", {plan.streamed_bytes_per_token / (plan.link_gbps * 1e9) * 1e3:.2f} ms"
-        if plan.host_compute is not None and plan.host_compute.always:
+        if plan.host_always:
             how = "computed on the host's cores in every forward (cpu_experts=True), except in layers alone in a slot"
         else:
             how = f"copied expert by expert in forwards of {when}"
@@ -448,8 +453,8 @@ def _totals(plan: OffloadPlan) -> list[tuple[str, str]]:
             totals.append(
                 ("expert cache", f"{size(plan.cache_bytes)} on the device: {cached} experts per routed layer")
             )
-        on_host = plan.host_compute is not None and plan.host_compute.always  # no recent picks to fetch
-        fetching = [layer for ring in plan.rings for layer in ring.streamed if caches_experts(layer) and not on_host]
+        fetching = [layer for ring in plan.rings for layer in ring.streamed if caches_experts(layer)]
+        fetching = [] if plan.host_always else fetching  # no recent picks to fetch
         recent = getattr(plan.config, "recent_experts", None)
         if fetching and recent is not False and plan.routed_max_tokens > 0:
             layers = f"{len(fetching)} layer{'s' if len(fetching) != 1 else ''}"

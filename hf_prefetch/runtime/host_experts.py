@@ -94,10 +94,14 @@ class HostExperts:
         self._dispatched = [(name, param, param.data_ptr()) for name, param in module.named_parameters()]
         self.num_experts = int(module.num_experts)
         self.compute = compute
-        self.always = compute.always
         self.top_k = routing.top_k  # the router's picks per token (None: unknown, counted as every expert)
         self.row_bytes = sum(t.nbytes for t in host_params.values()) // self.num_experts
         self.pending: HostSplit | None = None
+
+    @property
+    def always(self) -> bool:
+        """Every pick on the host, in every forward (`cpu_experts=True`)."""
+        return self.compute.always
 
     def count(self, n: int) -> int:
         """Of a forward's n distinct picks, how many the host computes ([Note: experts on the host], step 2)."""

@@ -223,7 +223,6 @@ def test_auto_beside_a_gpu_skips_the_hosts_synchronisation_for_forwards_predicte
     host.top_k = 1
     assert not host.splits(4)  # four tokens of one pick each reach about 4
     host.compute = replace(host.compute, always=True)
-    host.always = True
     assert host.splits(1) and host.count(4) == 4
     # Experts twice the size measured take twice the measured times and twice the link's.
     auto = replace(host.compute, always=False)
@@ -483,3 +482,28 @@ def test_an_unknown_top_k_counts_every_expert_as_the_plans_bytes_do():
     from hf_prefetch.planning.host_split import expected_picks
 
     assert expected_picks(16, None, 1) == 16 and expected_picks(16, 4, 1) == 4 and expected_picks(16, 4, 100) == 16
+
+
+def test_a_ctrl_c_while_the_host_is_timed_reaches_the_caller_and_leaves_the_model_as_it_was(monkeypatch):
+    from hf_prefetch.planning.host_compute import measure_host_times
+    from hf_prefetch.planning.placements import host_layers
+
+    model = moe_model("qwen3_moe")
+    want = generate_with_logits(copy.deepcopy(model), _ids())
+    plan = hf_prefetch.plan(model, PrefetchConfig(**ROUTED, cpu_experts="auto"), device="cpu")
+    layer = host_layers(plan.rings)[0]
+    experts = type(model.get_submodule(f"{layer.path}.mlp.experts"))
+    forward, calls = experts.forward, []
+
+    def interrupted(self, *args):
+        calls.append(self)
+        if len(calls) == 3:  # while timing, after the input width was found
+            raise KeyboardInterrupt
+        return forward(self, *args)
+
+    monkeypatch.setattr(experts, "forward", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        measure_host_times(model, layer, layer.routed[0].routing, torch.device("cpu"))
+    monkeypatch.setattr(experts, "forward", forward)
+    assert all(module is not model.get_submodule(f"{layer.path}.mlp.experts") for module in calls)  # twins only
+    assert_same_generation(generate_with_logits(model, _ids()), want)
