@@ -1,11 +1,24 @@
 from __future__ import annotations
 
+import os
+import tempfile
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch._inductor.config as inductor_config
 
 from tests.models import llama_and_logits
+
+# Tests compare a dispatched model compiled by inductor with a reference compiled separately, logit for logit.
+# Inductor benchmarks candidate kernel configurations on the device and keeps the fastest; two configurations of one
+# reduction sum in different orders, so two compiles of the same model can differ in their last bits when the timings
+# are noisy (a GPU shared with other test processes). Its deterministic mode picks without timing
+# (TORCHINDUCTOR_DETERMINISTIC=0 shows the difference), and each test process keeps its own cache of the choices:
+# with one cache shared by the processes, a second compile could take a choice another process had timed since.
+inductor_config.deterministic = os.environ.get("TORCHINDUCTOR_DETERMINISTIC", "1") != "0"
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"inductor-{os.environ['PYTEST_XDIST_WORKER']}-")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -75,6 +75,7 @@ def test_the_decoder_stack_compiles_into_one_graph_with_the_ops_in_it(pattern):
     )
     streamed = len(hf_prefetch.get_state(model).plan.rings[0].streamed)
     recorder = GraphRecorder()
+    torch._dynamo.reset()  # frames compiled by earlier tests may have used up dynamo's recompilations of this one
     with torch.no_grad():
         torch.compile(model.forward, backend=recorder)(prompt(1, 7))
     assert len(recorder.graphs) == 1  # no graph break anywhere in the forward
@@ -221,16 +222,18 @@ def test_each_replay_leaves_the_next_first_layers_to_finish_on_cuda(cuda_referen
         forwards = _copies_per_forward(hf_prefetch.get_state(model).engine, monkeypatch)
         _check(_generate(model, ids, config, new_tokens=64), eager, still[mode])
         stats = hf_prefetch.stats(model)
-        assert stats.misses == 0 and stats.copies == sum(p != "recorded" for copies in forwards for p in copies)
         assert len(forwards) == 64 and sorted(forwards[0]) == [0, 1, 2, 3]  # the prefill
+        in_python = sum(p != "recorded" for copies in forwards for p in copies)
         if mode == "default":
             assert all(sorted(copies) == [0, 1, 2, 3] for copies in forwards[1:])
+            assert stats.misses == 0 and stats.copies == in_python
         else:
             # CUDA-graph trees may record a step again (they did after other tests, once in a 64-token generate: the
             # allocator's state differed from the recording's); that step's copies run in Python. Every replayed step
-            # copies the first layers only, from `finish`.
+            # copies the first layers only, from `finish`, and its graph copies layers 2 and 3: counted by its capture.
             replayed = [copies for copies in forwards[1:] if "recorded" not in copies]
             assert len(replayed) >= 60 and all(sorted(copies) == [0, 1] for copies in replayed), forwards
+            assert stats.misses == 0 and stats.copies == in_python + 2 * len(replayed)
     finally:
         hf_prefetch.remove_offload(model, device="cpu")
 

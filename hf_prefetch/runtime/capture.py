@@ -23,6 +23,9 @@ replays run no Python. So, per ring (`RingState` in ring.py):
   (`IN_FLIGHT`) `settle` forgets the slots that take turns. It runs in `finish`, in `prepare` and before every use of
   the table outside a forward (`holds`, `store`, `refresh`, `load`, `drain`): `finish` may never run, if an
   exception or a KeyboardInterrupt lands between a replay and the model's forward hook.
+- Count: a replay runs no Python, so its copies are counted by its capture: the counters a ring's capture added (in
+  Python, between its first `wait` and its join) are kept by the forward's token count (`RingTransfers.recorded`),
+  and `settle` adds them for each forward that ran no layer in Python (`python_ran`).
 - Abort: a capture that fails while recording never joins. What it left (recorded copies, slots claimed by copies
   that were only recorded) is forgotten when the ring's forward begins in a new capture, at `prepare` and at `drain`.
 Limits: the copy stream is joined only at a ring's last layer, so CUDA graphs need the decoder stack captured as one

@@ -118,15 +118,17 @@ class PrefetchEngine(CapturedCopies, RoutedFills, CompressedDecodes):
         capturing = self._capturing()
         if capturing:
             self._wait_in_capture(transfers, position)
-        elif not transfers.holds(position):
-            self._load_now(transfers, position)
-        elif self._cuda and layer.done is not None:
-            compute = torch.cuda.current_stream(self.device)
-            if self.timing:
-                ready = timing_event()
-                ready.record(compute)
-                self._timings.add(layer.counters, ready, layer.done, "stall_seconds")
-            compute.wait_event(layer.done)  # the join: compute after copy
+        else:
+            transfers.python_ran = True  # no replay: its counts are made here
+            if not transfers.holds(position):
+                self._load_now(transfers, position)
+            elif self._cuda and layer.done is not None:
+                compute = torch.cuda.current_stream(self.device)
+                if self.timing:
+                    ready = timing_event()
+                    ready.record(compute)
+                    self._timings.add(layer.counters, ready, layer.done, "stall_seconds")
+                compute.wait_event(layer.done)  # the join: compute after copy
         layer.gathered = False
         if layer.fill is Fill.ROUTED and not self.routing and not layer.host_always:
             self._complete(transfers, position, capturing)  # copied for a routing forward, running in a whole one
@@ -245,7 +247,7 @@ class PrefetchEngine(CapturedCopies, RoutedFills, CompressedDecodes):
         for transfers in self.rings:
             transfers.settle()  # the previous forward may have been replayed and stopped before its `finish`
             transfers.abort_capture()  # a capture that ended before its join
-            transfers.begin_forward()
+            transfers.begin_forward(tokens)
             if self.graphs:
                 for position in transfers.missing_first_layers():
                     self._load_now(transfers, position)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, replace
 from enum import Enum
 
 import torch
@@ -117,6 +117,8 @@ class Capture:
     """One ring's part of a CUDA-graph capture, from the ring's first `wait` in it to its join (or its abort)."""
 
     steady: bool  # each of the ring's first layers was in its slot, copied outside any graph, when it began
+    tokens: int | None  # the forward's token count (`prepare`'s): a graph is recorded for one input shape
+    before: list[LayerCounters]  # the layers' counters when it began: what it adds is what each replay does
     copies: set[int] = field(default_factory=set)  # positions whose copy this capture recorded
 
 
@@ -339,6 +341,12 @@ class RingTransfers:
     slots: SlotTable = field(init=False)
     state: RingState = RingState.EAGER
     capture: Capture | None = None
+    # What each recorded graph counts in one run, by its forward's token count: the counters its capture added in
+    # Python (copies, bytes, the routed rows of layers whose picks are not counted on the device). A replay runs no
+    # Python, so `settle` adds them once per forward that ran none (`python_ran`) ([Note: compile and CUDA graphs]).
+    recorded: dict[int | None, list[dict[str, int]]] = field(default_factory=dict)
+    forward_tokens: int | None = None  # the token count of the forward under way (`begin_forward`)
+    python_ran: bool = False  # a layer of the forward under way waited in Python: it is no replay
 
     def __post_init__(self) -> None:
         self.slots = SlotTable(self.pool.num_slots)
@@ -377,7 +385,8 @@ class RingTransfers:
         """The ring's forward begins in a capture. What an earlier capture left unjoined (an exception while
         recording) is forgotten first."""
         self.abort_capture()
-        self.capture = Capture(steady=not self.missing_first_layers())
+        before = [replace(layer.counters) for layer in self.layers]
+        self.capture = Capture(steady=not self.missing_first_layers(), tokens=self.forward_tokens, before=before)
         self.state = RingState.CAPTURING
 
     def join_capture(self) -> None:
@@ -386,6 +395,10 @@ class RingTransfers:
         layers after the capture and after each replay. With no more layers than slots nothing ever moves: if each
         layer was in its slot when the capture began it keeps it, with nothing to wait for."""
         steady = self.capture is not None and self.capture.steady
+        if self.capture is not None:
+            self.recorded[self.capture.tokens] = [
+                _added(layer.counters, before) for layer, before in zip(self.layers, self.capture.before, strict=True)
+            ]
         self.abort_capture()
         self.state = RingState.SETTLED
         if steady and not self.shares_slots:
@@ -406,8 +419,9 @@ class RingTransfers:
         if self.state is RingState.CAPTURING:
             self.state = RingState.SETTLED
 
-    def begin_forward(self) -> None:
-        """`prepare` ran: a forward begins, maybe a replay."""
+    def begin_forward(self, tokens: int | None) -> None:
+        """`prepare` ran: a forward of `tokens` tokens begins, maybe a replay."""
+        self.forward_tokens, self.python_ran = tokens, False
         if self.state is RingState.SETTLED:
             self.state = RingState.IN_FLIGHT
 
@@ -422,4 +436,18 @@ class RingTransfers:
         if self.state is RingState.IN_FLIGHT:
             if self.shares_slots:
                 self.slots.forget()
+            if not self.python_ran:  # a replay: it did what its capture recorded
+                for layer, added in zip(self.layers, self.recorded.get(self.forward_tokens, ()), strict=False):
+                    for name, value in added.items():
+                        setattr(layer.counters, name, getattr(layer.counters, name) + value)
             self.state = RingState.SETTLED
+
+
+def _added(now: LayerCounters, before: LayerCounters) -> dict[str, int]:
+    # The counts (not the seconds: a capture times nothing) that grew from `before` to `now`.
+    added = {}
+    for counter in fields(LayerCounters):
+        value = getattr(now, counter.name)
+        if isinstance(value, int) and value != getattr(before, counter.name):
+            added[counter.name] = value - getattr(before, counter.name)
+    return added

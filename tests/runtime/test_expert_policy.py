@@ -229,7 +229,8 @@ def test_cuda_graph_replays_follow_each_layers_decision(family):
     # the same dispatch with routing off (whole expert tensors: the same ops, so the same fusions), compiled alike.
     from transformers import CompileConfig
 
-    model = moe_model(family).to(torch.bfloat16).cuda().eval()
+    # grouped_mm, transformers' default: the eager implementation's loop over the picked experts breaks the graph.
+    model = moe_model(family, experts_implementation="grouped_mm").to(torch.bfloat16).cuda().eval()
     control = control_routing(model, ["random", "sticky", "random", "random"], device="cuda")
     ids = _prompt().cuda()
     outputs, decisions = {}, None

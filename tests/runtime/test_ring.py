@@ -47,7 +47,7 @@ def test_transitions_of_a_ring(num_layers, num_slots, shares):
     for position in range(ring.num_first):
         with ring.slots.claim(ring.layers[position].slot, position):
             pass
-    ring.begin_forward()
+    ring.begin_forward(None)
     ring.end_forward()
     ring.settle()
     assert ring.state is RingState.EAGER  # eager rings never change state: the hooks keep the table true
@@ -66,14 +66,45 @@ def test_transitions_of_a_ring(num_layers, num_slots, shares):
     for position in ring.missing_first_layers():
         with ring.slots.claim(ring.layers[position].slot, position):
             pass
-    ring.begin_forward()
+    ring.begin_forward(None)
     assert ring.state is RingState.IN_FLIGHT
     ring.end_forward()  # the last layer released in Python: the table is true
     assert ring.state is RingState.SETTLED and not ring.missing_first_layers()
-    ring.begin_forward()
+    ring.begin_forward(None)
     ring.settle()  # a forward that may have been a replay and never told the table
     assert ring.state is RingState.SETTLED
     assert ring.missing_first_layers() == (list(range(ring.num_first)) if shares else [])
+
+
+def test_each_replay_counts_what_its_capture_recorded_and_a_forward_run_in_python_counts_itself():
+    # A replay runs no Python: the counts its capture made in Python (a copy recorded for layer 2, the rows of 8 picks
+    # gathered for layer 3) are added once per forward of that graph's token count that ran no layer in Python.
+    ring = _ring(4, 2)
+    ring.begin_forward(1)
+    ring.begin_capture()
+    ring.layers[2].counters.copies += 1
+    ring.layers[2].counters.copied_bytes += 8
+    ring.layers[3].counters.routed_rows += 8
+    ring.join_capture()
+    assert ring.recorded == {1: [{}, {}, {"copies": 1, "copied_bytes": 8}, {"routed_rows": 8}]}
+    counted = lambda: [(layer.counters.copies, layer.counters.routed_rows) for layer in ring.layers]  # noqa: E731
+    assert counted() == [(0, 0), (0, 0), (1, 0), (0, 8)]
+    for _ in range(3):  # three replays
+        ring.begin_forward(1)
+        ring.settle()
+    assert counted() == [(0, 0), (0, 0), (4, 0), (0, 32)]
+    ring.begin_forward(1)
+    ring.python_ran = True  # a forward of the same shape run eagerly (a layer waited in Python) counts itself
+    ring.settle()
+    ring.begin_forward(7)  # a shape no graph recorded: not a replay of one
+    ring.settle()
+    ring.begin_forward(1)
+    ring.end_forward()  # its last layer released in Python
+    ring.settle()
+    assert counted() == [(0, 0), (0, 0), (4, 0), (0, 32)]
+    ring.begin_capture()
+    ring.abort_capture()  # an aborted capture records nothing
+    assert list(ring.recorded) == [1]
 
 
 def test_an_aborted_capture_forgets_the_slots_its_recorded_copies_claimed():
@@ -107,7 +138,7 @@ def test_a_replay_that_never_finished_is_settled_before_the_slots_are_trusted():
     for position in (0, 1):  # ...while the table still names the first layers
         with ring.slots.claim(ring.layers[position].slot, position):
             pass
-    ring.begin_forward()  # `prepare` ran, the replay ran, `finish` never did
+    ring.begin_forward(None)  # `prepare` ran, the replay ran, `finish` never did
     assert hf_prefetch.sync_from_device(model) == []  # it would store layers 2 and 3 as layers 0 and 1
     assert ring.slots.owners == (None, None)
     for (name, want), got in zip(reference.state_dict().items(), model.state_dict().values(), strict=True):
