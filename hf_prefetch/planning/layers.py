@@ -151,6 +151,10 @@ def segment_matches(segments: frozenset[str], name: str) -> bool:
     return any(f".{segment}." in dotted for segment in segments)
 
 
+# `Candidate.quantized` of a tensor-parallel shard (torch.distributed's DTensor): not quantized, and not streamable.
+SHARDED = "DTensor"
+
+
 @dataclass(frozen=True)
 class Candidate:
     """One parameter of a layer as the walk found it: its spec (resident) and whether it can leave the device."""
@@ -191,6 +195,13 @@ class CandidateLayer:
             if id(c.param) not in chosen:
                 specs.append(c.spec)
                 continue
+            if c.quantized == SHARDED:
+                raise ValueError(
+                    f"{self.path}.{c.spec.name} is a DTensor, a shard of a tensor-parallel model (transformers' "
+                    "tp_plan or distributed_config), which hf_prefetch does not stream yet: every rank would have to "
+                    "stream its own shards. Load the model without tensor parallelism to stream it, or keep these "
+                    "layers resident."
+                )
             if c.quantized is not None:
                 raise ValueError(
                     f"{self.path}.{c.spec.name} is a quantized tensor ({c.quantized}), which hf_prefetch cannot "
@@ -302,6 +313,8 @@ def _quantized(param: torch.Tensor, model: nn.Module) -> str | None:
     data = param.data if isinstance(param, nn.Parameter) else param
     if type(param) in (nn.Parameter, torch.Tensor) and type(data) is torch.Tensor:
         return None
+    if any(cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed") for cls in type(data).__mro__):
+        return SHARDED
     method = quant_method(getattr(getattr(model, "config", None), "quantization_config", None))
     name = type(data).__name__ if type(data) is not torch.Tensor else type(param).__name__
     return f"{name}, quantization method {method!r}" if method is not None else name

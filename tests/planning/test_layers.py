@@ -262,3 +262,24 @@ def test_quantized_parameters_are_refused_with_the_parameter_and_the_fix():
     with pytest.raises(ValueError, match="is a quantized tensor"):
         hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(group_size=2), device="cpu")
     assert hf_prefetch.get_state(model) is None
+
+
+def test_a_tensor_parallel_shard_is_refused_as_one_not_as_a_quantized_tensor(tmp_path):
+    # transformers' tensor parallelism (distributed_config, tp_plan) makes the layers' weights DTensors: each rank
+    # holds a shard. A process group of one rank on the CPU (gloo) makes one.
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import hf_prefetch
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        model = tiny_llama()
+        proj = model.model.layers[1].self_attn.q_proj
+        proj.weight = nn.Parameter(distribute_tensor(proj.weight.detach(), mesh, [Shard(0)]))
+        with pytest.raises(ValueError, match=r"q_proj\.weight is a DTensor, a shard of a tensor-parallel model"):
+            hf_prefetch.plan(model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1), device="cpu")
+    finally:
+        dist.destroy_process_group()
