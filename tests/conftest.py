@@ -1,6 +1,8 @@
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from types import SimpleNamespace
 
@@ -19,6 +21,7 @@ from tests.models import llama_and_logits
 inductor_config.deterministic = os.environ.get("TORCHINDUCTOR_DETERMINISTIC", "1") != "0"
 if "PYTEST_XDIST_WORKER" in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix=f"inductor-{os.environ['PYTEST_XDIST_WORKER']}-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):
