@@ -9,13 +9,14 @@ fills host storage from the checkpoint instead of from the parameters, then call
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from .config import OffloadConfig, PrefetchConfig, UVAConfig, resolve_offload
+from .config import OffloadConfig, PrefetchConfig, UVAConfig, resolve_offload, warn_at_caller
 from .formats.parts import get_part
 from .host import limits
 from .host.arena import HostArena
@@ -25,6 +26,7 @@ from .lifecycle.checks import refuse_other_offload, refuse_unknown_keywords, res
 from .lifecycle.compressed_storage import compress_arena
 from .lifecycle.detach import detach, finish_interrupted, rollback
 from .lifecycle.state import Lifecycle, OffloadState, exclusive
+from .loading.file_layers import dense_as_is, read_layout, with_read_speed, write_layers
 from .planning.choose import choose_plan
 from .planning.links import resolve_links
 from .planning.memory import MaxMemory, device_argument, parse_max_memory
@@ -45,6 +47,7 @@ def dispatch_model(
     links: str | Sequence[int | str | torch.device] | None = None,
     timing: bool = False,
     replace: bool = False,
+    offload_folder: str | os.PathLike | None = None,
     **unknown: Any,
 ) -> nn.Module:
     """Stream the selected layers' weights from pinned host memory into a static device buffer pool.
@@ -75,6 +78,10 @@ def dispatch_model(
             link only. See docs/design.md ("Several host links").
         timing (`bool`): Measure copy and stall seconds per layer with CUDA events (see `hf_prefetch.stats`).
         replace (`bool`): Re-dispatch a dispatched model with a new configuration, without reloading it.
+        offload_folder (`str` or path, *optional*): With a `max_memory` whose `"cpu"` entry cannot pin every streamed
+            layer: the layers beyond it are written there once, one safetensors file per layer, and read from those
+            files before each copy, as `from_pretrained` reads a checkpoint's (docs/api.md, "Layers read from
+            files"). The files stay after `remove_offload`.
 
     A dispatched model refuses `.to()`, `.cpu()`, `.cuda()`, `.half()` and the other conversions that would change its
     tensors (one that changes nothing, such as `.cpu()` of a model dispatched to the CPU, returns the model),
@@ -111,12 +118,20 @@ def dispatch_model(
             "timing, max_memory, reserve_bytes and links work with the prefetch backend only, not with UVA."
         )
     max_memory = None if uva else parse_max_memory(max_memory, reserve_bytes, config)
+    if offload_folder is not None and (max_memory is None or max_memory.host_bytes is None):
+        raise ValueError(
+            f"offload_folder={str(offload_folder)!r} holds the streamed layers that max_memory['cpu'] cannot pin, and "
+            "no max_memory['cpu'] was given: pass one (e.g. max_memory={0: '10GiB', 'cpu': '32GiB'}), or drop "
+            "offload_folder."
+        )
     exec_device = resolve_device(device_argument(max_memory, device))
     link_indices = resolve_links(links, exec_device)
     # The whole dispatch under the model's lock: after any forward or change under way in another thread, and
     # before any that comes meanwhile (a second dispatch of the model finds it dispatched).
     with exclusive(model) as state:
-        return _dispatch(model, state, config, layers, exec_device, max_memory, link_indices, replace, timing, uva)
+        return _dispatch(
+            model, state, config, layers, exec_device, max_memory, link_indices, replace, timing, uva, offload_folder
+        )
 
 
 def _dispatch(
@@ -130,6 +145,7 @@ def _dispatch(
     replace: bool,
     timing: bool,
     uva: bool,
+    offload_folder: str | os.PathLike | None,
 ) -> nn.Module:
     # From the old forward gate's removal to the new one's arrival, forwards in other threads wait and refuse; the
     # new gate's arrival ends the holds (`begin`).
@@ -151,7 +167,8 @@ def _dispatch(
         if uva:
             plan = make_uva_plan(model, config, layers)
         else:
-            plan = choose_plan(model, config, layers, exec_device, max_memory, link_indices)
+            as_is = dense_as_is(model) if offload_folder is not None else None  # layers it may write to files
+            plan = choose_plan(model, config, layers, exec_device, max_memory, link_indices, as_is)
         # UVA on the CPU leaves every weight where it is: host memory is the device's memory.
         layout = [] if uva and exec_device.type == "cpu" else host_layout(plan)
         if state is not None:
@@ -167,6 +184,8 @@ def _dispatch(
         arena = HostArena([spec.nbytes for _, spec in layout], freed_bytes=on_host)
         state = begin(model, plan, exec_device, arena, timing, held=held)
     try:
+        if offload_folder is not None:
+            _write_files(model, state, offload_folder)
         keep_int8_scales(model, state.journal)
         for index, (layer_path, spec) in enumerate(layout):
             name, param = f"{layer_path}.{spec.name}", _param(model, layer_path, spec)
@@ -186,6 +205,24 @@ def _dispatch(
         rollback(model, state)
         raise
     return model
+
+
+def _write_files(model: nn.Module, state: OffloadState, folder: str | os.PathLike) -> None:
+    # The layers the host budget cannot pin, written to `folder` and pointed at those files' pages.
+    read = read_layout(state.plan)
+    if not read:
+        warn_at_caller(
+            f"offload_folder={str(folder)!r} holds nothing in this plan: max_memory['cpu'] pins every streamed "
+            "layer. Drop offload_folder."
+        )
+        return
+    state.file_arena, state.file_extents = write_layers(model, read, folder)
+    state.plan = with_read_speed(state.plan, state.file_extents)
+    for index, (layer_path, spec) in enumerate(read):
+        name, param = f"{layer_path}.{spec.name}", _param(model, layer_path, spec)
+        host = state.file_arena.view(index, spec.shape, spec.stride, spec.dtype)
+        state.journal.place(param, host, f"{name} into its file in {folder}")
+        state.offloaded.append(OffloadedParam(name, param, host))
 
 
 def _param(model: nn.Module, layer_path: str, spec: ParamSpec) -> nn.Parameter:

@@ -20,7 +20,9 @@ from .config import OffloadConfig, PrefetchConfig, UVAConfig, resolve_offload
 from .lifecycle.checks import refuse_unknown_keywords, resolve_device
 from .loading import skeleton
 from .loading.checkpoint import Checkpoint
+from .loading.file_layers import stored_as_is
 from .loading.hub import header_folder
+from .loading.keymap import map_keys
 from .loading.loader import check_building, set_attention
 from .planning.choose import choose_plan
 from .planning.link_speed import measure_link_gbps
@@ -108,18 +110,19 @@ def plan(
                 f"{names} {'describes' if len(given) == 1 else 'describe'} how a checkpoint is found and built; a "
                 "built model already has them. Convert the model, or pass the checkpoint folder or Hub id instead."
             )
-        model = model_or_checkpoint
+        model, as_is = model_or_checkpoint, None
     else:
         check_building(attn_implementation, trust_remote_code)
         with header_folder(model_or_checkpoint, revision=revision, token=token, subfolder=subfolder) as found:
             folder = skeleton.checkpoint_folder(found)
             with Checkpoint.open(folder) as checkpoint:
                 model, _ = skeleton.build_skeleton(folder, checkpoint, dtype, model_class)
+                as_is = stored_as_is(map_keys(model, checkpoint))  # what may stay in the files (a host budget's)
             set_attention(model, attn_implementation)
     if uva:
         result = make_uva_plan(model, config, layers)
     else:
-        result = choose_plan(model, config, layers, exec_device, max_memory, link_indices)
+        result = choose_plan(model, config, layers, exec_device, max_memory, link_indices, as_is)
     if link_gbps is None and exec_device.type == "cuda":
         link_gbps = measure_link_gbps(exec_device)
     return dataclasses.replace(result, link_gbps=link_gbps)

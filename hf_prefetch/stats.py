@@ -65,6 +65,10 @@ class LayerStats:
     host_picks: int = 0
     host_bytes: int = 0
     host_seconds: float = 0.0
+    # Layers read from the checkpoint's files (max_memory['cpu'] below what streams): the bytes their copies read
+    # from the files, and the seconds the copies waited for those reads (measured always; 0 where the reads ran ahead).
+    read_bytes: int = 0
+    read_wait_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -172,6 +176,14 @@ class TransferStats:
         return sum(layer.host_seconds for layer in self.layers)
 
     @property
+    def read_bytes(self) -> int:
+        return sum(layer.read_bytes for layer in self.layers)
+
+    @property
+    def read_wait_seconds(self) -> float:
+        return sum(layer.read_wait_seconds for layer in self.layers)
+
+    @property
     def compression(self) -> float:
         """Compressed bytes per decoded byte over all layers (0.0 before the first decode)."""
         return self.compressed_bytes / self.decoded_bytes if self.decoded_bytes else 0.0
@@ -231,6 +243,7 @@ class TransferStats:
             )
             decoded += (f"{item.decode_seconds * 1e3:.2f}",) if self.timing else ("-",)
             host = (str(item.host_picks), f"{item.host_bytes / 2**20:.1f}", f"{item.host_seconds * 1e3:.2f}")
+            read = (f"{item.read_bytes / 2**20:.1f}", f"{item.read_wait_seconds * 1e3:.2f}")
             rows.append(
                 (
                     name,
@@ -239,8 +252,9 @@ class TransferStats:
                     *(timed if self.timing else ("-",) * len(timed)),
                     str(item.misses),
                     *(routed if self._routed else ()),
-                    *(decoded if self._decoded else ()),
+                    *(decoded if self.decodes else ()),  # compressed layers that decoded
                     *(host if self.host_picks else ()),
+                    *(read if self.read_bytes else ()),
                 )
             )
         return rows
@@ -265,17 +279,13 @@ class TransferStats:
         return bool(self.routed_rows or self.completions or self.cache_hits)
 
     @property
-    def _decoded(self) -> bool:
-        # Decoding columns only for a model with compressed layers that decoded at least once.
-        return bool(self.decodes)
-
-    @property
     def _header(self) -> tuple[str, ...]:
         return (
             self._HEADER
             + (self._ROUTED_HEADER if self._routed else ())
-            + (self._DECODED_HEADER if self._decoded else ())
+            + (self._DECODED_HEADER if self.decodes else ())
             + (("host picks", "host MiB", "host ms") if self.host_picks else ())
+            + (("read MiB", "read wait ms") if self.read_bytes else ())
         )
 
     def __str__(self) -> str:
@@ -457,6 +467,8 @@ def stats(model: nn.Module) -> TransferStats:
                     c.host_picks,
                     c.host_bytes,
                     c.host_seconds,
+                    c.read_bytes,
+                    c.read_wait_seconds,
                 )
             )
     return TransferStats(tuple(layers), engine.timing)

@@ -42,13 +42,23 @@ from ..runtime.hooks import PrefetchHook, RoutedHook, around_torch_hooks
 from ..runtime.host_experts import HostExperts
 from ..runtime.ops import register_engine
 from ..runtime.pool import BufferPool
+from ..runtime.read_ahead import attach_reads
 from ..runtime.ring import Decode, LayerTransfer, RingTransfers, RoutedTensor, byte_span
 from .detach import collected
 from .gate import ForwardGate, waits_then_refuses
-from .guards import CONVERSIONS, refuse_apply, refuse_assign, refuse_deepcopy, refuse_pickle, unless_nothing_changes
+from .guards import (
+    CONVERSIONS,
+    ancestors,
+    refuse_apply,
+    refuse_assign,
+    refuse_deepcopy,
+    refuse_file_writes,
+    refuse_pickle,
+    unless_nothing_changes,
+)
 from .in_place import WeightsInPlace
 from .journal import Journal, Phase
-from .state import STATE_ATTR, Lifecycle, OffloadState, model_lock
+from .state import FILES_READ_ONLY, STATE_ATTR, Lifecycle, OffloadState, model_lock
 from .state_dict import (
     Streamed,
     WriteThrough,
@@ -65,8 +75,9 @@ _warned_on_cpu = False
 
 
 def host_layout(plan: OffloadPlan) -> list[tuple[str, ParamSpec]]:
-    """The host arena's entries in order: (layer path, spec) for every offloaded parameter."""
-    return [(layer.path, spec) for ring in plan.rings for layer in ring.layers for spec in layer.offloaded]
+    """The host arena's entries in order: (layer path, spec) for every offloaded parameter not read from files."""
+    rings = plan.rings
+    return [(ly.path, s) for r in rings for ly in r.layers for s in ly.offloaded if s.placement is not Placement.READ]
 
 
 def keep_int8_scales(model: nn.Module, journal: Journal) -> None:
@@ -90,11 +101,9 @@ def keep_int8_scales(model: nn.Module, journal: Journal) -> None:
 
 def _int8_as_given(ref: weakref.ref, ran: bool) -> None:
     # Undo of keep_int8_scales, from the parameter (its values back where they were): as bitsandbytes left the layer.
-    if (layer := ref()) is None:
-        return
-    if ran:
+    if (layer := ref()) is not None and ran:
         layer.state.CB, layer.state.SCB, layer.weight.SCB = layer.weight.data, layer.weight.SCB, None
-    else:
+    elif layer is not None:
         layer.weight.CB = layer.weight.data
 
 
@@ -195,16 +204,14 @@ def attach(model: nn.Module, state: OffloadState) -> None:
     # make transformers' `pipeline(..., device=...)` refuse the model and `save_pretrained` warn of offloaded modules.
     if state.plan.gpus:
         mapping = device_map(state.plan, model, device.index if device.type == "cuda" else "cpu")
-        if device.type != "cuda":
-            mapping = dict.fromkeys(mapping, "cpu")
+        mapping = mapping if device.type == "cuda" else dict.fromkeys(mapping, "cpu")
         journal.set_attribute(model, "hf_device_map", mapping, "device map")
     if getattr(model, "hf_device_map", None) is not None:
         _encoder_outputs_on_input_device(model, journal)
     if state.engine is not None:
         state.engine.start()
     state.lifecycle = Lifecycle.ATTACHED
-    unsaved = no_saving(state.plan)
-    if unsaved is not None:
+    if (unsaved := no_saving(state.plan)) is not None:
         warn_at_caller(f"This dispatch saves no device memory: {unsaved}")
 
 
@@ -285,6 +292,7 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
             if routable and routed and all(r.device_rows.dim() == 2 for r in routed) and not transfer.host_always:
                 add_lookups(transfer, layer, plan, ring_device)
             transfers.append(transfer)
+        state.reads += attach_reads(transfers, ring, state.file_extents, ring_device)  # layers read from files
         rings.append(RingTransfers(transfers, pool))
     engine = state.engine = _engines(state, rings, ring_devices)
     engine_id = register_engine(engine)
@@ -304,6 +312,7 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
                 hook = RoutedHook(engine, engine_id, ring_index, position, path, routing.index_arg, host)
                 journal.hook(module, hook, f"routed-experts hook on {path}")
     state.write_throughs = _write_through_load_state_dict(model, state)
+    refuse_file_writes(model, state.refused_loads(), FILES_READ_ONLY.format(layers=state.read_layers()), journal)
     _report_host_values(model, state)
     _guard_moves(model, state)
     route_through_in_place(model, state)  # PEFT's merges, diffusers' fusions: in weights_in_place
@@ -363,8 +372,7 @@ def _point_subclass(journal: Journal, param: nn.Parameter, inner: dict[str, torc
 
 def _staging_key(ring: RingPlan):
     # The pool key of the ring's staging buffers (one per slot, for its largest compressed layer), or None.
-    nbytes = ring.staging_bytes
-    return ("[staging]", (nbytes,), (1,), torch.uint8) if nbytes else None
+    return ("[staging]", (ring.staging_bytes,), (1,), torch.uint8) if ring.staging_bytes else None
 
 
 def _host(host: torch.Tensor) -> torch.Tensor:
@@ -432,7 +440,7 @@ def _write_through_load_state_dict(model: nn.Module, state: OffloadState) -> lis
     journal = state.journal
     under: dict[str, list[str]] = {}  # module path -> the streamed parameters under it, by their names in it
     for param_name in dict.fromkeys(o.param_name for o in state.offloaded):
-        for path, name in _ancestors(param_name):
+        for path, name in ancestors(param_name):
             under.setdefault(path, []).append(name)
     lock = model_lock(model)
     for path, names in under.items():
@@ -446,7 +454,7 @@ def _write_through_load_state_dict(model: nn.Module, state: OffloadState) -> lis
     compressed: dict[str, dict[str, OffloadedParam]] = {}  # module path -> compressed parameters under it, by name
     for offloaded in state.offloaded:
         if offloaded.layout is not None:
-            for path, name in _ancestors(offloaded.full_name):
+            for path, name in ancestors(offloaded.full_name):
                 compressed.setdefault(path, {})[name] = offloaded
     for path, params in compressed.items():
         refuse = partial(refuse_unencodable, params)
@@ -477,15 +485,8 @@ def _write_through_load_state_dict(model: nn.Module, state: OffloadState) -> lis
 
 def _private_host_storage(state_ref: weakref.ref) -> None:
     # The state's write-throughs hold this, not the state: no reference cycle keeps a deleted model alive.
-    state = state_ref()
-    if state is not None:
+    if (state := state_ref()) is not None:
         state.private_host_storage()
-
-
-def _ancestors(param_name: str) -> list[tuple[str, str]]:
-    # (module path, the parameter's name in it) for every module above the parameter, the model ("") first.
-    parts = param_name.split(".")
-    return [(".".join(parts[:depth]), ".".join(parts[depth:])) for depth in range(len(parts))]
 
 
 def _warn_uva_on_cpu(plan: OffloadPlan) -> None:

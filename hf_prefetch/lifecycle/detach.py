@@ -26,8 +26,12 @@ def detach(model: nn.Module, state: OffloadState, target: torch.device | None) -
         # anything is undone (a file changed on disk refuses the removal and leaves the model as it was).
         _quiesce(state)
         state.arena.make_writable()
+        if state.file_arena is not None:  # layers read from files: copied into memory (the host's limits checked)
+            state.file_arena.make_writable()
     elif state.lifecycle is Lifecycle.ATTACHED:
         state.arena.check_files()  # its pages no longer hold the loaded weights: refused before anything is undone
+        if state.file_arena is not None:
+            state.file_arena.check_files()
     state.lifecycle, state.target = Lifecycle.DETACHING, target
     try:
         _quiesce(state)
@@ -39,6 +43,8 @@ def detach(model: nn.Module, state: OffloadState, target: torch.device | None) -
         # Stopped half-way (a GPU out of memory, a Ctrl-C): what did not move lies in host storage the caller may
         # now write, so none of it may stay a file's read-only pages (a write would crash the process).
         _files_writable(state.arena)
+        if state.file_arena is not None:
+            _files_writable(state.file_arena)
         raise
     if target is not None:
         unpack_for(model, target)  # 4-bit layers repacked for the CPU kernels, moved to a GPU: as .cuda() does
@@ -90,6 +96,7 @@ def _end(model: nn.Module, state: OffloadState) -> None:
     with deferred_interrupts():  # the state leaves with its forward gate and its finalizer (see `begin`)
         state.finalizer.detach()
         state.arena.release()
+        state.close_reads()
         # A caller may still hold the state (`get_state`): it must not keep the pool or host storage alive.
         state.offloaded, state.write_throughs, state.engine, state.in_place = [], [], None, None
         state.gate_hooks.unwind(Phase.ATTACH)
@@ -107,3 +114,4 @@ def collected(state: OffloadState) -> None:
         state.journal.unwind(Phase.ATTACH)
         state.gate_hooks.unwind(Phase.ATTACH)  # parts a caller kept (`decoder = model.model`) run ungated again
         state.arena.release()
+        state.close_reads()

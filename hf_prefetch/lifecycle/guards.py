@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 __all__ = [
+    "ancestors",
+    "refuse_file_writes",
     "CONVERSIONS",
     "refuse_apply",
     "unless_nothing_changes",
@@ -131,3 +133,29 @@ def refuse_assign(
                 "hf_prefetch.reload_weights(model, state_dict); to assign, call hf_prefetch.remove_offload(model) "
                 "first and dispatch again."
             )
+
+
+def refuse_file_writes(model: nn.Module, names: list[str], message: str, journal: Any) -> None:
+    """[Note: weights read from files] in runtime/read_ahead.py: a `load_state_dict` pre-hook on every module above a
+    parameter whose writes are refused (`names`: full names, every streamed one of a dispatch with layers read from
+    the checkpoint's files), so that a load that gives one of them a value fails on entry, with `message`, before
+    torch writes anything."""
+    under: dict[str, list[str]] = {}
+    for full in names:
+        for path, name in ancestors(full):
+            under.setdefault(path, []).append(name)
+    for path, inside in under.items():
+        hook = functools.partial(_refuse_file_values, inside, message)
+        register = functools.partial(model.get_submodule(path)._register_load_state_dict_pre_hook, hook, True)
+        journal.handle(register, f"writes of weights read from files refused on {path or 'model'}")
+
+
+def _refuse_file_values(names: list[str], message: str, module: nn.Module, state_dict: dict, prefix: str, *_) -> None:
+    if any(prefix + name in state_dict for name in names):
+        raise RuntimeError(message)
+
+
+def ancestors(param_name: str) -> list[tuple[str, str]]:
+    """(module path, the parameter's name in it) for every module above the parameter, the model ("") first."""
+    parts = param_name.split(".")
+    return [(".".join(parts[:depth]), ".".join(parts[depth:])) for depth in range(len(parts))]

@@ -31,7 +31,15 @@ if TYPE_CHECKING:
     from ..runtime.engine import PrefetchEngine
     from .state_dict import WriteThrough
 
-__all__ = ["OffloadState", "Lifecycle", "get_state"]
+__all__ = ["OffloadState", "Lifecycle", "get_state", "FILES_READ_ONLY"]
+
+FILES_READ_ONLY = (
+    "hf_prefetch: the layers {layers} are read from the checkpoint's files at each use (max_memory['cpu'] holds "
+    "less than what streams): their host storage is those files' pages, so writing weights (load_state_dict, "
+    "reload_weights, sync_from_device, weights_in_place) and state_dict() are refused. Nothing was changed. Read "
+    "the checkpoint's tensors with safetensors, write a changed checkpoint and load it with from_pretrained, or give "
+    "max_memory['cpu'] room for every streamed layer."
+)
 
 STATE_ATTR = "_hf_prefetch_state"
 
@@ -77,13 +85,21 @@ class OffloadState:
     # Mapped host storage stays a file's pages: its copy into private memory before CUDA graphs failed
     # (`private_before_graphs`).
     private_refused: bool = False
+    # Placement.READ ([Note: weights read from files] in runtime/read_ahead.py): the host storage of the layers read
+    # from the checkpoint's files (their pages, mapped read-only, never pinned), and each ring's reads.
+    file_arena: HostArena | None = None
+    file_extents: dict[str, Any] = field(default_factory=dict)  # full name -> `file_reads.FileExtent`
+    reads: list[Any] = field(default_factory=list)
 
     def private_host_storage(self) -> None:
         """[Note: mapped host storage] in host/arena.py. Before host storage is written or handed out: streamed weights
         that are still a checkpoint file's pages become private memory (`HostArena.make_writable`), after every copy
         and kernel queued so far. Call under the model's lock. A no-op once done. Refused (RuntimeError, nothing
         changed) once a CUDA graph recorded copies from those pages: page-locking the private pages again would leave
-        the graph's copies reading an address the device no longer maps."""
+        the graph's copies reading an address the device no longer maps. Refused (RuntimeError) for a dispatch whose
+        layers are read from the checkpoint's files, which are those files' pages for good."""
+        if self.file_arena is not None:
+            raise RuntimeError(FILES_READ_ONLY.format(layers=self.read_layers()))
         if not self.arena.file_bytes:
             return
         if self.engine is not None and self.engine.graphs:
@@ -105,7 +121,8 @@ class OffloadState:
         (the host's memory), it warns once and the pages stay."""
         engine = self.engine
         if (
-            engine is None
+            self.file_arena is not None  # CUDA graphs are refused for its layers read from files
+            or engine is None
             or not engine.compiled
             or engine.graphs
             or self.device.type != "cuda"
@@ -122,6 +139,25 @@ class OffloadState:
                 "are refused. Load with map_files=False to avoid this.",
                 past_torch=True,
             )
+
+    def read_layers(self) -> str:
+        """The layers read from the checkpoint's files, for messages."""
+        paths = [layer.path for ring in self.plan.rings for layer in ring.streamed if layer.read_from_files]
+        return f"{paths[0]} .. {paths[-1]} ({len(paths)} layers)" if len(paths) > 1 else ", ".join(paths)
+
+    def refused_loads(self) -> list[str]:
+        """The parameters a `load_state_dict` may not name ([] without layers read from files): every streamed one,
+        since a value for any of them writes host storage (`private_host_storage` refuses). Refused where the load
+        starts, before torch writes the resident tensors that come first."""
+        return [offloaded.param_name for offloaded in self.offloaded] if self.file_extents else []
+
+    def close_reads(self) -> None:
+        """End the reads of the layers read from files and unmap their pages (once no copy reads them)."""
+        reads, self.reads = self.reads, []
+        for read in reads:
+            read.close()
+        if self.file_arena is not None:
+            self.file_arena.release()
 
     def __repr__(self) -> str:
         plan, layers = self.plan, [layer for ring in self.plan.rings for layer in ring.layers]

@@ -32,6 +32,7 @@ from ..planning.links import resolve_links
 from ..planning.memory import MaxMemory, device_argument, parse_max_memory
 from ..planning.pipeline import home_of
 from .checkpoint import Checkpoint
+from .file_layers import file_storage, read_layout, stored_as_is, with_read_speed
 from .filling import (
     Background,
     LoadTimeline,
@@ -388,12 +389,12 @@ def _load_unlocked(
         model.tie_weights()
     check_fp8_matmuls(model, device)
     journal = Journal()
-    arena = state = pinning = None
+    arena = files = state = pinning = None
     try:
         warmup = warmup if warmup is not None else Warmup(device)
         set_dtypes(model, dtype, cast, journal)
         keymap = map_keys(model, checkpoint)
-        plan = choose_plan(model, config, layers, device, max_memory, links)
+        plan = choose_plan(model, config, layers, device, max_memory, links, stored_as_is(keymap))
         timeline.mark("plan")
         # The first forward's one-time costs, paid while the reads run, in device memory the pool gets afterwards.
         warmup.run(model, spare_bytes=plan.gpu_bytes(device.index)[1] if device.type == "cuda" else 0)
@@ -401,13 +402,19 @@ def _load_unlocked(
         layout = attach.host_layout(plan)
         # A plan with compressed parameters pins the arena their encoded bytes move into instead (`compress_arena`).
         compressing = plan.compressed_bytes[0] > 0
-        files = file_pieces(layout, keymap, checkpoint, device, plan, map_files, direct_io, compressing)
-        arena = new_arena(layout, files)
+        pieces = file_pieces(layout, keymap, checkpoint, device, plan, map_files, direct_io, compressing)
+        read = read_layout(plan)  # the layers read from the checkpoint's files at each use
+        files, extents = file_storage(read, keymap, checkpoint)
+        plan = with_read_speed(plan, extents)
+        arena = new_arena(layout, pieces)
         state = attach.begin(model, plan, device, arena, timing, journal)
+        state.file_arena, state.file_extents = files, extents
         state.load_timeline = timeline.phases
         dests = {}
         for i, (path, spec) in enumerate(layout):
             dests[f"{path}.{spec.name}"] = arena.view(i, spec.shape, spec.stride, spec.dtype)
+        for i, (path, spec) in enumerate(read):
+            dests[f"{path}.{spec.name}"] = files.view(i, spec.shape, spec.stride, spec.dtype)
         offloaded_names = list(dests)
         home = home_of(plan, device)  # pipeline placement: a layer's resident tensors are read onto its GPU
         for name in filled_names(keymap):
@@ -423,7 +430,8 @@ def _load_unlocked(
         if device.type == "cuda" and not compressing and arena.file_bytes == arena.nbytes > 0:
             pinning = Background(lambda: pin_on(arena, device))
             pinning.start()
-        mapped = {f"{path}.{spec.name}" for (path, spec), piece in zip(layout, files, strict=True) if piece}
+        mapped = {f"{path}.{spec.name}" for (path, spec), piece in zip(layout, pieces, strict=True) if piece}
+        mapped |= set(extents)  # left in the files
         seconds, read = read_all(checkpoint, keymap, dests, model, progress, direct_io, timeline, skip=mapped)
         if device.type == "cuda" and not compressing and pinning is None:
             pinning = Background(lambda: pin_on(arena, device))
@@ -458,6 +466,8 @@ def _load_unlocked(
                 journal.unwind(Phase.PLACE)
                 if arena is not None:
                     arena.release()
+                if files is not None:
+                    files.release()
         raise
     if isinstance(model, PreTrainedModel):
         model._weight_conversions = keymap.used_conversions  # what save_pretrained reverts, as after from_pretrained
@@ -471,5 +481,3 @@ def _load_unlocked(
     )
     direct_gb, mapped_gb, rate = read.direct_bytes / 1e9, read.mapped_bytes / 1e9, gb / max(seconds, 1e-9)
     logger.info(message, checkpoint.folder, gb, direct_gb, mapped_gb, seconds, rate, pinned_gib, gpu_gib)
-
-

@@ -4,7 +4,7 @@ or the config's group pattern; with several host links, the other GPUs' staging 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
@@ -31,9 +31,12 @@ def choose_plan(
     device: torch.device,
     max_memory: MaxMemory | None,
     links: tuple[int, ...] = (),
+    stored_as_is: Callable[[str], bool] | None = None,
 ) -> OffloadPlan:
     """The plan `dispatch_model` and the loaders execute: the config's group pattern, or the plan for a budget; with
-    `links` (`links.resolve_links`), the other GPUs whose host links carry a share of every streamed layer."""
+    `links` (`links.resolve_links`), the other GPUs whose host links carry a share of every streamed layer. The
+    loaders' `stored_as_is` lets a one-GPU budget's streamed layers that the host budget cannot pin stay in the
+    checkpoint's files (`plan_for_budget`)."""
     check_layout(model, device)
     if config.compute_seconds is not None and max_memory is None:
         raise ValueError(
@@ -67,7 +70,9 @@ def choose_plan(
         link = None
         if config.compute_seconds is not None and device.type == "cuda":
             link = measure_link_gbps(device) * max(1, len(links))
-        plan = plan_for_budget(model, resolve_budget(max_memory, device, model), config, layers, link_gbps=link)
+        files = stored_as_is if not links else None  # a layer read from files goes through one link
+        budget = resolve_budget(max_memory, device, model)
+        plan = plan_for_budget(model, budget, config, layers, link_gbps=link, stored_as_is=files)
     if links:
         plan = replace(plan, links=links)
         for index, limit in helpers.items():

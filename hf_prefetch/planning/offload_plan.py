@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ..alignment import LINK_SHARE_ALIGN_BYTES, round_up
 from ..config import PrefetchConfig, UVAConfig
-from ..host.arena import HostArena
+from .file_tier import READ, file_lines, host_arena_bytes, staging_bytes
 from .host_split import HostCompute, host_lines, host_seconds, host_share
 from .links import STAGES
 from .placements import (
@@ -70,6 +70,8 @@ class OffloadPlan:
     gpus: tuple[tuple[int, MemoryBudget], ...] = ()
     # PrefetchConfig.cpu_experts: the routed experts computed on the host's cores (host_compute.py); None: none.
     host_compute: HostCompute | None = None
+    # The disk's direct read speed (GB/s) the load measured, for the read time of the layers read from files.
+    read_gbps: float | None = None
 
     @property
     def backend(self) -> str:
@@ -82,9 +84,14 @@ class OffloadPlan:
 
     @property
     def host_bytes(self) -> int:
-        """Host memory the offloaded parameters take: the host arena's size, which holds their values (encoded where
-        compressed), each at an offset aligned to `alignment.TENSOR_ALIGN_BYTES` (`HostArena.bytes_for`)."""
-        return host_arena_bytes(self.rings)
+        """Pinned host memory the offloaded parameters take: the host arena (`file_tier.host_arena_bytes`) and the
+        staging buffers of layers read from the checkpoint's files."""
+        return host_arena_bytes(self.rings) + staging_bytes(self.rings)
+
+    @property
+    def file_bytes(self) -> int:
+        """Bytes of the layers read from the checkpoint's files (Placement.READ), read again for every copy."""
+        return sum(p.nbytes for r in self.rings for layer in r.layers for p in layer.offloaded if p.placement is READ)
 
     @property
     def compressed_bytes(self) -> tuple[int, int]:
@@ -290,13 +297,6 @@ def compresses_nothing(plan: OffloadPlan) -> str | None:
     return f"all {sum(plain.values())} streamed tensors stay plain ({reasons})"
 
 
-def host_arena_bytes(rings: Sequence[RingPlan]) -> int:
-    """The size of the host arena that holds the offloaded parameters of `rings`, laid out as `HostArena` lays them
-    out: each parameter's bytes in host memory (encoded where compressed) padded to `TENSOR_ALIGN_BYTES`. An arena's
-    size is the sum of its tensors' padded sizes, so the rings' sizes add up to the arena of all of them."""
-    return HostArena.bytes_for([p.host_nbytes for ring in rings for layer in ring.layers for p in layer.offloaded])
-
-
 _HEADER = ("layer", "placement", "resident", "host", "slot", "next")
 
 
@@ -306,7 +306,7 @@ def _layer_row(ring: RingPlan, layer: LayerPlan) -> tuple[str, ...]:
         host = format_bytes(layer.host_bytes)
         if layer.owns_slot:
             return (layer.path, "own slot", resident, host, str(layer.slot), "-")
-        placement = "routed" if layer.routed else "streamed"
+        placement = "routed" if layer.routed else "read" if layer.read_from_files else "streamed"
         return (layer.path, placement, resident, host, str(layer.slot), str(ring.streamed[layer.next_in_slot].index))
     if layer.mapped:
         placement = "mapped" if layer.resident_bytes == 0 else "partly mapped"
@@ -402,6 +402,7 @@ def _totals(plan: OffloadPlan) -> list[tuple[str, str]]:
         if budget.host_bytes is not None:
             pinned += f" of {size(budget.host_bytes)} (max_memory['cpu'])"
     totals.append(("pinned host bytes", pinned))
+    totals += file_lines(plan)
     per_forward = size(plan.streamed_bytes_per_forward)
     if own:
         per_forward += f" ({own} layer{'s own' if own > 1 else ' owns'} a slot: copied once)"

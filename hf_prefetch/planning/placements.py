@@ -120,10 +120,16 @@ class Placement(Enum):
     # STREAMED, except that a forward with few tokens copies only the rows of the experts its router picks (see
     # [Note: routed experts] in runtime/routed.py).
     ROUTED = "routed"
+    # In its checkpoint's file, read before each copy into a pinned staging buffer of its ring (direct I/O, on
+    # threads, ahead of use) and copied from there into its slot like STREAMED: the weights that do not fit host
+    # memory (see [Note: weights read from files] in runtime/read_ahead.py).
+    READ = "read"
 
     @property
     def storage(self) -> Storage:
-        return Storage.DEVICE if self is Placement.RESIDENT else Storage.PINNED_HOST
+        if self is Placement.RESIDENT:
+            return Storage.DEVICE
+        return Storage.FILE if self is Placement.READ else Storage.PINNED_HOST
 
     @property
     def compute(self) -> Compute:
@@ -207,8 +213,13 @@ class LayerPlan:
 
     @property
     def streamed(self) -> bool:
-        """Whether the layer goes through its ring's slots (its STREAMED or ROUTED parameters)."""
-        return any(p.placement in (Placement.STREAMED, Placement.ROUTED) for p in self.params)
+        """Whether the layer goes through its ring's slots (its STREAMED, ROUTED or READ parameters)."""
+        return any(p.placement in (Placement.STREAMED, Placement.ROUTED, Placement.READ) for p in self.params)
+
+    @property
+    def read_from_files(self) -> bool:
+        """Whether the layer's offloaded parameters stay in the checkpoint's files (READ), read at each copy."""
+        return any(p.placement is Placement.READ for p in self.params)
 
     @property
     def routed(self) -> tuple[ParamSpec, ...]:
@@ -230,8 +241,14 @@ class LayerPlan:
 
     @property
     def host_bytes(self) -> int:
-        """The offloaded parameters' bytes in host memory, and what a whole copy of the layer moves."""
+        """What a whole copy of the layer moves: the offloaded parameters' bytes in host storage (in pinned memory,
+        or in the checkpoint's files for READ ones)."""
         return sum(p.host_nbytes for p in self.offloaded)
+
+    @property
+    def pinned_bytes(self) -> int:
+        """The offloaded parameters' bytes in pinned host memory (READ ones stay in their files)."""
+        return sum(p.host_nbytes for p in self.offloaded if p.placement is not Placement.READ)
 
     @property
     def staging_bytes(self) -> int:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from .copies import copy_all
+from .read_ahead import CAPTURE_REFUSED
 from .ring import CopyEvent, RingState, RingTransfers
 from .routed import fetch_ahead
 
@@ -64,6 +65,9 @@ class CapturedCopies:
     def _wait_in_capture(self, transfers: RingTransfers, position: int) -> None:
         # `wait` in a capture: a ring's capture begins at its first layer (or at the first it records).
         layer = transfers.layers[position]
+        read = [p for p, other in enumerate(transfers.layers) if other.reads is not None]
+        if read:  # [Note: weights read from files] in read_ahead.py
+            raise RuntimeError(CAPTURE_REFUSED.format(layers=f"(ring positions {read[0]}-{read[-1]})"))
         if position == 0 or transfers.state is not RingState.CAPTURING:
             transfers.begin_capture()
         if not transfers.holds(position, True):

@@ -4,9 +4,12 @@ decides when; this module knows only what."""
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from .graph_copies import captured_copy
+from .read_ahead import CAPTURE_REFUSED
 from .ring import CopyEvent, LayerTransfer
 from .shared_links import SharedLinks
 from .timing import timing_event
@@ -42,6 +45,9 @@ def copy_all(
     links: SharedLinks | None = None,
     slot_free: torch.cuda.Event | None = None,
 ) -> None:
+    if layer.reads is not None:  # [Note: weights read from files] in read_ahead.py
+        _copy_read(layer, non_blocking, captured_on)
+        return
     pairs = copy_pairs(layer, whole)
     if links is not None:  # the helper GPUs' shares are issued; the execution device copies the rest
         pairs = links.copy(pairs, non_blocking, slot_free)
@@ -51,3 +57,19 @@ def copy_all(
         return
     for dst, src in pairs:
         dst.copy_(src, non_blocking=non_blocking)
+
+
+def _copy_read(layer: LayerTransfer, non_blocking: bool, captured_on: torch.cuda.Stream | None) -> None:
+    # From the staging buffer its read filled, on the current stream; the buffer is read into again once this landed.
+    if captured_on is not None:
+        raise RuntimeError(CAPTURE_REFUSED.format(layers="(a ring's)"))
+    begin = time.perf_counter()
+    sources = layer.reads.sources(layer.read_index)
+    layer.counters.read_wait_seconds += time.perf_counter() - begin
+    layer.counters.read_bytes += layer.nbytes
+    for dst, src in zip(layer.device, sources, strict=True):
+        dst.view(-1).view(torch.uint8).copy_(src, non_blocking=non_blocking)
+    landed = torch.cuda.Event() if layer.device and layer.device[0].is_cuda else None
+    if landed is not None:
+        landed.record()
+    layer.reads.copied(layer.read_index, landed)

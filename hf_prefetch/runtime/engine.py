@@ -363,6 +363,8 @@ class PrefetchEngine(CapturedCopies, RoutedFills, CompressedDecodes):
         if encoded is None:
             encoded = self.encode_slot(ring, position)  # every compressed parameter before the first write
         layer = self._owned_settled(ring, position)
+        if layer.reads is not None:  # its host storage is the checkpoint's pages, mapped read-only
+            raise RuntimeError(f"hf_prefetch: ring position {position} is read from its files: nothing to store into.")
         # Blocking: the host may read or rewrite its storage as soon as this returns. Routed tensors only from a whole
         # slot: a routed one holds copies of host rows, or another layer's. Compressed ones write their encoded bytes.
         staged = {id(item.staged) for item in layer.decodes}

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields, replace
 from enum import Enum
+from typing import Any
 
 import torch
 
@@ -150,6 +151,10 @@ class LayerCounters:
     decodes: int = 0
     # with timing: device time of the decoding (compute stream; between forwards, decode stream)
     decode_seconds: float = 0.0
+    # Placement.READ: bytes read from the checkpoint's files for its copies, and the seconds its copies waited for
+    # those reads (the disk behind; measured always)
+    read_bytes: int = 0
+    read_wait_seconds: float = 0.0
     copy_seconds: float = 0.0
     stall_seconds: float = 0.0
     compute_seconds: float = 0.0  # from the end of the layer's wait to the end of its forward
@@ -323,6 +328,10 @@ class LayerTransfer:
     # computes (0: none), and whether it computes all of them in every forward (its copies never bring them).
     host_share: float = 0.0
     host_always: bool = False
+    # Placement.READ ([Note: weights read from files] in read_ahead.py): its ring's reads, and its index among them;
+    # each copy comes from a staging buffer, `host` stays the files' mapped pages.
+    reads: Any = None  # read_ahead.ReadAhead (which knows this module, not the other way)
+    read_index: int = -1
     # Recorded after this layer's latest copy; the compute stream waits on it before the layer runs. With timing on,
     # every copy gets a fresh event so that late reads see the right copy. `event` says what it is.
     done: torch.cuda.Event | None = None
