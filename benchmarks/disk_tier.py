@@ -1,14 +1,15 @@
 """Decode with layers read from the checkpoint's files (a host budget below what streams) against the same model with
 every streamed layer pinned, and the disk's own direct read speed. GPU only.
 
-An 8B-shaped random bf16 model is saved as safetensors in `--folder` (on the disk to measure), then loaded by
-`from_pretrained` three ways, measured alternately in one process: all on the GPU (the reference tokens and time),
-every streamed layer pinned (`max_memory={0: gpu}`), and with `max_memory["cpu"]` a `--host-share` of the streamed
-bytes, so that the layers beyond it are read from the files at each copy. bound = max(all-on-GPU s/token, streamed
-bytes / pinned H2D peak, file bytes per token / the disk's direct sequential read speed), the disk measured in the
-same run (`measure_read_gbps` on the largest shard, after the page cache was dropped where allowed). Prints the
-achieved read rate of the file layers against that speed, the process's RSS right after that load against the host
-budget with the staging buffers, and whether the tokens are identical.
+An 8B-shaped random bf16 model is built on the GPU (the reference tokens and time) and saved as safetensors in
+`--folder` (on the disk to measure), then loaded by `from_pretrained` two more ways, the three measured alternately in
+one process: every streamed layer pinned (`max_memory={0: gpu}`), and with `max_memory["cpu"]` a `--host-share` of
+the streamed bytes, so that the layers beyond it are read from the files at each copy. bound = max(all-on-GPU
+s/token, streamed bytes / pinned H2D peak, file bytes per token / the disk's direct sequential read speed), the disk
+measured before the loads and before each pair (`measure_read_gbps`: the first GiB of the largest shard, read by as
+many threads as the reader uses, after the page cache was dropped where allowed), the median of those. Prints the
+read rate of the file layers during their runs against that speed, how much the process's RSS grew at that load
+against the host budget with the staging buffers, and whether the tokens are identical.
 
     python benchmarks/disk_tier.py [--layers 32] [--gpu-gib 8] [--host-share 0.25] [--pairs 3] [--folder PATH]
 """
@@ -44,7 +45,7 @@ def drop_page_cache() -> bool:
         return False
 
 
-def seconds_per_token(model, ids) -> tuple[float, torch.Tensor]:
+def seconds_per_token(model, ids) -> tuple[float, float, torch.Tensor]:
     def run(n):
         torch.cuda.synchronize()
         begin = time.perf_counter()
@@ -56,7 +57,7 @@ def seconds_per_token(model, ids) -> tuple[float, torch.Tensor]:
 
     t_short, _ = run(SHORT)
     t_long, out = run(LONG)
-    return (t_long - t_short) / (LONG - SHORT), out
+    return (t_long - t_short) / (LONG - SHORT), t_short + t_long, out
 
 
 def main() -> None:
@@ -69,26 +70,33 @@ def main() -> None:
     args = parser.parse_args()
     print(f"GPU: {torch.cuda.get_device_name()}  torch {torch.__version__}", flush=True)
     torch.manual_seed(0)
-    if not os.path.isfile(os.path.join(args.folder, "config.json")):
+    reference = build_model(args.layers, device="cuda")
+    if os.path.isfile(os.path.join(args.folder, "config.json")):
+        reference.load_state_dict(_loaded(args.folder))
+    else:
         begin = time.perf_counter()
-        build_model(args.layers, device="cpu").save_pretrained(args.folder, max_shard_size="2GB")
+        reference.save_pretrained(args.folder, max_shard_size="2GB")
         print(f"saved {args.layers} layers to {args.folder} in {time.perf_counter() - begin:.1f} s", flush=True)
     gc.collect()
-    dropped = drop_page_cache()
     shards = sorted(p for p in os.listdir(args.folder) if p.endswith(".safetensors"))
     largest = max((os.path.join(args.folder, p) for p in shards), key=os.path.getsize)
-    disk = [measure_read_gbps(largest, 2 * 2**30) for _ in range(3)]
-    print(f"disk: direct sequential reads {', '.join(f'{g:.2f}' for g in disk)} GB/s; page cache dropped: {dropped}")
+    disk = []
+
+    def measure_disk() -> None:
+        dropped = drop_page_cache()
+        disk.append(measure_read_gbps(largest, 2**30))
+        print(f"disk: direct sequential read {disk[-1]:.2f} GB/s; page cache dropped: {dropped}", flush=True)
+
+    measure_disk()
     gpu = {0: f"{args.gpu_gib}GiB"}
     streamed = hf_prefetch.plan(args.folder, device="cuda", max_memory=gpu).streamed_bytes_per_forward
     host = int(streamed * args.host_share)
+    rss_before = _rss()
     files = hf_prefetch.from_pretrained(args.folder, device="cuda", max_memory={**gpu, "cpu": host})
-    rss = _rss()  # before the other systems load: this process's host memory with the layers read from files
+    rss = _rss() - rss_before  # before the other systems load: the host memory the load with files added
     plan = hf_prefetch.get_state(files).plan
     print(plan, flush=True)
     pinned = hf_prefetch.from_pretrained(args.folder, device="cuda", max_memory=gpu)
-    reference = build_model(args.layers, device="cuda")
-    reference.load_state_dict(_loaded(args.folder))
     ids = torch.randint(3, 1000, (1, 16), device="cuda")
     systems = {"all on GPU": reference, "every streamed layer pinned": pinned, "layers read from files": files}
     for model in systems.values():
@@ -96,19 +104,23 @@ def main() -> None:
     samples = {name: [] for name in systems}
     tokens = {}
     links = []
+    read_rates = []
     for pair in range(args.pairs):
         links.append(h2d_peak_gbps())
+        measure_disk()
         for name, model in systems.items():
             if name != "all on GPU":
                 hf_prefetch.reset_stats(model)
-            seconds, out = seconds_per_token(model, ids)
+            seconds, elapsed, out = seconds_per_token(model, ids)
             samples[name].append(seconds)
             tokens[name] = out
             print(f"pair {pair} {name}: {seconds:.4f} s/token", flush=True)
+            if model is files:
+                read_rates.append(hf_prefetch.stats(files).read_bytes / elapsed)
     stats = hf_prefetch.stats(files)
     link, disk_gbps = max(links), statistics.median(disk)
     resident_s = statistics.median(samples["all on GPU"])
-    read_rate = stats.read_bytes / max(1e-9, (LONG + SHORT + 1) * statistics.median(samples["layers read from files"]))
+    read_rate = statistics.median(read_rates)
     rows = []
     for name, model in systems.items():
         s = statistics.median(samples[name])
@@ -117,14 +129,16 @@ def main() -> None:
         bound = max(resident_s, moved / (link * 1e9), from_files / (disk_gbps * 1e9))
         same = torch.equal(tokens[name], tokens["all on GPU"])
         rows.append((name, moved / 1e9, from_files / 1e9, s, bound, s / bound, same))
-    print(f"\nlink {link:.1f} GB/s, disk {disk_gbps:.2f} GB/s (direct), {args.layers} layers, medians of {args.pairs}")
+    print(f"\nlink {link:.1f} GB/s, disk {disk_gbps:.2f} GB/s (direct, median of {len(disk)}: "
+          f"{', '.join(f'{g:.2f}' for g in disk)}), {args.layers} layers, medians of {args.pairs}")  # fmt: skip
     print(f"{'system':32} {'GB/token':>9} {'files GB':>9} {'s/token':>8} {'bound':>8} {'x bound':>8}  tokens")
     for name, moved, from_files, s, bound, ratio, same in rows:
         verdict = "reference" if name == "all on GPU" else "identical" if same else "DIFFER"
         print(f"{name:32} {moved:9.2f} {from_files:9.2f} {s:8.4f} {bound:8.4f} {ratio:8.3f}  {verdict}")
     print(f"read from files during the runs: {read_rate / 1e9:.2f} GB/s ({read_rate / 1e9 / disk_gbps:.2f}x the disk)")
-    print(f"waited for reads: {stats.read_wait_seconds:.2f} s; RSS after that load {rss / 2**30:.2f} GiB, host budget "
-          f"{host / 2**30:.2f} GiB (pinned {plan.host_bytes / 2**30:.2f} GiB with the staging buffers)")  # fmt: skip
+    print(f"waited for reads in the last pair: {stats.read_wait_seconds:.2f} s; RSS grew by {rss / 2**30:.2f} GiB at "
+          f"that load, host budget {host / 2**30:.2f} GiB (pinned {plan.host_bytes / 2**30:.2f} GiB with the staging "
+          f"buffers)")  # fmt: skip
     save_results("disk_tier.json", dict(rows=rows, link=link, disk=disk, rss=rss, host=host))
 
 
