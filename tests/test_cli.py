@@ -90,12 +90,13 @@ def test_bench_prints_seconds_per_token(checkpoint, capsys):
     assert float(row[0]) > 0 and row[1] == "-" and row[-1] == "0"
 
 
-def test_module_entry_point_and_help(checkpoint):
-    for command in ([], ["plan"], ["generate"], ["bench"]):
-        result = subprocess.run(
-            [sys.executable, "-m", "hf_prefetch", *command, "--help"], capture_output=True, text=True, check=True
-        )
-        assert "usage: hf-prefetch" in result.stdout
+def test_module_entry_point_and_help(checkpoint, capsys):
+    entry = [sys.executable, "-m", "hf_prefetch", "--help"]
+    result = subprocess.run(entry, capture_output=True, text=True, check=True)
+    assert "usage: hf-prefetch" in result.stdout
+    for command in (["plan"], ["generate"], ["bench"]):  # the same parser, in this process
+        assert main([*command, "--help"]) == 0
+        assert f"usage: hf-prefetch {command[0]}" in capsys.readouterr().out
     folder, _ = checkpoint
     result = subprocess.run(
         [sys.executable, "-m", "hf_prefetch", "plan", str(folder), "--device", "cpu"], capture_output=True, text=True
@@ -124,8 +125,10 @@ def test_module_entry_point_and_help(checkpoint):
         (["plan", "{folder}", "--revision", "v1"], "--revision v1 reads a Hub id, but"),
         (["plan", "{folder}", "--model-class", "Nope"], "--model-class 'Nope' is not a transformers model class"),
         (["plan", "{folder}", "--model-class", "os"], "an Auto class such as AutoModelForCausalLM"),
-        (["generate", "{folder}", "--prompt", "x", "--model-class", "LlamaModel"], "LlamaModel (from --model-class) "
-                                                                                   "does not generate text"),
+        (
+            ["generate", "{folder}", "--prompt", "x", "--model-class", "LlamaModel"],
+            "LlamaModel (from --model-class) does not generate text",
+        ),
         (["plan", "{bad_json}"], "config.json is not valid JSON"),
         (["plan", "{json_list}"], "config.json holds a JSON list"),
         (["plan", ""], "empty string"),

@@ -428,6 +428,11 @@ def test_an_interrupted_dispatch_is_finished_by_remove_offload_or_a_new_dispatch
     base, ids, logits, _ = four
     count = iter(range(10**6))
 
+    def setup():  # one model throughout: each interrupted dispatch must leave it as it was (`_recovered` checks it)
+        if hf_prefetch.get_state(base) is not None:
+            hf_prefetch.remove_offload(base)
+        return base
+
     def again(model, state):  # every other point: dispatch again (which finishes the interrupted one), then remove
         if next(count) % 2:
             return None if state is None else hf_prefetch.remove_offload(model)
@@ -438,7 +443,7 @@ def test_an_interrupted_dispatch_is_finished_by_remove_offload_or_a_new_dispatch
 
     _interrupted_everywhere(
         monkeypatch,
-        lambda: copy.deepcopy(base),
+        setup,
         lambda model: _dispatched(model, FOUR),
         lambda model, where: _recovered(model, ids, logits, where, again),
         changes_from="begin",
@@ -448,10 +453,11 @@ def test_an_interrupted_dispatch_is_finished_by_remove_offload_or_a_new_dispatch
 def test_an_interrupted_remove_offload_is_finished_by_remove_offload(four, monkeypatch):
     base, ids, logits, _ = four
 
-    def setup():
-        model = _dispatched(copy.deepcopy(base), FOUR)
-        _logits(model, ids)  # layer 3 holds the slot
-        return model
+    def setup():  # one model throughout: each interrupted removal must leave it as it was (`_recovered` checks it)
+        if hf_prefetch.get_state(base) is None:
+            _dispatched(base, FOUR)
+        _logits(base, ids)  # layer 3 holds the slot
+        return base
 
     _interrupted_everywhere(
         monkeypatch, setup, hf_prefetch.remove_offload, lambda model, where: _recovered(model, ids, logits, where)
