@@ -180,6 +180,7 @@ class StagedReads:
             raise ValueError(f"num_buffers={num_buffers}: a staged read needs at least one staging buffer.")
         if threads < 1:
             raise ValueError(f"threads={threads}: reads need at least one thread.")
+        self.num_buffers = num_buffers
         self.bytes_read = 0
         self.reads = 0
         self.read_seconds = 0.0

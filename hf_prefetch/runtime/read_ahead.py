@@ -47,13 +47,12 @@ class ReadAhead:
     """One ring's layers read from files ([Note: weights read from files]): `sources(i)` before the copy of its
     `i`-th such layer (their index in `reads`), `copied(i, event)` once that copy is issued."""
 
-    def __init__(self, reads: StagedReads, num_buffers: int, cuda: bool) -> None:
+    def __init__(self, reads: StagedReads) -> None:
         self.reads = reads
         self._count = reads.num_layers
-        self._cuda = cuda
-        self._free = deque(range(num_buffers))
+        self._free = deque(range(reads.num_buffers))
         self._buffer_of: dict[int, int] = {}  # layer -> the buffer its read was started into (not given back yet)
-        self._landed: list[torch.cuda.Event | None] = [None] * num_buffers  # the last copy out of each buffer
+        self._landed: list[torch.cuda.Event | None] = [None] * reads.num_buffers  # the last copy out of each buffer
 
     def sources(self, index: int) -> list[torch.Tensor]:
         """Layer `index`'s tensors' bytes in its staging buffer (uint8, in the layer's order), its read waited for,
@@ -102,8 +101,8 @@ class ReadAhead:
             except BaseException:
                 self._free.appendleft(buffer)
                 raise
+            # `_landed[buffer]` stays: a read evicted before its `before` ran leaves that wait to the next read.
             self._buffer_of[index] = buffer
-            self._landed[buffer] = None
 
     def _evict(self, index: int) -> None:
         # No free buffer: give back the one read for the layer furthest ahead of `index` (its read is ended).
@@ -123,9 +122,7 @@ def attach_reads(
     if not read:
         return []
     layers = [[extents[f"{layer.path}.{spec.name}"] for spec in layer.offloaded] for _, layer in read]
-    buffers = staging_buffers(ring)
-    cuda = device.type == "cuda"
-    ahead = ReadAhead(StagedReads(layers, buffers, pin=cuda), buffers, cuda)
+    ahead = ReadAhead(StagedReads(layers, staging_buffers(ring), pin=device.type == "cuda"))
     for index, (transfer, _) in enumerate(read):
         transfer.reads, transfer.read_index, transfer.span = ahead, index, None
     return [ahead]

@@ -21,6 +21,7 @@ from hf_prefetch.alignment import DIRECT_IO_ALIGN_BYTES, round_up
 from hf_prefetch.host import file_reads
 from hf_prefetch.host.diskio import open_direct
 from hf_prefetch.host.file_reads import FileExtent, StagedReads, measure_read_gbps
+from hf_prefetch.runtime.read_ahead import ReadAhead
 
 LAYERS = 5
 
@@ -410,3 +411,18 @@ def test_measure_read_gbps_reads_through_the_page_cache_where_direct_reads_are_r
     path.write_bytes(os.urandom(2**20 + 7))
     assert measure_read_gbps(path, 2**30) > 0
     assert True in taken and taken[-1] is False  # refused, then read plainly
+
+
+def test_a_read_evicted_before_its_wait_for_the_buffer_leaves_that_wait_to_the_next_read(checkpoint, monkeypatch):
+    # Layer 2's read into buffer 0 must first wait for the copy out of buffer 0 (its event); evicted while still queued
+    # behind layer 1's, it never waited, so the read that takes buffer 0 next must wait instead.
+    _Reads(monkeypatch, delay=0.2)
+    waited = []
+    landed = SimpleNamespace(synchronize=lambda: waited.append(threading.current_thread()))
+    with StagedReads(_layers(checkpoint), 2, threads=1, window_bytes=8192) as staged:
+        ahead = ReadAhead(staged)
+        ahead.sources(0)
+        ahead.copied(0, landed)  # reads start for layers 1 (buffer 1) and 2 (buffer 0, after `landed`)
+        assert not waited
+        _check(ahead.sources(4), checkpoint, 4)  # out of order: layer 2 is evicted, layer 4 read into buffer 0
+        assert len(waited) == 1 and waited[0] is not threading.main_thread()
