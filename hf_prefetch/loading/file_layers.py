@@ -4,7 +4,6 @@ its file, and the disk's direct read speed for the plan."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -20,7 +19,7 @@ from ..host.files import FilePiece
 from ..planning.file_tier import READ
 from ..planning.offload_plan import OffloadPlan
 from ..planning.placements import ParamSpec
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, TensorEntry
 from .keymap import KeyMap
 
 __all__ = ["stored_as_is", "dense_as_is", "read_layout", "file_storage", "write_layers", "with_read_speed"]
@@ -76,8 +75,7 @@ def file_storage(
     without any) and where each lies in its file, by full name."""
     extents = {}
     for path, spec in layout:
-        entry = keymap.streamed[f"{path}.{spec.name}"][0][0]
-        extents[f"{path}.{spec.name}"] = FileExtent(entry.path, entry.offset, entry.nbytes)
+        extents[f"{path}.{spec.name}"] = _extent(keymap.streamed[f"{path}.{spec.name}"][0][0])
     return _mapped(layout, extents, checkpoint.fd), extents
 
 
@@ -97,7 +95,8 @@ def write_layers(
         target, partial = folder / f"{layer}.safetensors", folder / f".{layer}.safetensors.partial"
         save_file({name: model.get_parameter(name).detach().cpu().contiguous() for name in names}, partial)
         os.replace(partial, target)  # a new file: a model that maps the old one keeps its pages
-        extents.update(_extents(target))
+        with Checkpoint.open(target) as written:  # its header names where each tensor lies
+            extents.update({key: _extent(entry) for key, entry in written.entries.items()})
     fds: dict[Path, int] = {}
 
     def fd(path: Path) -> int:
@@ -120,17 +119,8 @@ def _mapped(layout, extents: dict[str, FileExtent], fd) -> HostArena | None:
     return HostArena([spec.nbytes for _, spec in layout], files=pieces)
 
 
-def _extents(path: Path) -> dict[str, FileExtent]:
-    # Where each tensor of a safetensors file lies: its header (8 bytes of length, then JSON) names data offsets.
-    with open(path, "rb") as f:
-        size = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(size))
-    start = 8 + size
-    return {
-        name: FileExtent(path, start + info["data_offsets"][0], info["data_offsets"][1] - info["data_offsets"][0])
-        for name, info in header.items()
-        if name != "__metadata__"
-    }
+def _extent(entry: TensorEntry) -> FileExtent:
+    return FileExtent(entry.path, entry.offset, entry.nbytes)
 
 
 def with_read_speed(plan: OffloadPlan, extents: dict[str, FileExtent]) -> OffloadPlan:
