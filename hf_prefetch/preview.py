@@ -20,7 +20,7 @@ from .config import OffloadConfig, PrefetchConfig, UVAConfig, resolve_offload
 from .lifecycle.checks import refuse_unknown_keywords, resolve_device
 from .loading import skeleton
 from .loading.checkpoint import Checkpoint
-from .loading.file_layers import stored_as_is
+from .loading.file_layers import stored_layout
 from .loading.hub import header_folder
 from .loading.keymap import map_keys
 from .loading.loader import check_building, set_attention
@@ -117,7 +117,7 @@ def plan(
             folder = skeleton.checkpoint_folder(found)
             with Checkpoint.open(folder) as checkpoint:
                 model, _ = skeleton.build_skeleton(folder, checkpoint, dtype, model_class)
-                as_is = stored_as_is(map_keys(model, checkpoint))  # what may stay in the files (a host budget's)
+                as_is = stored_layout(map_keys(model, checkpoint))  # what may stay in the files (a host budget's)
             set_attention(model, attn_implementation)
     if uva:
         result = make_uva_plan(model, config, layers)

@@ -69,6 +69,16 @@ class LayerStats:
     # from the files, and the seconds the copies waited for those reads (measured always; 0 where the reads ran ahead).
     read_bytes: int = 0
     read_wait_seconds: float = 0.0
+    # Routed experts read from the checkpoint's files as picked: a forward's picked experts (once each) found in the
+    # host expert cache, and read from the files into it.
+    host_cache_hits: int = 0
+    host_cache_misses: int = 0
+
+    @property
+    def host_cache_hit_rate(self) -> float | None:
+        """Of the picked experts read from files or found in the host expert cache, the share found (None: none)."""
+        picked = self.host_cache_hits + self.host_cache_misses
+        return self.host_cache_hits / picked if picked else None
 
     @property
     def gbps(self) -> float:
@@ -96,6 +106,11 @@ class LayerStats:
         return self.compressed_bytes / self.decoded_bytes if self.decoded_bytes else 0.0
 
 
+def _summed(name: str) -> property:
+    # A total of TransferStats: the layers' `name` added up.
+    return property(lambda self: sum(getattr(layer, name) for layer in self.layers), doc=f"LayerStats.{name} summed.")
+
+
 @dataclass(frozen=True, repr=False)
 class TransferStats:
     """A snapshot of the transfer counters. `print(stats)` and a REPL show a table; Jupyter shows it as HTML."""
@@ -103,85 +118,33 @@ class TransferStats:
     layers: tuple[LayerStats, ...]
     timing: bool
 
-    @property
-    def copies(self) -> int:
-        return sum(layer.copies for layer in self.layers)
-
-    @property
-    def copied_bytes(self) -> int:
-        return sum(layer.copied_bytes for layer in self.layers)
-
-    @property
-    def misses(self) -> int:
-        return sum(layer.misses for layer in self.layers)
-
-    @property
-    def routed_rows(self) -> int:
-        return sum(layer.routed_rows for layer in self.layers)
-
-    @property
-    def routed_bytes(self) -> int:
-        return sum(layer.routed_bytes for layer in self.layers)
-
-    @property
-    def routed_picks(self) -> int:
-        return sum(layer.routed_picks for layer in self.layers)
-
-    @property
-    def completions(self) -> int:
-        return sum(layer.completions for layer in self.layers)
-
-    @property
-    def cache_hits(self) -> int:
-        return sum(layer.cache_hits for layer in self.layers)
-
-    @property
-    def cache_misses(self) -> int:
-        return sum(layer.cache_misses for layer in self.layers)
-
-    @property
-    def recent_hits(self) -> int:
-        return sum(layer.recent_hits for layer in self.layers)
-
-    @property
-    def recent_wasted_bytes(self) -> int:
-        return sum(layer.recent_wasted_bytes for layer in self.layers)
-
-    @property
-    def cache_saved_bytes(self) -> int:
-        return sum(layer.cache_saved_bytes for layer in self.layers)
-
-    @property
-    def cache_loaded_bytes(self) -> int:
-        return sum(layer.cache_loaded_bytes for layer in self.layers)
-
-    @property
-    def decoded_bytes(self) -> int:
-        return sum(layer.decoded_bytes for layer in self.layers)
-
-    @property
-    def compressed_bytes(self) -> int:
-        return sum(layer.compressed_bytes for layer in self.layers)
-
-    @property
-    def host_picks(self) -> int:
-        return sum(layer.host_picks for layer in self.layers)
-
-    @property
-    def host_bytes(self) -> int:
-        return sum(layer.host_bytes for layer in self.layers)
-
-    @property
-    def host_seconds(self) -> float:
-        return sum(layer.host_seconds for layer in self.layers)
-
-    @property
-    def read_bytes(self) -> int:
-        return sum(layer.read_bytes for layer in self.layers)
-
-    @property
-    def read_wait_seconds(self) -> float:
-        return sum(layer.read_wait_seconds for layer in self.layers)
+    copies = _summed("copies")
+    copied_bytes = _summed("copied_bytes")
+    misses = _summed("misses")
+    routed_rows = _summed("routed_rows")
+    routed_bytes = _summed("routed_bytes")
+    routed_picks = _summed("routed_picks")
+    completions = _summed("completions")
+    cache_hits = _summed("cache_hits")
+    cache_misses = _summed("cache_misses")
+    recent_hits = _summed("recent_hits")
+    recent_wasted_bytes = _summed("recent_wasted_bytes")
+    cache_saved_bytes = _summed("cache_saved_bytes")
+    cache_loaded_bytes = _summed("cache_loaded_bytes")
+    decoded_bytes = _summed("decoded_bytes")
+    compressed_bytes = _summed("compressed_bytes")
+    host_picks = _summed("host_picks")
+    host_bytes = _summed("host_bytes")
+    host_seconds = _summed("host_seconds")
+    read_bytes = _summed("read_bytes")
+    read_wait_seconds = _summed("read_wait_seconds")
+    host_cache_hits = _summed("host_cache_hits")
+    host_cache_misses = _summed("host_cache_misses")
+    decodes = _summed("decodes")
+    decode_seconds = _summed("decode_seconds")
+    copy_seconds = _summed("copy_seconds")
+    stall_seconds = _summed("stall_seconds")
+    compute_seconds = _summed("compute_seconds")
 
     @property
     def compression(self) -> float:
@@ -189,24 +152,10 @@ class TransferStats:
         return self.compressed_bytes / self.decoded_bytes if self.decoded_bytes else 0.0
 
     @property
-    def decodes(self) -> int:
-        return sum(layer.decodes for layer in self.layers)
-
-    @property
-    def decode_seconds(self) -> float:
-        return sum(layer.decode_seconds for layer in self.layers)
-
-    @property
-    def copy_seconds(self) -> float:
-        return sum(layer.copy_seconds for layer in self.layers)
-
-    @property
-    def stall_seconds(self) -> float:
-        return sum(layer.stall_seconds for layer in self.layers)
-
-    @property
-    def compute_seconds(self) -> float:
-        return sum(layer.compute_seconds for layer in self.layers)
+    def host_cache_hit_rate(self) -> float | None:
+        """Of the picked experts read from files or found in the host expert cache, the share found (None: none)."""
+        picked = self.host_cache_hits + self.host_cache_misses
+        return self.host_cache_hits / picked if picked else None
 
     @property
     def gbps(self) -> float:
@@ -469,6 +418,8 @@ def stats(model: nn.Module) -> TransferStats:
                     c.host_seconds,
                     c.read_bytes,
                     c.read_wait_seconds,
+                    c.host_cache_hits,
+                    c.host_cache_misses,
                 )
             )
     return TransferStats(tuple(layers), engine.timing)

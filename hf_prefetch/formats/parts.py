@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ..interrupts import deferred_interrupts
 from . import bnb
 
-__all__ = ["get_part", "set_part", "assign", "stored_parts", "with_inner"]
+__all__ = ["get_part", "set_part", "assign", "stored_parts", "with_inner", "as_parameter"]
 
 
 def get_part(param: torch.Tensor, name: str) -> torch.Tensor:
@@ -63,3 +63,11 @@ def assign(param: torch.Tensor, attr: str, tensor: torch.Tensor) -> None:
     value = nn.Parameter(tensor, requires_grad=param.requires_grad) if isinstance(param, nn.Parameter) else tensor
     with deferred_interrupts():
         torch.utils.swap_tensors(param, value)
+
+
+def as_parameter(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """`value` as a tensor of `param`'s class (an `nn.Parameter`) with its attributes, for `torch.utils.swap_tensors`
+    with `param`: the way a meta parameter takes real contents (its data cannot be assigned)."""
+    swapped = torch.Tensor._make_subclass(type(param), value, param.requires_grad)
+    swapped.__dict__.update(param.__dict__)
+    return swapped

@@ -34,6 +34,7 @@ __all__ = [
     "aligned_buffer",
     "cached_fraction",
     "open_direct",
+    "open_for_reads",
     "plan_windows",
     "pread",
 ]
@@ -59,7 +60,8 @@ def plan_windows(ranges: Sequence[tuple[Path, int, int, object]], window_bytes: 
     """Cut `(path, file_offset, nbytes, key)` ranges into aligned windows of at most `window_bytes`, in file order.
 
     A window spans one aligned stretch of one file and reads only from its first needed byte to its last (rounded
-    out to the alignment), so bytes between needed ranges are read only when they share a window with them.
+    out to the alignment). Ranges share a window only where their aligned blocks touch, so no block that no range
+    needs is read: a range costs at most one aligned block before and one after its bytes.
 
     Example:
 
@@ -84,12 +86,23 @@ def plan_windows(ranges: Sequence[tuple[Path, int, int, object]], window_bytes: 
             offset = cut
     windows = []
     for (path, _), pieces in sorted(by_window.items(), key=lambda item: (str(item[0][0]), item[0][1])):
-        first = min(offset for offset, _, _ in pieces)
-        last = max(offset + nbytes for offset, nbytes, _ in pieces)
-        start = first - first % DIRECT_IO_ALIGN_BYTES
-        stop = round_up(last, DIRECT_IO_ALIGN_BYTES)
-        windows.append(Window(path, start, stop, tuple(sorted(pieces, key=lambda piece: piece[0]))))
+        group: list[tuple[int, int, object]] = []
+        stop = 0
+        for piece in sorted(pieces, key=lambda piece: piece[0]):
+            offset, nbytes, _ = piece
+            if group and offset - offset % DIRECT_IO_ALIGN_BYTES > stop:  # a block between them that none needs
+                windows.append(_window(path, group))
+                group = []
+            group.append(piece)
+            stop = max(stop if len(group) > 1 else 0, round_up(offset + nbytes, DIRECT_IO_ALIGN_BYTES))
+        windows.append(_window(path, group))
     return windows
+
+
+def _window(path: Path, pieces: list[tuple[int, int, object]]) -> Window:
+    first = pieces[0][0]
+    last = max(offset + nbytes for offset, nbytes, _ in pieces)
+    return Window(path, first - first % DIRECT_IO_ALIGN_BYTES, round_up(last, DIRECT_IO_ALIGN_BYTES), tuple(pieces))
 
 
 def open_direct(path: Path) -> int | None:
@@ -104,6 +117,12 @@ def open_direct(path: Path) -> int | None:
         if err.errno in (errno.EINVAL, errno.EOPNOTSUPP):
             return None
         raise
+
+
+def open_for_reads(path: Path) -> tuple[int, bool]:
+    """A descriptor of `path` for direct I/O where its file system allows it, else a plain one; and which it is."""
+    fd = open_direct(path)
+    return (fd, True) if fd is not None else (os.open(path, os.O_RDONLY), False)
 
 
 def aligned_buffer(nbytes: int) -> np.ndarray:

@@ -40,7 +40,7 @@ import torch
 from ..alignment import DIRECT_IO_ALIGN_BYTES, round_up
 from ..interrupts import deferred_interrupts
 from .arena import HostArena
-from .diskio import Window, aligned_buffer, open_direct, plan_windows, pread
+from .diskio import Window, aligned_buffer, open_for_reads, plan_windows, pread
 
 __all__ = ["FileExtent", "StagedReads", "measure_read_gbps"]
 
@@ -205,6 +205,7 @@ class StagedReads:
             self._arena.bytes_view(0, self._arena.nbytes).zero_()  # touched pages page-lock ~10x faster
             self._arena.pin()
         self._fills: list[_Fill | None] = [None] * num_buffers  # each buffer's read, from `start` to `release`
+        self._fill_by_layer: dict[int, _Fill] = {}  # the same, by layer
         self._threads: set[threading.Thread] = set()  # the pool's, as each starts (held apart from `self`)
         started = functools.partial(lambda into: into.add(threading.current_thread()), self._threads)
         self._pool = ThreadPoolExecutor(threads, "hf_prefetch-stage", started)
@@ -249,6 +250,7 @@ class StagedReads:
         ] or [functools.partial(fill.prepare, functools.partial(self._check_files, layout.paths))]
         with deferred_interrupts():  # recorded with every window submitted: none is left unwaited for
             self._fills[buffer] = fill
+            self._fill_by_layer[layer] = fill
             try:
                 for job in jobs:
                     fill.futures.append(self._pool.submit(job))
@@ -303,6 +305,7 @@ class StagedReads:
         with deferred_interrupts():
             self._closed = True
             self._fills = [None] * len(self._fills)
+            self._fill_by_layer = {}
             if threading.current_thread() in self._threads:
                 self._pool.shutdown(wait=False, cancel_futures=True)
                 threading.Thread(target=self._drop, name="hf_prefetch-stage-close").start()
@@ -322,7 +325,7 @@ class StagedReads:
 
     def _open(self, path: Path) -> None:
         with deferred_interrupts():  # opened and recorded with no Ctrl-C between: `close` finds it
-            fd, direct = _open_for_reads(path)
+            fd, direct = open_for_reads(path)
             self._fds.append(fd)
         self._files[path] = _OpenFile(path, fd, direct)
 
@@ -338,7 +341,7 @@ class StagedReads:
             raise ValueError(f"buffer={buffer}: the staging buffers are 0 to {len(self._fills) - 1}.")
 
     def _fill_of(self, layer: int) -> _Fill | None:
-        return next((fill for fill in self._fills if fill is not None and fill.layer == layer), None)
+        return self._fill_by_layer.get(layer)
 
     def _buffer(self, buffer: int) -> torch.Tensor:
         return self._arena.bytes_view(buffer, self.buffer_bytes)
@@ -358,6 +361,8 @@ class StagedReads:
                     future.exception()  # wait
             if self._fills[fill.buffer] is fill:
                 self._fills[fill.buffer] = None
+            if self._fill_by_layer.get(fill.layer) is fill:
+                del self._fill_by_layer[fill.layer]
 
     def _read_window(self, fill: _Fill, layout: _Layout, window: Window, out: torch.Tensor) -> None:
         if not fill.prepare(functools.partial(self._check_files, layout.paths)):
@@ -432,7 +437,7 @@ def measure_read_gbps(path: Path, nbytes: int, *, threads: int = _MEASURE_THREAD
     path = Path(path)
     if nbytes <= 0:
         raise ValueError(f"measure_read_gbps: nbytes={nbytes}; give the bytes to read, a positive int.")
-    fd, direct = _open_for_reads(path)
+    fd, direct = open_for_reads(path)
     try:
         return _timed_reads(path, fd, nbytes, threads)
     except OSError as err:
@@ -484,12 +489,6 @@ def _plan(layer: Sequence[FileExtent], window_bytes: int) -> _Layout:
     extents = tuple((starts.get(index, 0), extent.nbytes) for index, extent in enumerate(layer))
     paths = tuple(dict.fromkeys(window.path for window, _ in windows))
     return _Layout(tuple(windows), extents, paths, at)
-
-
-def _open_for_reads(path: Path) -> tuple[int, bool]:
-    # A descriptor of `path` for direct I/O where its file system allows it, else a plain one; and which it is.
-    fd = open_direct(path)
-    return (fd, True) if fd is not None else (os.open(path, os.O_RDONLY), False)
 
 
 def _close_all(fds: list[int]) -> None:

@@ -27,17 +27,18 @@ from ..formats.bnb import (
     plain_save,
     repacks_on_cpu,
 )
-from ..formats.parts import with_inner
+from ..formats.parts import as_parameter, with_inner
 from ..host.arena import HostArena
 from ..host.offloaded import OffloadedParam
 from ..interrupts import deferred_interrupts
 from ..planning.offload_plan import OffloadPlan, format_bytes, no_saving
 from ..planning.pipeline import device_map
 from ..planning.pipeline import ring_device as device_of_ring
-from ..planning.placements import ParamSpec, Placement, RingPlan, host_layers, staged_nbytes
+from ..planning.placements import ParamSpec, Placement, RingPlan, Storage, host_layers, staged_nbytes
 from ..runtime.devices import DeviceEngines, inputs_to
 from ..runtime.engine import PrefetchEngine
 from ..runtime.experts import add_lookups
+from ..runtime.file_experts import attach_file_experts
 from ..runtime.hooks import PrefetchHook, RoutedHook, around_torch_hooks
 from ..runtime.host_experts import HostExperts
 from ..runtime.ops import register_engine
@@ -76,8 +77,8 @@ _warned_on_cpu = False
 
 def host_layout(plan: OffloadPlan) -> list[tuple[str, ParamSpec]]:
     """The host arena's entries in order: (layer path, spec) for every offloaded parameter not read from files."""
-    rings = plan.rings
-    return [(ly.path, s) for r in rings for ly in r.layers for s in ly.offloaded if s.placement is not Placement.READ]
+    rings, file = plan.rings, Storage.FILE
+    return [(ly.path, s) for r in rings for ly in r.layers for s in ly.offloaded if s.placement.storage is not file]
 
 
 def keep_int8_scales(model: nn.Module, journal: Journal) -> None:
@@ -261,15 +262,17 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
             for spec in layer.offloaded:
                 offloaded = by_name[f"{layer.path}.{spec.name}"]
                 slot_buffer = pool.buffer(spec.key, layer.slot)
-                if offloaded.inner is None or not is_traceable_wrapper_subclass(offloaded.param):
-                    where = f"{offloaded.full_name} to slot {layer.slot}"
+                where = f"{offloaded.full_name} to slot {layer.slot}"
+                if offloaded.host.is_meta:  # READ_ROUTED, no host storage ([Note: experts read from files]): swapped
+                    journal.swap(offloaded.param, as_parameter(offloaded.param, slot_buffer), where, Phase.ATTACH)
+                elif offloaded.inner is None or not is_traceable_wrapper_subclass(offloaded.param):
                     journal.point(Phase.ATTACH, offloaded.param, slot_buffer, where, offloaded.attr)
                 else:  # a tensor subclass is rebuilt around all its inner slot buffers at once, below
                     subclassed.setdefault(id(offloaded.param), (offloaded.param, {}))[1][offloaded.inner] = slot_buffer
-                if spec.placement is Placement.ROUTED:
+                if spec.placement in (Placement.ROUTED, Placement.READ_ROUTED):
                     if ring_device not in routes:  # no forward routes (routed_max_tokens=0): never read
-                        routes[ring_device] = _routed_sources(state, ring_device) if plan.routed_max_tokens else _host
-                    source = routes[ring_device](offloaded.host)
+                        routes[ring_device] = _routed_sources(state, ring_device, plan.routed_max_tokens > 0)
+                    source = offloaded.host if offloaded.host.is_meta else routes[ring_device](offloaded.host)
                     routed.append(RoutedTensor(offloaded.host, source, slot_buffer, spec.routing.num_experts))
                 elif offloaded.layout is not None:  # [Note: compressed streaming] in runtime/decodes.py
                     staging = pool.buffer(staging_key, layer.slot)
@@ -293,6 +296,7 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
                 add_lookups(transfer, layer, plan, ring_device)
             transfers.append(transfer)
         state.reads += attach_reads(transfers, ring, state.file_extents, ring_device)  # layers read from files
+        state.reads += attach_file_experts(transfers, ring, state.file_extents, ring_device)  # experts, as picked
         rings.append(RingTransfers(transfers, pool))
     engine = state.engine = _engines(state, rings, ring_devices)
     engine_id = register_engine(engine)
@@ -375,13 +379,9 @@ def _staging_key(ring: RingPlan):
     return ("[staging]", (ring.staging_bytes,), (1,), torch.uint8) if ring.staging_bytes else None
 
 
-def _host(host: torch.Tensor) -> torch.Tensor:
-    return host
-
-
-def _routed_sources(state: OffloadState, device: torch.device):
+def _routed_sources(state: OffloadState, device: torch.device, routes: bool):
     # What routed rows are gathered from: on CUDA the arena's mapped (UVA) view, read by the GPU; else host memory.
-    if device.type != "cuda" or not state.arena.pinned:
+    if not routes or device.type != "cuda" or not state.arena.pinned:
         return lambda host: host
     with torch.cuda.device(device):
         mapped = state.arena.map(device)

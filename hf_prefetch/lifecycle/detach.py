@@ -10,7 +10,11 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..formats.bnb import settle_int8, unpack_for
+from ..formats.parts import as_parameter
+from ..host import limits
 from ..host.arena import HostArena
+from ..host.expert_rows import read_whole
+from ..host.offloaded import OffloadedParam
 from ..interrupts import deferred_interrupts
 from .journal import Phase, move_tensors
 from .state import STATE_ATTR, Lifecycle, OffloadState
@@ -21,6 +25,9 @@ __all__ = ["detach", "rollback", "finish_interrupted", "collected"]
 def detach(model: nn.Module, state: OffloadState, target: torch.device | None) -> None:
     """Undo the ATTACH steps (the weights keep their values where they are), move everything to `target` (None: leave
     streamed weights in host memory, for a re-dispatch) and release the host storage. Resumable."""
+    # Routed experts read from files have no host storage: read whole into memory first (a file changed on disk or
+    # too little memory refuses the removal, with nothing undone).
+    experts = _experts_read(state)
     if target is None or target.type != "cuda":
         # The weights stay in host storage, now the model's: a file's pages become private memory first, before
         # anything is undone (a file changed on disk refuses the removal and leaves the model as it was).
@@ -37,6 +44,10 @@ def detach(model: nn.Module, state: OffloadState, target: torch.device | None) -
         _quiesce(state)
         state.journal.unwind(Phase.ATTACH)
         state.engine = None  # drop the pool (hooks held the engine too): its memory is reused by the moves below
+        with deferred_interrupts():
+            for offloaded, value in experts:  # meta again: swapped for its values
+                if offloaded.param.is_meta:
+                    torch.utils.swap_tensors(offloaded.param, as_parameter(offloaded.param, value))
         if target is not None:
             move_tensors(model, target)
     except BaseException:
@@ -50,6 +61,19 @@ def detach(model: nn.Module, state: OffloadState, target: torch.device | None) -
         unpack_for(model, target)  # 4-bit layers repacked for the CPU kernels, moved to a GPU: as .cuda() does
     settle_int8(model)  # 8-bit layers as freshly quantized ones (formats/bnb.py)
     _end(model, state)
+
+
+def _experts_read(state: OffloadState) -> list[tuple[OffloadedParam, torch.Tensor]]:
+    # [Note: experts read from files] in runtime/file_experts.py: each such tensor's values, read whole from the files.
+    found = [(o, state.file_extents[o.full_name]) for o in state.offloaded if o.host.is_meta]
+    if not found:
+        return []
+    limits.check_host_memory(sum(o.host.numel() * o.host.element_size() for o, _ in found), limits.host_limits())
+    values = []
+    for offloaded, rows in found:
+        value = torch.empty_strided(offloaded.host.shape, offloaded.host.stride(), dtype=offloaded.host.dtype)
+        values.append((offloaded, read_whole(rows, value)))
+    return values
 
 
 def _files_writable(arena: HostArena) -> None:

@@ -34,9 +34,10 @@ if TYPE_CHECKING:
 __all__ = ["OffloadState", "Lifecycle", "get_state", "FILES_READ_ONLY"]
 
 FILES_READ_ONLY = (
-    "hf_prefetch: the layers {layers} are read from the checkpoint's files at each use (max_memory['cpu'] holds "
-    "less than what streams): their host storage is those files' pages, so writing weights (load_state_dict, "
-    "reload_weights, sync_from_device, weights_in_place) and state_dict() are refused. Nothing was changed. Read "
+    "hf_prefetch: the layers {layers} (or their routed experts) are read from the checkpoint's files at each use "
+    "(max_memory['cpu'] holds less than what streams): their host storage is those files, so writing weights "
+    "(load_state_dict, reload_weights, sync_from_device, weights_in_place) and state_dict() are refused. Nothing was "
+    "changed. Read "
     "the checkpoint's tensors with safetensors, write a changed checkpoint and load it with from_pretrained, or give "
     "max_memory['cpu'] room for every streamed layer."
 )
@@ -86,10 +87,17 @@ class OffloadState:
     # (`private_before_graphs`).
     private_refused: bool = False
     # Placement.READ ([Note: weights read from files] in runtime/read_ahead.py): the host storage of the layers read
-    # from the checkpoint's files (their pages, mapped read-only, never pinned), and each ring's reads.
+    # from the checkpoint's files (their pages, mapped read-only, never pinned), where each parameter read from files
+    # lies (`file_reads.FileExtent`; for READ_ROUTED ones, [Note: experts read from files] in
+    # runtime/file_experts.py, `file_reads.ExpertRows`), and each ring's reads (`ReadAhead`, `FileExperts`).
     file_arena: HostArena | None = None
-    file_extents: dict[str, Any] = field(default_factory=dict)  # full name -> `file_reads.FileExtent`
+    file_extents: dict[str, Any] = field(default_factory=dict)  # full name -> FileExtent or ExpertRows
     reads: list[Any] = field(default_factory=list)
+
+    @property
+    def reads_files(self) -> bool:
+        """Whether parameters are read from the checkpoint's files (layers, or routed experts as picked)."""
+        return bool(self.file_extents)
 
     def private_host_storage(self) -> None:
         """[Note: mapped host storage] in host/arena.py. Before host storage is written or handed out: streamed weights
@@ -98,7 +106,7 @@ class OffloadState:
         changed) once a CUDA graph recorded copies from those pages: page-locking the private pages again would leave
         the graph's copies reading an address the device no longer maps. Refused (RuntimeError) for a dispatch whose
         layers are read from the checkpoint's files, which are those files' pages for good."""
-        if self.file_arena is not None:
+        if self.reads_files:
             raise RuntimeError(FILES_READ_ONLY.format(layers=self.read_layers()))
         if not self.arena.file_bytes:
             return
@@ -121,7 +129,7 @@ class OffloadState:
         (the host's memory), it warns once and the pages stay."""
         engine = self.engine
         if (
-            self.file_arena is not None  # CUDA graphs are refused for its layers read from files
+            self.reads_files  # CUDA graphs are refused for its layers read from files
             or engine is None
             or not engine.compiled
             or engine.graphs
@@ -142,14 +150,15 @@ class OffloadState:
 
     def read_layers(self) -> str:
         """The layers read from the checkpoint's files, for messages."""
-        paths = [layer.path for ring in self.plan.rings for layer in ring.streamed if layer.read_from_files]
+        rings = self.plan.rings
+        paths = [ly.path for r in rings for ly in r.streamed if ly.read_from_files or ly.experts_from_files]
         return f"{paths[0]} .. {paths[-1]} ({len(paths)} layers)" if len(paths) > 1 else ", ".join(paths)
 
     def refused_loads(self) -> list[str]:
         """The parameters a `load_state_dict` may not name ([] without layers read from files): every streamed one,
         since a value for any of them writes host storage (`private_host_storage` refuses). Refused where the load
         starts, before torch writes the resident tensors that come first."""
-        return [offloaded.param_name for offloaded in self.offloaded] if self.file_extents else []
+        return [offloaded.param_name for offloaded in self.offloaded] if self.reads_files else []
 
     def close_reads(self) -> None:
         """End the reads of the layers read from files and unmap their pages (once no copy reads them)."""

@@ -152,7 +152,7 @@ def writable_host_storage(state_ref: weakref.ref, lock: threading.RLock, module:
     if state is None:
         return
     with held_in_turns(lock):
-        if state.arena.file_bytes or state.file_arena is not None:
+        if state.arena.file_bytes or state.reads_files:
             state.private_host_storage()  # refused for layers read from files (`FILES_READ_ONLY`)
         if state.in_place is not None:
             state.in_place.settle(module)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -14,47 +13,103 @@ import torch
 from safetensors.torch import save_file
 
 from ..host.arena import HostArena
+from ..host.expert_rows import ExpertRows
 from ..host.file_reads import FileExtent, measure_read_gbps
 from ..host.files import FilePiece
-from ..planning.file_tier import READ
+from ..planning.file_tier import READ, READ_ROUTED, Stored
 from ..planning.offload_plan import OffloadPlan
 from ..planning.placements import ParamSpec
 from .checkpoint import Checkpoint, TensorEntry
 from .keymap import KeyMap
 
-__all__ = ["stored_as_is", "dense_as_is", "read_layout", "file_storage", "write_layers", "with_read_speed"]
+__all__ = [
+    "stored_layout",
+    "expert_rows",
+    "dense_as_is",
+    "read_layout",
+    "expert_layout",
+    "expert_storage",
+    "file_storage",
+    "write_layers",
+    "with_read_speed",
+]
 
 logger = logging.getLogger(__name__)
 
 _MEASURED_BYTES = 64 * 2**20  # what the load reads to time the disk
 
 
-def stored_as_is(keymap: KeyMap) -> Callable[[str], bool]:
-    """Whether a parameter (its full name) is one checkpoint tensor stored as the model holds it: one source, no
-    conversion, the same dtype and bytes, dense, at an offset aligned to its element size."""
+def stored_layout(keymap: KeyMap) -> Stored:
+    """How the checkpoint of `keymap` stores each parameter (by full name) for the plan (`file_tier.Stored`)."""
 
-    def check(name: str) -> bool:
+    def as_is(name: str) -> bool:
         sources, tensor = keymap.streamed.get(name, []), keymap.model_tensors.get(name)
         if len(sources) != 1 or sources[0][1] is not None or tensor is None:
             return False
         entry = sources[0][0]
-        dense = tensor.stride() == torch.empty(tensor.shape, device="meta").stride()
         size = tensor.element_size()
         same = entry.dtype == tensor.dtype and entry.nbytes == tensor.numel() * size > 0
-        return same and dense and not entry.offset % size
+        return same and _dense(tensor) and not entry.offset % size
 
-    return check
+    def row_pieces(name: str) -> int:
+        rows = expert_rows(keymap, name)
+        return max(len(row) for row in rows.rows) if rows is not None else 0
+
+    return Stored(as_is, row_pieces)
 
 
-def dense_as_is(model: torch.nn.Module) -> Callable[[str], bool]:
-    """For `dispatch_model(..., offload_folder=...)`: whether a parameter can be written to a file and read back as the
-    model holds it (a plain dense tensor)."""
+def expert_rows(keymap: KeyMap, name: str) -> ExpertRows | None:
+    """Where each expert's row of parameter `name` (dimension 0 indexes experts) lies in the checkpoint's files, where
+    every byte of it is stored as the model holds it: a tensor stored whole as is, or experts stored one by one (in
+    parts of the row, as transformers merges `experts.{e}.gate_proj` and `up_proj`); None otherwise."""
+    sources, tensor = keymap.streamed.get(name, []), keymap.model_tensors.get(name)
+    if not sources or tensor is None or tensor.dim() < 2 or not _dense(tensor) or tensor.numel() == 0:
+        return None
+    size, num_experts = tensor.element_size(), tensor.shape[0]
+    row_bytes = tensor.numel() // num_experts * size
+    if any(entry.dtype != tensor.dtype or entry.offset % size for entry, _ in sources):
+        return None
+    if len(sources) == 1 and sources[0][1] is None:
+        entry = sources[0][0]
+        return ExpertRows.whole(_extent(entry), num_experts) if entry.nbytes == row_bytes * num_experts else None
+    inner = row_bytes // tensor.shape[1]  # bytes of one index of the row's first dimension
+    pieces: list[list[tuple[int, FileExtent]]] = [[] for _ in range(num_experts)]
+    for entry, region in sources:
+        if region is None or region[0] is None or not 0 <= region[0] < num_experts:
+            return None
+        index, first, length = region  # dest[index], narrowed to `length` rows from `first` (none: whole)
+        first, length = (0, tensor.shape[1]) if first is None else (first, length)
+        if entry.nbytes != length * inner:
+            return None
+        pieces[index].append((first * inner, _extent(entry)))
+    rows = []
+    for row in pieces:
+        row.sort(key=lambda piece: piece[0])
+        covered = 0
+        for at, extent in row:
+            if at != covered:
+                return None  # a gap or an overlap: not every byte is stored as the model holds it
+            covered += extent.nbytes
+        if covered != row_bytes:
+            return None
+        rows.append(tuple((extent, at) for at, extent in row))
+    return ExpertRows(row_bytes, tuple(rows))
+
+
+def _dense(tensor: torch.Tensor) -> bool:
+    return tensor.stride() == torch.empty(tensor.shape, device="meta").stride()
+
+
+def dense_as_is(model: torch.nn.Module) -> Stored:
+    """For `dispatch_model(..., offload_folder=...)`: which parameters can be written to a file and read back as the
+    model holds them (plain dense tensors). Routed experts are not written to files (`row_pieces` 0): they stay
+    pinned."""
 
     def check(name: str) -> bool:
         param = model.get_parameter(name)
         return type(param.data) is torch.Tensor and param.is_contiguous() and param.numel() > 0 and not param.is_meta
 
-    return check
+    return Stored(check, lambda name: 0)
 
 
 def read_layout(plan: OffloadPlan) -> list[tuple[str, ParamSpec]]:
@@ -66,6 +121,29 @@ def read_layout(plan: OffloadPlan) -> list[tuple[str, ParamSpec]]:
         for spec in layer.offloaded
         if spec.placement is READ
     ]
+
+
+def expert_layout(plan: OffloadPlan) -> list[tuple[str, ParamSpec]]:
+    """(layer path, spec) of every routed expert tensor read from files as picked (READ_ROUTED), in plan order."""
+    return [
+        (layer.path, spec)
+        for ring in plan.rings
+        for layer in ring.layers
+        for spec in layer.offloaded
+        if spec.placement is READ_ROUTED
+    ]
+
+
+def expert_storage(layout: list[tuple[str, ParamSpec]], keymap: KeyMap) -> dict[str, ExpertRows]:
+    """Where each expert of the tensors of `expert_layout` lies in the checkpoint's files, by full name."""
+    rows = {}
+    for path, spec in layout:
+        name = f"{path}.{spec.name}"
+        found = expert_rows(keymap, name)
+        if found is None:  # the plan placed only parameters whose rows `stored_layout` found
+            raise RuntimeError(f"{name}: planned to be read from files by expert, but its rows are not stored as is.")
+        rows[name] = found
+    return rows
 
 
 def file_storage(
@@ -123,13 +201,14 @@ def _extent(entry: TensorEntry) -> FileExtent:
     return FileExtent(entry.path, entry.offset, entry.nbytes)
 
 
-def with_read_speed(plan: OffloadPlan, extents: dict[str, FileExtent]) -> OffloadPlan:
-    """`plan` with the disk's direct read speed, timed on the largest file that layers are read from."""
+def with_read_speed(plan: OffloadPlan, extents: dict[str, FileExtent | ExpertRows]) -> OffloadPlan:
+    """`plan` with the disk's direct read speed, timed on the largest file that layers (or experts) are read from."""
     if not extents:
         return plan
     sizes: dict = {}
-    for extent in extents.values():
-        sizes[extent.path] = sizes.get(extent.path, 0) + extent.nbytes
+    for where in extents.values():
+        for extent in where.extents if isinstance(where, ExpertRows) else [where]:
+            sizes[extent.path] = sizes.get(extent.path, 0) + extent.nbytes
     path = max(sizes, key=sizes.get)
     gbps = measure_read_gbps(path, _MEASURED_BYTES)
     logger.info("Layers read from files: %s reads at %.2f GB/s", path, gbps)

@@ -32,7 +32,7 @@ from ..planning.links import resolve_links
 from ..planning.memory import MaxMemory, device_argument, parse_max_memory
 from ..planning.pipeline import home_of
 from .checkpoint import Checkpoint
-from .file_layers import file_storage, read_layout, stored_as_is, with_read_speed
+from .file_layers import expert_layout, expert_storage, file_storage, read_layout, stored_layout, with_read_speed
 from .filling import (
     Background,
     LoadTimeline,
@@ -394,7 +394,7 @@ def _load_unlocked(
         warmup = warmup if warmup is not None else Warmup(device)
         set_dtypes(model, dtype, cast, journal)
         keymap = map_keys(model, checkpoint)
-        plan = choose_plan(model, config, layers, device, max_memory, links, stored_as_is(keymap))
+        plan = choose_plan(model, config, layers, device, max_memory, links, stored_layout(keymap))
         timeline.mark("plan")
         # The first forward's one-time costs, paid while the reads run, in device memory the pool gets afterwards.
         warmup.run(model, spare_bytes=plan.gpu_bytes(device.index)[1] if device.type == "cuda" else 0)
@@ -405,6 +405,8 @@ def _load_unlocked(
         pieces = file_pieces(layout, keymap, checkpoint, device, plan, map_files, direct_io, compressing)
         read = read_layout(plan)  # the layers read from the checkpoint's files at each use
         files, extents = file_storage(read, keymap, checkpoint)
+        experts = expert_layout(plan)  # routed experts read from the files as their routers pick them
+        extents |= expert_storage(experts, keymap)
         plan = with_read_speed(plan, extents)
         arena = new_arena(layout, pieces)
         state = attach.begin(model, plan, device, arena, timing, journal)
@@ -415,6 +417,9 @@ def _load_unlocked(
             dests[f"{path}.{spec.name}"] = arena.view(i, spec.shape, spec.stride, spec.dtype)
         for i, (path, spec) in enumerate(read):
             dests[f"{path}.{spec.name}"] = files.view(i, spec.shape, spec.stride, spec.dtype)
+        for path, spec in experts:  # no host storage: [Note: experts read from files] in runtime/file_experts.py
+            meta = torch.empty_strided(spec.shape, spec.stride, dtype=spec.dtype, device="meta")
+            dests[f"{path}.{spec.name}"] = meta
         offloaded_names = list(dests)
         home = home_of(plan, device)  # pipeline placement: a layer's resident tensors are read onto its GPU
         for name in filled_names(keymap):
@@ -431,7 +436,7 @@ def _load_unlocked(
             pinning = Background(lambda: pin_on(arena, device))
             pinning.start()
         mapped = {f"{path}.{spec.name}" for (path, spec), piece in zip(layout, pieces, strict=True) if piece}
-        mapped |= set(extents)  # left in the files
+        mapped |= set(extents)  # left in the files (the layers' and the experts')
         seconds, read = read_all(checkpoint, keymap, dests, model, progress, direct_io, timeline, skip=mapped)
         if device.type == "cuda" and not compressing and pinning is None:
             pinning = Background(lambda: pin_on(arena, device))

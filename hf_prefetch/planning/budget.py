@@ -8,7 +8,7 @@ about streams, hooks or checkpoints.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import PrefetchConfig
 from ..host.arena import HostArena
-from .file_tier import file_eligible, read_overflow, staging_bytes
+from .file_tier import Stored, experts_eligible, file_eligible, pinned_bytes, read_overflow
 from .layers import candidate_layers, model_bytes, warn_unroutable
 from .memory import MemoryBudget
 from .offload_plan import OffloadPlan, format_bytes, host_arena_bytes
@@ -96,7 +96,7 @@ def plan_for_budget(
     layers: str | Sequence[str] | None = None,
     segment: tuple[range, int] | None = None,
     link_gbps: float | None = None,
-    stored_as_is: Callable[[str], bool] | None = None,
+    stored: Stored | None = None,
 ) -> OffloadPlan:
     """The plan that streams the fewest bytes per forward while resident weights, the buffer pool and the reserve fit
     the device budget and the pinned bytes fit the host budget. Pure: the budget comes in as numbers.
@@ -115,10 +115,10 @@ def plan_for_budget(
     `{"experts"}`): a decoded token then moves only its experts' rows, and attention stays resident. Of the two
     selections the plan that moves the fewest bytes per token wins; its config names the selection.
 
-    `stored_as_is` (the loaders: which parameters, by full name, are one checkpoint tensor stored as the model holds
-    it): where no plan that fits the device pins little enough for the host budget, the last streamed layers of the
-    fewest-bytes plan stay in the checkpoint's files instead (`Placement.READ`, `file_tier.read_overflow`), read for
-    every copy.
+    `stored` (the loaders: how the checkpoint stores each parameter): where no plan that fits the device pins little
+    enough for the host budget, the last streamed layers of the fewest-bytes plan stay in the checkpoint's files
+    instead (`Placement.READ`, read for every copy; their routed experts `Placement.READ_ROUTED`, read as the router
+    picks them: `file_tier.read_overflow`).
 
     `segment` (pipeline placement, `pipeline.py`): `(layers, other_bytes)` plans only the layers whose indices are in
     `layers` (of a model's one layer list), with `other_bytes` of weights outside the layer list resident beside them.
@@ -195,11 +195,11 @@ def plan_for_budget(
         least = min(options, key=lambda o: (o.device_bytes, -o.pinned_bytes))
         raise _device_error(model, budget, config, candidates, total, least)
     fits = [o for o in fits_device if budget.host_bytes is None or o.pinned_bytes <= budget.host_bytes]
-    if not fits and stored_as_is is not None and not config.compress:  # compressed bytes are encoded anew
-        fits = _read_from_files(fits_device, budget.host_bytes, stored_as_is)
+    if not fits and stored is not None and not config.compress:  # compressed bytes are encoded anew
+        fits = _read_from_files(fits_device, budget.host_bytes, stored)
     if not fits:
         least = min(fits_device, key=lambda o: o.pinned_bytes)
-        raise _host_error(budget, candidates, least, stored_as_is, config.compress)
+        raise _host_error(budget, candidates, least, stored, config.compress)
     # Equal bytes: the whole-layer selection (listed first; min keeps the first of equals).
     best = min(fits, key=lambda o: (o.streamed_bytes, o.pinned_bytes, o.device_bytes))
     if compute is not None and link_gbps is not None:
@@ -329,18 +329,16 @@ def _device_error(model, budget, config, candidates, total, least: _Option) -> V
     )
 
 
-def _read_from_files(options: list[_Option], host_bytes: int, stored_as_is: Callable[[str], bool]) -> list[_Option]:
+def _read_from_files(options: list[_Option], host_bytes: int, stored: Stored) -> list[_Option]:
     # The fewest-bytes plan that fits the device with its overflow read from files (`file_tier.read_overflow`).
     for option in sorted(options, key=lambda o: (o.streamed_bytes, o.device_bytes)):
-        rings = read_overflow(option.rings, host_bytes, stored_as_is)
+        rings = read_overflow(option.rings, host_bytes, stored)
         if rings is not None:
-            return [replace(option, rings=rings, pinned_bytes=host_arena_bytes(rings) + staging_bytes(rings))]
+            return [replace(option, rings=rings, pinned_bytes=pinned_bytes(rings))]
     return []
 
 
-def _host_error(
-    budget, candidates, least: _Option, stored_as_is: Callable[[str], bool] | None, compress: bool
-) -> ValueError:
+def _host_error(budget, candidates, least: _Option, stored: Stored | None, compress: bool) -> ValueError:
     size = format_bytes
     layer = max(  # the host arena's bytes of a layer's streamable parameters
         HostArena.bytes_for([c.spec.nbytes for c in layer.params if id(c.param) in layer.streamable()])
@@ -353,25 +351,26 @@ def _host_error(
         f"pins {size(least.pinned_bytes)} of host memory, but max_memory['cpu'] allows {size(budget.host_bytes)}. "
         f"Raise max_memory['cpu'] to at least {size(least.pinned_bytes)}, or give the device more memory (each layer "
         f"that stays resident pins up to {size(layer)} less)."
-        + _files_refused(least, budget.host_bytes, stored_as_is, compress)
+        + _files_refused(least, budget.host_bytes, stored, compress)
     )
 
 
-def _files_refused(least: _Option, host_bytes: int, stored_as_is: Callable[[str], bool] | None, compress: bool) -> str:
+def _files_refused(least: _Option, host_bytes: int, stored: Stored | None, compress: bool) -> str:
     # Why the streamed layers could not stay in the checkpoint's files instead.
     if compress:
         return " With compress=True no layer is read from the checkpoint's files (its bytes are encoded anew)."
-    if stored_as_is is None:
+    if stored is None:
         return (
             " The layers that do not fit can be read from files instead: load the checkpoint with from_pretrained, "
             "or pass dispatch_model an offload_folder to write them to."
         )
     layers = [layer for ring in least.rings for layer in ring.streamed]
-    eligible = [layer for layer in layers if file_eligible(layer, stored_as_is)]
+    eligible = [layer for layer in layers if file_eligible(layer, stored) or experts_eligible(layer, stored)]
     if not eligible:
         return (
             " None of its streamed layers can be read from the checkpoint's files: each needs every offloaded tensor "
-            "stored in them as the model holds it (same dtype, dense), no routed experts and no compression."
+            "stored in them as the model holds it (same dtype, dense) and no compression; routed experts of layers "
+            "that take turns in a slot, each expert's rows stored as the model holds them."
         )
     largest = max(layer.host_bytes for layer in eligible)
     return (

@@ -4,7 +4,7 @@ or the config's group pattern; with several host links, the other GPUs' staging 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 import torch
@@ -13,6 +13,7 @@ from torch import nn
 from ..config import PrefetchConfig, warn_at_caller
 from ..formats.bnb import check_layout
 from .budget import plan_for_budget
+from .file_tier import Stored
 from .host_compute import host_unused, plan_host_compute
 from .link_speed import measure_link_gbps
 from .memory import MaxMemory, resolve_budget, resolve_budgets
@@ -31,11 +32,11 @@ def choose_plan(
     device: torch.device,
     max_memory: MaxMemory | None,
     links: tuple[int, ...] = (),
-    stored_as_is: Callable[[str], bool] | None = None,
+    stored: Stored | None = None,
 ) -> OffloadPlan:
     """The plan `dispatch_model` and the loaders execute: the config's group pattern, or the plan for a budget; with
     `links` (`links.resolve_links`), the other GPUs whose host links carry a share of every streamed layer. The
-    loaders' `stored_as_is` lets a one-GPU budget's streamed layers that the host budget cannot pin stay in the
+    loaders' `stored` lets a one-GPU budget's streamed layers that the host budget cannot pin stay in the
     checkpoint's files (`plan_for_budget`)."""
     check_layout(model, device)
     if config.compute_seconds is not None and max_memory is None:
@@ -70,9 +71,9 @@ def choose_plan(
         link = None
         if config.compute_seconds is not None and device.type == "cuda":
             link = measure_link_gbps(device) * max(1, len(links))
-        files = stored_as_is if not links else None  # a layer read from files goes through one link
+        files = stored if not links else None  # a layer read from files goes through one link
         budget = resolve_budget(max_memory, device, model)
-        plan = plan_for_budget(model, budget, config, layers, link_gbps=link, stored_as_is=files)
+        plan = plan_for_budget(model, budget, config, layers, link_gbps=link, stored=files)
     if links:
         plan = replace(plan, links=links)
         for index, limit in helpers.items():

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 from ..alignment import LINK_SHARE_ALIGN_BYTES, round_up
 from ..config import PrefetchConfig, UVAConfig
-from .file_tier import READ, file_lines, host_arena_bytes, staging_bytes
+from .file_tier import READ, file_lines, host_arena_bytes, pinned_bytes
 from .host_split import HostCompute, host_lines, host_seconds, host_share
 from .links import STAGES
 from .placements import (
@@ -84,9 +84,9 @@ class OffloadPlan:
 
     @property
     def host_bytes(self) -> int:
-        """Pinned host memory the offloaded parameters take: the host arena (`file_tier.host_arena_bytes`) and the
-        staging buffers of layers read from the checkpoint's files."""
-        return host_arena_bytes(self.rings) + staging_bytes(self.rings)
+        """Pinned host memory the offloaded parameters take: the host arena (`file_tier.host_arena_bytes`), the staging
+        buffers of layers read from the checkpoint's files, and the host expert caches of experts read from them."""
+        return pinned_bytes(self.rings)
 
     @property
     def file_bytes(self) -> int:
@@ -306,8 +306,8 @@ def _layer_row(ring: RingPlan, layer: LayerPlan) -> tuple[str, ...]:
         host = format_bytes(layer.host_bytes)
         if layer.owns_slot:
             return (layer.path, "own slot", resident, host, str(layer.slot), "-")
-        placement = "routed" if layer.routed else "read" if layer.read_from_files else "streamed"
-        return (layer.path, placement, resident, host, str(layer.slot), str(ring.streamed[layer.next_in_slot].index))
+        following = str(ring.streamed[layer.next_in_slot].index)
+        return (layer.path, layer.streamed_kind, resident, host, str(layer.slot), following)
     if layer.mapped:
         placement = "mapped" if layer.resident_bytes == 0 else "partly mapped"
         return (layer.path, placement, resident, format_bytes(layer.offloaded_bytes), "-", "-")

@@ -124,12 +124,16 @@ class Placement(Enum):
     # threads, ahead of use) and copied from there into its slot like STREAMED: the weights that do not fit host
     # memory (see [Note: weights read from files] in runtime/read_ahead.py).
     READ = "read"
+    # An expert tensor like ROUTED, in its checkpoint's file: a forward reads the experts its router picks that the
+    # ring's host expert cache lacks into that cache (pinned), and copies their rows from there into the slot (see
+    # [Note: experts read from files] in runtime/file_experts.py).
+    READ_ROUTED = "read routed"
 
     @property
     def storage(self) -> Storage:
         if self is Placement.RESIDENT:
             return Storage.DEVICE
-        return Storage.FILE if self is Placement.READ else Storage.PINNED_HOST
+        return Storage.FILE if self in (Placement.READ, Placement.READ_ROUTED) else Storage.PINNED_HOST
 
     @property
     def compute(self) -> Compute:
@@ -213,8 +217,8 @@ class LayerPlan:
 
     @property
     def streamed(self) -> bool:
-        """Whether the layer goes through its ring's slots (its STREAMED, ROUTED or READ parameters)."""
-        return any(p.placement in (Placement.STREAMED, Placement.ROUTED, Placement.READ) for p in self.params)
+        """Whether the layer goes through its ring's slots (its STREAMED, ROUTED, READ or READ_ROUTED parameters)."""
+        return any(p.placement not in (Placement.RESIDENT, Placement.MAPPED) for p in self.params)
 
     @property
     def read_from_files(self) -> bool:
@@ -223,7 +227,20 @@ class LayerPlan:
 
     @property
     def routed(self) -> tuple[ParamSpec, ...]:
-        return tuple(p for p in self.params if p.placement is Placement.ROUTED)
+        """Its expert tensors copied row by row as the router picks (ROUTED, and READ_ROUTED ones from files)."""
+        return tuple(p for p in self.params if p.placement in (Placement.ROUTED, Placement.READ_ROUTED))
+
+    @property
+    def streamed_kind(self) -> str:
+        """How a streamed layer's offloaded parameters travel, in a word for the plan's table."""
+        if self.routed:
+            return "read routed" if self.experts_from_files else "routed"
+        return "read" if self.read_from_files else "streamed"
+
+    @property
+    def experts_from_files(self) -> bool:
+        """Whether its routed experts stay in the checkpoint's files (READ_ROUTED), read as the router picks them."""
+        return any(p.placement is Placement.READ_ROUTED for p in self.params)
 
     @property
     def mapped(self) -> bool:
@@ -247,8 +264,8 @@ class LayerPlan:
 
     @property
     def pinned_bytes(self) -> int:
-        """The offloaded parameters' bytes in pinned host memory (READ ones stay in their files)."""
-        return sum(p.host_nbytes for p in self.offloaded if p.placement is not Placement.READ)
+        """The offloaded parameters' bytes in pinned host memory (READ and READ_ROUTED ones stay in their files)."""
+        return sum(p.host_nbytes for p in self.offloaded if p.placement.storage is not Storage.FILE)
 
     @property
     def staging_bytes(self) -> int:
@@ -259,7 +276,8 @@ class LayerPlan:
     def bytes_per_token(self) -> int:
         """What a forward of one token copies of this layer: the routed parameters' rows of `top_k` experts (all of
         them where top_k is unknown), and every other offloaded byte (encoded where compressed)."""
-        return sum(picked_bytes(p) if p.placement is Placement.ROUTED else p.host_nbytes for p in self.offloaded)
+        routed = (Placement.ROUTED, Placement.READ_ROUTED)
+        return sum(picked_bytes(p) if p.placement in routed else p.host_nbytes for p in self.offloaded)
 
     @property
     def resident_bytes(self) -> int:
@@ -278,6 +296,10 @@ class RingPlan:
     num_slots: int
     # Pipeline placement: the CUDA device index these layers live and compute on; None: the execution device.
     device: int | None = None
+    # Layers whose experts stay in the checkpoint's files (READ_ROUTED): the ring's host expert cache, as many pinned
+    # buffers of `expert_buffer_bytes` (one expert's rows of a layer, as direct I/O reads them) as it holds experts.
+    host_cached_experts: int = 0
+    expert_buffer_bytes: int = 0
 
     @property
     def streamed(self) -> tuple[LayerPlan, ...]:
@@ -328,8 +350,11 @@ class RingPlan:
 
 def caches_experts(layer: LayerPlan) -> bool:
     """Whether a streamed layer gets an expert cache: it shares its slot (a layer alone in its slot keeps every expert
-    there) and its routed tensors belong to one experts module."""
-    return bool(layer.routed) and not layer.owns_slot and len({spec.routing.module for spec in layer.routed}) == 1
+    there) and its routed tensors belong to one experts module, in pinned host memory (experts read from files have
+    their host expert cache instead)."""
+    if not layer.routed or layer.owns_slot or layer.experts_from_files:
+        return False
+    return len({spec.routing.module for spec in layer.routed}) == 1
 
 
 def _cached_rows_bytes(layer: LayerPlan, cached_experts: int) -> int:
@@ -353,8 +378,13 @@ def expert_row_bytes(rings: tuple[RingPlan, ...]) -> int:
 
 def host_layers(rings: tuple[RingPlan, ...]) -> list[LayerPlan]:
     """The streamed layers whose routed experts may compute on the host: those that take turns in a slot (a layer alone
-    in its slot is copied once and computes on the device from it)."""
-    return [layer for ring in rings for layer in ring.streamed if layer.routed and not layer.owns_slot]
+    in its slot is copied once and computes on the device from it), in pinned host memory (not read from files)."""
+    return [
+        layer
+        for ring in rings
+        for layer in ring.streamed
+        if layer.routed and not layer.owns_slot and not layer.experts_from_files
+    ]
 
 
 def picked_bytes(spec: ParamSpec) -> int:

@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 
 from .copies import copy_all
+from .file_experts import CAPTURE_REFUSED as EXPERTS_REFUSED
 from .read_ahead import CAPTURE_REFUSED
 from .ring import CopyEvent, RingState, RingTransfers
 from .routed import fetch_ahead
@@ -68,6 +69,9 @@ class CapturedCopies:
         read = [p for p, other in enumerate(transfers.layers) if other.reads is not None]
         if read:  # [Note: weights read from files] in read_ahead.py
             raise RuntimeError(CAPTURE_REFUSED.format(layers=f"(ring positions {read[0]}-{read[-1]})"))
+        experts = [p for p, other in enumerate(transfers.layers) if other.files is not None]
+        if experts:  # [Note: experts read from files] in file_experts.py
+            raise RuntimeError(EXPERTS_REFUSED.format(layers=f"(ring positions {experts[0]}-{experts[-1]})"))
         if position == 0 or transfers.state is not RingState.CAPTURING:
             transfers.begin_capture()
         if not transfers.holds(position, True):

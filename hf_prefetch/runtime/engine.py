@@ -130,7 +130,7 @@ class PrefetchEngine(CapturedCopies, RoutedFills, CompressedDecodes):
                     self._timings.add(layer.counters, ready, layer.done, "stall_seconds")
                 compute.wait_event(layer.done)  # the join: compute after copy
         layer.gathered = False
-        if layer.fill is Fill.ROUTED and not self.routing and not layer.host_always:
+        if layer.fill is Fill.ROUTED and not self.routing and layer.routed_whole_in_whole_forwards:
             self._complete(transfers, position, capturing)  # copied for a routing forward, running in a whole one
         self._decode(layer, capturing)
         if self.timing and not capturing:

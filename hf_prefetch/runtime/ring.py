@@ -155,6 +155,10 @@ class LayerCounters:
     # those reads (the disk behind; measured always)
     read_bytes: int = 0
     read_wait_seconds: float = 0.0
+    # Placement.READ_ROUTED: a gather's picked experts found in the host expert cache, and read from the files (each
+    # once per gather; their bytes count in read_bytes, their waits in read_wait_seconds)
+    host_cache_hits: int = 0
+    host_cache_misses: int = 0
     copy_seconds: float = 0.0
     stall_seconds: float = 0.0
     compute_seconds: float = 0.0  # from the end of the layer's wait to the end of its forward
@@ -332,6 +336,10 @@ class LayerTransfer:
     # each copy comes from a staging buffer, `host` stays the files' mapped pages.
     reads: Any = None  # read_ahead.ReadAhead (which knows this module, not the other way)
     read_index: int = -1
+    # Placement.READ_ROUTED ([Note: experts read from files] in file_experts.py): its ring's host expert cache and
+    # this layer's place in it; `routed` tensors then have no host storage (meta) and are never copied whole.
+    files: Any = None  # file_experts.FileExperts
+    files_layer: int = -1
     # Recorded after this layer's latest copy; the compute stream waits on it before the layer runs. With timing on,
     # every copy gets a fresh event so that late reads see the right copy. `event` says what it is.
     done: torch.cuda.Event | None = None
@@ -339,6 +347,12 @@ class LayerTransfer:
     counters: LayerCounters = field(default_factory=LayerCounters)
     # With timing on: when the layer's forward began (a CUDA event on the compute stream, or perf_counter on CPU).
     compute_begin: torch.cuda.Event | float | None = None
+
+    @property
+    def routed_whole_in_whole_forwards(self) -> bool:
+        """Whether a forward that does not route copies its routed tensors whole: not where the host computes them in
+        every forward (`host_always`), nor where they stay in files (`files`: every forward reads its picks)."""
+        return not self.host_always and self.files is None
 
 
 @dataclass
@@ -385,7 +399,7 @@ class RingTransfers:
         return [
             p
             for p in range(self.num_first)
-            if self.holds(p) and self.layers[p].fill is Fill.ROUTED and not self.layers[p].host_always
+            if self.holds(p) and self.layers[p].fill is Fill.ROUTED and self.layers[p].routed_whole_in_whole_forwards
         ]
 
     # --- The state's transitions: every change of `state` and `capture` is one of these ----------------------------

@@ -53,6 +53,7 @@ import torch
 from ..config import warn_at_caller
 from ..planning.host_compute import pick_host_experts, split_inputs
 from .experts import copy_routed_rows, count_picks, fetch_recent, gather_looked_up, remember_picks
+from .file_experts import CAPTURE_REFUSED as EXPERTS_REFUSED
 from .graph_copies import captured_copy
 from .host_experts import HostExperts, HostSplit, locate
 from .ring import CopyEvent, Fill, LayerTransfer, RingTransfers
@@ -91,6 +92,15 @@ class RoutedFills:
             warn_at_caller(ON_THE_LINK.format(mode=True if layer.host_always else "auto", where=where))
         if not transfers.holds(position, capturing):  # the experts module ran without its layer's wait
             self._load_now(transfers, position)
+        if layer.files is not None:  # [Note: experts read from files] in file_experts.py, in every forward
+            if capturing:
+                raise RuntimeError(EXPERTS_REFUSED.format(layers=f"(ring position {position})"))
+            begin = self._timings.begin_blocking() if self.timing else None
+            layer.files.gather(layer, index, self._cuda)
+            if begin is not None:
+                self._timings.end_blocking(layer.counters, begin)
+            layer.gathered = True
+            return
         layer.gathered = True
         if layer.recent is not None:  # for the layer's next copy (read on the copy stream, which forks later)
             remember_picks(layer, index, self.routing)
@@ -210,6 +220,8 @@ class RoutedFills:
         # A layer copied without its routed tensors runs in a whole forward: copy them now, on the compute stream. It
         # is marked whole only once the copies are issued (an interrupt before that costs one more completion).
         layer = transfers.layers[position]
+        if layer.files is not None:  # no host storage to copy from: its gathers read the picks in every forward
+            raise RuntimeError(f"hf_prefetch: ring position {position} reads its experts from files, never whole.")
         layer.counters.completions += 1
         layer.counters.copied_bytes += sum(t.nbytes for t in layer.routed)
         if not self._cuda:
@@ -239,7 +251,7 @@ class RoutedFills:
         # (`host_always`); a layer alone in its slot keeps it whole.
         if not layer.routed or layer.next_in_slot == position:
             return True
-        return not self.routing and not layer.host_always
+        return not self.routing and layer.routed_whole_in_whole_forwards
 
 
 def _replaced(args: tuple, kwargs: dict, index_arg: str, hidden, index, weights) -> tuple[tuple, dict]:

@@ -29,6 +29,14 @@ A, B = Path("a"), Path("b")
         ([(A, 8000, 400, "x")], 8192, [(A, 4096, 8192, [(8000, 192, "x")]), (A, 8192, 12288, [(8192, 208, "x")])]),
         # two ranges of one window share its read, in file order whatever the order given
         ([(A, 300, 10, "y"), (A, 0, 10, "x")], 8192, [(A, 0, 4096, [(0, 10, "x"), (300, 10, "y")])]),
+        # ranges whose aligned blocks do not touch are read apart: no block between them that none needs
+        (
+            [(A, 100, 10, "x"), (A, 20_000, 10, "y")],
+            32768,
+            [(A, 0, 4096, [(100, 10, "x")]), (A, 16384, 20480, [(20_000, 10, "y")])],
+        ),
+        # ranges within neighbouring blocks share one read
+        ([(A, 4000, 10, "x"), (A, 4200, 10, "y")], 32768, [(A, 0, 8192, [(4000, 10, "x"), (4200, 10, "y")])]),
         # files never share a window
         ([(B, 0, 10, "y"), (A, 0, 10, "x")], 8192, [(A, 0, 4096, [(0, 10, "x")]), (B, 0, 4096, [(0, 10, "y")])]),
         # empty ranges read nothing
@@ -41,6 +49,12 @@ def test_plan_windows(ranges, window, expected):
     for w in windows:
         assert w.start % DIRECT_IO_ALIGN_BYTES == 0 and w.stop % DIRECT_IO_ALIGN_BYTES == 0
         assert w.stop - w.start <= window
+
+
+def test_plan_windows_reads_at_most_a_block_before_and_after_each_range():
+    ranges = [(A, 17 + i * 50_000, 3000 + i, i) for i in range(40)]  # many ranges, far apart, in one large window
+    read = sum(w.stop - w.start for w in plan_windows(ranges, 8 * 2**20))
+    assert read <= sum(n for _, _, n, _ in ranges) + 2 * DIRECT_IO_ALIGN_BYTES * len(ranges)
 
 
 def test_plan_windows_covers_every_byte_once():

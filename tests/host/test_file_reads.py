@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from hf_prefetch.alignment import DIRECT_IO_ALIGN_BYTES, round_up
-from hf_prefetch.host import file_reads
+from hf_prefetch.host import diskio, file_reads
 from hf_prefetch.host.diskio import open_direct
 from hf_prefetch.host.file_reads import FileExtent, StagedReads, measure_read_gbps
 from hf_prefetch.runtime.read_ahead import ReadAhead
@@ -346,8 +346,8 @@ def test_a_ctrl_c_from_before_reads_nothing_and_frees_the_buffer(checkpoint, mon
 
 def test_files_opened_without_direct_io_are_reported_and_read_through_the_page_cache(checkpoint, monkeypatch):
     refused = checkpoint.files["b"]
-    real = file_reads.open_direct
-    monkeypatch.setattr(file_reads, "open_direct", lambda path: None if path == refused else real(path))
+    real = diskio.open_direct
+    monkeypatch.setattr(diskio, "open_direct", lambda path: None if path == refused else real(path))
     with StagedReads(_layers(checkpoint), 1) as staged:
         assert staged.buffered_files == [refused]
         staged.start(0, 0)
@@ -356,7 +356,7 @@ def test_files_opened_without_direct_io_are_reported_and_read_through_the_page_c
 
 def test_a_direct_read_the_file_system_refuses_goes_through_the_page_cache(checkpoint, monkeypatch):
     reads = _Reads(monkeypatch)
-    monkeypatch.setattr(file_reads, "open_direct", _taken_for_direct)
+    monkeypatch.setattr(diskio, "open_direct", _taken_for_direct)
     reads.hook = _refuse_direct
     with StagedReads(_layers(checkpoint), 1, window_bytes=8192) as staged:
         assert staged.buffered_files == []
@@ -404,7 +404,7 @@ def test_measure_read_gbps_reads_up_to_nbytes_in_aligned_chunks(tmp_path, monkey
 
 def test_measure_read_gbps_reads_through_the_page_cache_where_direct_reads_are_refused(tmp_path, monkeypatch):
     reads = _Reads(monkeypatch)
-    monkeypatch.setattr(file_reads, "open_direct", _taken_for_direct)
+    monkeypatch.setattr(diskio, "open_direct", _taken_for_direct)
     taken: list[bool] = []
     reads.hook = lambda fd, *args: taken.append(_is_taken_for_direct(fd)) or _refuse_direct(fd, *args)
     path = tmp_path / "weights.bin"
