@@ -247,7 +247,7 @@ class StagedReads:
         jobs = [
             functools.partial(self._read_window, fill, layout, window, staging[at : at + window.stop - window.start])
             for window, at in layout.windows
-        ] or [functools.partial(fill.prepare, functools.partial(self._check_files, layout.paths))]
+        ] or [functools.partial(fill.prepare, functools.partial(self.check_unchanged, layout.paths))]
         with deferred_interrupts():  # recorded with every window submitted: none is left unwaited for
             self._fills[buffer] = fill
             self._fill_by_layer[layer] = fill
@@ -275,7 +275,7 @@ class StagedReads:
                 errors = [future.exception() for future in fill.futures]  # waits; a Ctrl-C lands here
                 error = next((err for err in errors if err is not None), None)
                 if error is None:
-                    self._check_files(layout.paths)  # no file changed while it was read
+                    self.check_unchanged(layout.paths)  # no file changed while it was read
             except BaseException:
                 self._end(fill)
                 raise
@@ -346,8 +346,9 @@ class StagedReads:
     def _buffer(self, buffer: int) -> torch.Tensor:
         return self._arena.bytes_view(buffer, self.buffer_bytes)
 
-    def _check_files(self, paths: Sequence[Path]) -> None:
-        for path in paths:
+    def check_unchanged(self, paths: Sequence[Path] | None = None) -> None:
+        """RuntimeError naming a file of `paths` (None: every file) changed on disk since the reader opened it."""
+        for path in self._files if paths is None else paths:
             self._files[path].check_unchanged()
 
     def _end(self, fill: _Fill) -> None:
@@ -365,7 +366,7 @@ class StagedReads:
                 del self._fill_by_layer[fill.layer]
 
     def _read_window(self, fill: _Fill, layout: _Layout, window: Window, out: torch.Tensor) -> None:
-        if not fill.prepare(functools.partial(self._check_files, layout.paths)):
+        if not fill.prepare(functools.partial(self.check_unchanged, layout.paths)):
             return
         try:
             began = time.perf_counter()

@@ -73,6 +73,8 @@ def _experts_read(state: OffloadState) -> list[tuple[OffloadedParam, torch.Tenso
     for offloaded, rows in found:
         value = torch.empty_strided(offloaded.host.shape, offloaded.host.stride(), dtype=offloaded.host.dtype)
         values.append((offloaded, read_whole(rows, value)))
+    for reads in state.reads:  # the files as loaded: none changed since, nor while they were read
+        reads.reads.check_unchanged()
     return values
 
 

@@ -230,6 +230,24 @@ def test_a_model_removed_to_another_device_or_kept_for_a_redispatch_has_its_expe
     assert not torch.equal(experts.gate_up_proj, reference.model.layers[-1].mlp.experts.gate_up_proj)
 
 
+def test_a_removal_after_a_file_changed_is_refused_and_leaves_the_model_dispatched(qwen3, tmp_path):
+    folder, reference, max_memory = qwen3
+    copied = shutil.copytree(folder, tmp_path / "copy")
+    model = _load(copied, max_memory)
+    ids = _ids()
+    want = _logits(reference, ids)
+    shard = copied / "model.safetensors"
+    stat = os.stat(shard)
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
+    with pytest.raises(RuntimeError, match=r"model\.safetensors changed on disk"):
+        hf_prefetch.remove_offload(model)
+    assert hf_prefetch.get_state(model) is not None
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert torch.equal(_logits(model, ids), want)
+    hf_prefetch.remove_offload(model)
+    assert torch.equal(_logits(model, ids), want)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_experts_read_from_files_decode_bitwise_and_cuda_graphs_are_refused(qwen3):
