@@ -105,8 +105,6 @@ class FileExperts:
             units = [spec.first + e for e in picked[begin : begin + self.capacity]]
             keep = set(units)
             missing = [u for u in units if u not in self._buffer_of]
-            counters.host_cache_hits += len(units) - len(missing)
-            counters.host_cache_misses += len(missing)
             waited = time.perf_counter()
             try:
                 for unit in missing:
@@ -118,21 +116,24 @@ class FileExperts:
                         if unit in self._buffer_of:
                             self._forget(unit)
                 raise
-            if missing:
-                counters.read_wait_seconds += time.perf_counter() - waited
-                counters.read_bytes += len(missing) * spec.unit_bytes
-            for unit, views in zip(units, pieces, strict=True):
-                expert = unit - spec.first
-                for view, (tensor, at) in zip(views, spec.targets[expert], strict=True):
-                    start = expert * spec.row_bytes[tensor] + at
-                    targets[tensor][start : start + view.numel()].copy_(view, non_blocking=cuda)
-                self._order[transfer.files_layer].move_to_end(unit)
+            counters.host_cache_hits += len(units) - len(missing)
+            counters.host_cache_misses += len(missing)
+            counters.read_bytes += len(missing) * spec.unit_bytes
+            counters.read_wait_seconds += time.perf_counter() - waited if missing else 0.0
+            # Issued and recorded with no Ctrl-C between: a buffer is read into again only after its copies landed.
+            with deferred_interrupts():
+                for unit, views in zip(units, pieces, strict=True):
+                    expert = unit - spec.first
+                    for view, (tensor, at) in zip(views, spec.targets[expert], strict=True):
+                        start = expert * spec.row_bytes[tensor] + at
+                        targets[tensor][start : start + view.numel()].copy_(view, non_blocking=cuda)
+                    self._order[transfer.files_layer].move_to_end(unit)
+                landed = torch.cuda.current_stream(targets[0].device).record_event() if cuda else None
+                for unit in units:
+                    self._landed[self._buffer_of[unit]] = landed
             counters.routed_rows += len(units)
             counters.routed_bytes += sum(spec.row_bytes) * len(units)
             counters.copied_bytes += sum(spec.row_bytes) * len(units)
-            landed = torch.cuda.current_stream(targets[0].device).record_event() if cuda else None
-            for unit in units:
-                self._landed[self._buffer_of[unit]] = landed
 
     def close(self) -> None:
         self.reads.close()
