@@ -223,6 +223,38 @@ class StagedReads:
         """The files read through the page cache: their file system refused direct I/O."""
         return [path for path, file in self._files.items() if not file.direct]
 
+    @property
+    def opened_files(self) -> list[Path]:
+        """The files the reader opened."""
+        return list(self._files)
+
+    def check_file(self, path: Path) -> None:
+        """Raise RuntimeError where the file the reader opened at `path` changed since (its size or modification
+        time)."""
+        if self._closed:
+            raise RuntimeError("The staged reads were closed; create another StagedReads to read again.")
+        self._files[path].check_unchanged()
+
+    def reopen(self, path: Path) -> int:
+        """A new descriptor, through the page cache, of the file the reader opened at `path` (the same file where the
+        path was replaced or deleted since), checked unchanged (`check_file`); the caller closes it."""
+        self.check_file(path)
+        file = self._files[path]
+        try:
+            return os.open(f"/proc/self/fd/{file.fd}", os.O_RDONLY)
+        except OSError:  # no /proc: the path, where it still names that file
+            pass
+        fd = os.open(path, os.O_RDONLY)
+        opened, status = os.fstat(file.fd), os.fstat(fd)
+        if (status.st_dev, status.st_ino) != (opened.st_dev, opened.st_ino):
+            os.close(fd)
+            raise RuntimeError(
+                f"{path} is no longer the file that was opened for reading (it was replaced or deleted on disk since):"
+                " its bytes may not be the weights that were planned. Reload the model from the checkpoint (write a "
+                "changed checkpoint to a new folder, not over the files being read)."
+            )
+        return fd
+
     def start(self, layer: int, buffer: int, before: Callable[[], None] | None = None) -> None:
         """Queue the reads of `layer` into staging buffer `buffer`. `before` runs first, on a reader thread (e.g. the
         wait for the copy that last read the buffer). Raises RuntimeError for a buffer not released yet, or a layer

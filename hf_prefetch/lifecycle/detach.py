@@ -69,10 +69,12 @@ def _experts_read(state: OffloadState) -> list[tuple[OffloadedParam, torch.Tenso
     if not found:
         return []
     limits.check_host_memory(sum(o.host.numel() * o.host.element_size() for o, _ in found), limits.host_limits())
+    # From the files the model reads (the same where a path was replaced since); one written since refuses it.
+    readers = {path: read.reads for read in state.reads for path in read.reads.opened_files}
     values = []
     for offloaded, rows in found:
         value = torch.empty_strided(offloaded.host.shape, offloaded.host.stride(), dtype=offloaded.host.dtype)
-        values.append((offloaded, read_whole(rows, value)))
+        values.append((offloaded, read_whole(rows, value, readers[rows.extents[0].path])))
     return values
 
 

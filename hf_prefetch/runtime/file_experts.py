@@ -29,7 +29,8 @@ tensors are meta): no copy ever brings them whole.
   for ends them the same way. The cache never holds a unit that did not read whole.
 - No CUDA graph can record this (the host reads the router's choice): a capture over such a layer is refused.
   torch.compile without CUDA graphs runs the gather as its op, in Python.
-- `remove_offload` reads each such tensor whole from the files into memory (`file_reads.read_whole`).
+- `remove_offload` reads each such tensor whole from the files into memory (`expert_rows.read_whole`) through the
+  files the reader opened (those it reads where a path was replaced since); one written since refuses the removal.
 """
 
 from __future__ import annotations

@@ -1,0 +1,78 @@
+"""Routed experts read from the checkpoint's files (`Placement.READ_ROUTED`) under misuse: files changed or replaced
+under a dispatched model, removals, interrupts ([Note: experts read from files] in
+hf_prefetch/runtime/file_experts.py)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+
+import hf_prefetch
+from tests.loading.test_file_experts import _ids, _load, _logits, _saved
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    return _saved(tmp_path_factory, "qwen3_moe")
+
+
+def _expert_bytes(shard, layer: int) -> tuple[int, int]:
+    # (start, end) in `shard` of expert 0's down_proj of `layer`, stored one tensor per expert.
+    from hf_prefetch.loading.checkpoint import Checkpoint
+
+    with Checkpoint.open(shard) as checkpoint:
+        entry = checkpoint.entries[f"model.layers.{layer}.mlp.experts.0.down_proj.weight"]
+    return entry.offset, entry.offset + entry.nbytes
+
+
+def _same_as(model, reference) -> None:
+    for (name, got), value in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
+        assert torch.equal(got, value), name
+
+
+def test_a_removal_refuses_experts_files_written_on_disk_and_reads_them_once_restored(qwen3, tmp_path):
+    folder, reference, max_memory = qwen3
+    copied = shutil.copytree(folder, tmp_path / "copy")
+    model = _load(copied, max_memory)
+    ids = _ids()
+    want = _logits(reference, ids)
+    assert torch.equal(_logits(model, ids), want)
+    shard = copied / "model.safetensors"
+    kept, original = shard.read_bytes(), os.stat(shard)
+    start, end = _expert_bytes(shard, reference.config.num_hidden_layers - 1)
+    with open(shard, "r+b") as file:
+        file.seek(start)
+        file.write(bytes(end - start))
+    with pytest.raises(RuntimeError, match=r"model\.safetensors changed on disk"):
+        hf_prefetch.remove_offload(model)
+    assert hf_prefetch.get_state(model) is not None  # nothing undone
+    with open(shard, "r+b") as file:
+        file.seek(start)
+        file.write(kept[start:end])
+    os.utime(shard, ns=(original.st_atime_ns, original.st_mtime_ns))
+    assert torch.equal(_logits(model, ids), want)
+    hf_prefetch.remove_offload(model)
+    _same_as(model, reference)
+
+
+@pytest.mark.parametrize("how", ["replaced", "deleted"])
+def test_a_removal_reads_the_experts_from_the_files_the_model_opened_where_their_paths_changed(qwen3, tmp_path, how):
+    folder, reference, max_memory = qwen3
+    copied = shutil.copytree(folder, tmp_path / "copy")
+    model = _load(copied, max_memory)
+    shard = copied / "model.safetensors"
+    start, end = _expert_bytes(shard, reference.config.num_hidden_layers - 1)
+    if how == "replaced":  # another checkpoint in its place
+        changed = bytearray(shard.read_bytes())
+        changed[start:end] = bytes(end - start)
+        (tmp_path / "new").write_bytes(changed)
+        os.replace(tmp_path / "new", shard)
+    else:
+        shard.unlink()
+    ids = _ids()
+    assert torch.equal(_logits(model, ids), _logits(reference, ids))
+    hf_prefetch.remove_offload(model)
+    _same_as(model, reference)
