@@ -5,13 +5,14 @@ hf_prefetch/runtime/file_experts.py)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 
 import pytest
 import torch
 
 import hf_prefetch
-from tests.loading.test_file_experts import _ids, _load, _logits, _saved
+from tests.loading.test_file_experts import RESERVE, _ids, _load, _logits, _saved
 
 
 @pytest.fixture(scope="module")
@@ -76,3 +77,21 @@ def test_a_removal_reads_the_experts_from_the_files_the_model_opened_where_their
     assert torch.equal(_logits(model, ids), _logits(reference, ids))
     hf_prefetch.remove_offload(model)
     _same_as(model, reference)
+
+
+def test_a_host_budget_the_files_cannot_help_names_the_least_one_they_can(qwen3):
+    folder, reference, max_memory = qwen3
+    refused = {0: max_memory[0], "cpu": 4096}
+    with pytest.raises(
+        ValueError, match=r"Raise max_memory\['cpu'\] to at least .* \((\d+) bytes, the rest read"
+    ) as info:
+        hf_prefetch.plan(folder, device="cpu", max_memory=refused, reserve_bytes=RESERVE)
+    least = int(re.search(r"\((\d+) bytes, the rest read", str(info.value)).group(1))
+    assert "a host expert cache of one token's picks" in str(info.value)
+    with pytest.raises(ValueError, match=rf"\({least} bytes"):
+        hf_prefetch.plan(folder, device="cpu", max_memory={**refused, "cpu": least - 1}, reserve_bytes=RESERVE)
+    plan = hf_prefetch.plan(folder, device="cpu", max_memory={**refused, "cpu": least}, reserve_bytes=RESERVE)
+    assert plan.host_bytes <= least
+    model = _load(folder, {**refused, "cpu": least})
+    ids = _ids(5)
+    assert torch.equal(_logits(model, ids), _logits(reference, ids))
