@@ -95,3 +95,17 @@ def test_a_host_budget_the_files_cannot_help_names_the_least_one_they_can(qwen3)
     model = _load(folder, {**refused, "cpu": least})
     ids = _ids(5)
     assert torch.equal(_logits(model, ids), _logits(reference, ids))
+
+
+def test_the_stats_table_shows_the_host_expert_cache(qwen3):
+    folder, reference, max_memory = qwen3
+    model = _load(folder, max_memory)
+    ids = _ids(1, seed=4)
+    for _ in range(3):  # the same picks again: some found in the cache
+        _logits(model, ids)
+    stats = hf_prefetch.stats(model)
+    assert stats.host_cache_hits > 0 and stats.host_cache_misses > 0
+    header, *rows = str(stats).splitlines()
+    assert header.split()[-6:] == ["host", "cache", "hits", "host", "cache", "misses"]
+    total = next(row for row in rows if row.startswith("total"))
+    assert total.split()[-2:] == [str(stats.host_cache_hits), str(stats.host_cache_misses)]
