@@ -263,9 +263,14 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
                 offloaded = by_name[f"{layer.path}.{spec.name}"]
                 slot_buffer = pool.buffer(spec.key, layer.slot)
                 where = f"{offloaded.full_name} to slot {layer.slot}"
-                if offloaded.host.is_meta:  # READ_ROUTED, no host storage ([Note: experts read from files]): swapped
-                    journal.swap(offloaded.param, as_parameter(offloaded.param, slot_buffer), where, Phase.ATTACH)
-                elif offloaded.inner is None or not is_traceable_wrapper_subclass(offloaded.param):
+                if offloaded.host.is_meta and offloaded.param.is_meta:  # READ_ROUTED, no host storage
+                    # ([Note: experts read from files]): a real placeholder swapped in for good (no memory: one
+                    # element, expanded), so that its data is then pointed at the slot and back like any parameter's,
+                    # which torch allows while an autograd graph holds it (a swap it refuses).
+                    placeholder = torch.zeros((), dtype=offloaded.host.dtype).expand(offloaded.host.shape)
+                    placed = f"{offloaded.full_name}: a placeholder of its values in the files"
+                    journal.swap(offloaded.param, as_parameter(offloaded.param, placeholder), placed)
+                if offloaded.inner is None or not is_traceable_wrapper_subclass(offloaded.param):
                     journal.point(Phase.ATTACH, offloaded.param, slot_buffer, where, offloaded.attr)
                 else:  # a tensor subclass is rebuilt around all its inner slot buffers at once, below
                     subclassed.setdefault(id(offloaded.param), (offloaded.param, {}))[1][offloaded.inner] = slot_buffer

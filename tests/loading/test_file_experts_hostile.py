@@ -109,3 +109,19 @@ def test_the_stats_table_shows_the_host_expert_cache(qwen3):
     assert header.split()[-6:] == ["host", "cache", "hits", "host", "cache", "misses"]
     total = next(row for row in rows if row.startswith("total"))
     assert total.split()[-2:] == [str(stats.host_cache_hits), str(stats.host_cache_misses)]
+
+
+def test_a_removal_or_collection_while_an_autograd_graph_holds_the_experts_completes(qwen3):
+    folder, reference, max_memory = qwen3
+    model = _load(folder, max_memory)
+    ids = _ids()
+    kept = model(ids).logits  # grad enabled: the graph holds the parameters
+    assert kept.requires_grad and torch.equal(kept.detach(), _logits(reference, ids))
+    hf_prefetch.remove_offload(model)
+    assert hf_prefetch.get_state(model) is None
+    _same_as(model, reference)
+    model = _load(folder, max_memory)
+    kept = model(ids).logits
+    state = hf_prefetch.get_state(model)
+    state.finalizer()  # what collecting the model runs
+    assert not state.finalizer.alive and not state.reads
