@@ -50,7 +50,7 @@ from common import build_model, h2d_peak_gbps, save_results  # noqa: E402
 from moe import build, generate  # noqa: E402
 
 import hf_prefetch  # noqa: E402
-from hf_prefetch.host.file_reads import measure_read_gbps  # noqa: E402
+from hf_prefetch.host.read_speed import measure_read_gbps  # noqa: E402
 from tests.routing import control_routing  # noqa: E402
 
 SHORT, LONG = 4, 16

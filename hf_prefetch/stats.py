@@ -193,6 +193,7 @@ class TransferStats:
             decoded += (f"{item.decode_seconds * 1e3:.2f}",) if self.timing else ("-",)
             host = (str(item.host_picks), f"{item.host_bytes / 2**20:.1f}", f"{item.host_seconds * 1e3:.2f}")
             read = (f"{item.read_bytes / 2**20:.1f}", f"{item.read_wait_seconds * 1e3:.2f}")
+            host_cache = (str(item.host_cache_hits), str(item.host_cache_misses))
             rows.append(
                 (
                     name,
@@ -204,6 +205,7 @@ class TransferStats:
                     *(decoded if self.decodes else ()),  # compressed layers that decoded
                     *(host if self.host_picks else ()),
                     *(read if self.read_bytes else ()),
+                    *(host_cache if self._host_cached else ()),  # experts read from files
                 )
             )
         return rows
@@ -235,7 +237,13 @@ class TransferStats:
             + (self._DECODED_HEADER if self.decodes else ())
             + (("host picks", "host MiB", "host ms") if self.host_picks else ())
             + (("read MiB", "read wait ms") if self.read_bytes else ())
+            + (("host cache hits", "host cache misses") if self._host_cached else ())
         )
+
+    @property
+    def _host_cached(self) -> bool:
+        # Host expert cache columns only for a model whose experts read from files were picked at least once.
+        return bool(self.host_cache_hits or self.host_cache_misses)
 
     def __str__(self) -> str:
         rows = [self._header, *self._rows()]

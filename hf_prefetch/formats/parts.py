@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ..interrupts import deferred_interrupts
 from . import bnb
 
-__all__ = ["get_part", "set_part", "assign", "stored_parts", "with_inner", "as_parameter"]
+__all__ = ["get_part", "set_part", "assign", "stored_parts", "with_inner", "as_parameter", "placeholder_of"]
 
 
 def get_part(param: torch.Tensor, name: str) -> torch.Tensor:
@@ -71,3 +71,10 @@ def as_parameter(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     swapped = torch.Tensor._make_subclass(type(param), value, param.requires_grad)
     swapped.__dict__.update(param.__dict__)
     return swapped
+
+
+def placeholder_of(param: torch.Tensor) -> torch.Tensor:
+    """A parameter of `param`'s class, shape and dtype that holds no memory (one element, expanded): what a meta
+    parameter whose values stay elsewhere (routed experts read from files) is swapped for, so that its data can be
+    pointed at other tensors, which torch allows while an autograd graph holds the parameter (a swap it refuses)."""
+    return as_parameter(param, torch.zeros((), dtype=param.dtype).expand(param.shape))

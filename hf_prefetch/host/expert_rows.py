@@ -10,8 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..interrupts import deferred_interrupts
 from .diskio import pread
-from .file_reads import FileExtent
+from .file_reads import FileExtent, StagedReads
 
 __all__ = ["ExpertRows", "read_whole"]
 
@@ -37,16 +38,19 @@ class ExpertRows:
         return [extent for row in self.rows for extent, _ in row]
 
 
-def read_whole(rows: ExpertRows, out: torch.Tensor) -> torch.Tensor:
+def read_whole(rows: ExpertRows, out: torch.Tensor, reader: StagedReads | None = None) -> torch.Tensor:
     """Fill `out` (a dense CPU tensor of the routed parameter's shape) with its bytes from the files (through the
-    page cache), checking each read is whole; returns `out`."""
+    page cache), checking each read is whole; returns `out`. With `reader`, from the files it opened
+    (`StagedReads.reopen`), each checked unchanged once opened and again once read."""
     flat = out.view(-1).view(torch.uint8).numpy()
     files: dict = {}
     try:
         for e, row in enumerate(rows.rows):
             for extent, at in row:
                 if extent.path not in files:
-                    files[extent.path] = os.open(extent.path, os.O_RDONLY)
+                    with deferred_interrupts():  # opened and recorded together: closed below
+                        fd = os.open(extent.path, os.O_RDONLY) if reader is None else reader.reopen(extent.path)
+                        files[extent.path] = fd
                 start = e * rows.row_bytes + at
                 got = pread(files[extent.path], flat[start : start + extent.nbytes], extent.offset)
                 if got != extent.nbytes:
@@ -55,6 +59,8 @@ def read_whole(rows: ExpertRows, out: torch.Tensor) -> torch.Tensor:
                         f"Reading {extent.path} at byte offset {extent.offset} returned {got} of {extent.nbytes} "
                         "bytes: the file was truncated. Reload the model from the checkpoint.",
                     )
+        for path in files if reader is not None else ():  # none changed while it was read
+            reader.check_unchanged([path])
     finally:
         for fd in files.values():
             os.close(fd)

@@ -3,8 +3,8 @@
 Weights that do not fit in host memory stay in the checkpoint's safetensors files. `StagedReads` plans each layer's
 aligned direct-I/O windows (`diskio.plan_windows`) and where each byte range lands in a staging buffer; `start` queues
 a layer's windows into a buffer on a thread pool, `views` waits for them and hands out each range's bytes, `release`
-gives the buffer back. `measure_read_gbps` times a file's sequential reads. The reader knows files and byte ranges:
-which tensor a range holds, which layer runs next and which copy last read a buffer are the caller's.
+gives the buffer back. The reader knows files and byte ranges: which tensor a range holds, which layer runs next and
+which copy last read a buffer are the caller's.
 
 [Note: staged reads]
 - A buffer is free, or holds one layer's read from `start` to `release`: FILLING while its windows are queued or
@@ -37,16 +37,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..alignment import DIRECT_IO_ALIGN_BYTES, round_up
 from ..interrupts import deferred_interrupts
 from .arena import HostArena
-from .diskio import Window, aligned_buffer, open_for_reads, plan_windows, pread
+from .diskio import Window, open_for_reads, plan_windows, pread
 
-__all__ = ["FileExtent", "StagedReads", "measure_read_gbps"]
+__all__ = ["FileExtent", "StagedReads"]
 
 _WINDOW_BYTES = 8 * 2**20  # one direct read (a multiple of DIRECT_IO_ALIGN_BYTES)
-_MEASURE_CHUNK_BYTES = 16 * 2**20  # one read of `measure_read_gbps`
-_MEASURE_THREADS = 4
 
 
 @dataclass(frozen=True)
@@ -222,6 +219,31 @@ class StagedReads:
     def buffered_files(self) -> list[Path]:
         """The files read through the page cache: their file system refused direct I/O."""
         return [path for path, file in self._files.items() if not file.direct]
+
+    @property
+    def opened_files(self) -> list[Path]:
+        """The files the reader opened."""
+        return list(self._files)
+
+    def reopen(self, path: Path) -> int:
+        """A new descriptor, through the page cache, of the file the reader opened at `path` (the same file where the
+        path was replaced or deleted since), checked unchanged (`check_unchanged`); the caller closes it."""
+        self.check_unchanged([path])
+        file = self._files[path]
+        try:
+            return os.open(f"/proc/self/fd/{file.fd}", os.O_RDONLY)
+        except OSError:  # no /proc: the path, where it still names that file
+            pass
+        fd = os.open(path, os.O_RDONLY)
+        opened, status = os.fstat(file.fd), os.fstat(fd)
+        if (status.st_dev, status.st_ino) != (opened.st_dev, opened.st_ino):
+            os.close(fd)
+            raise RuntimeError(
+                f"{path} is no longer the file that was opened for reading (it was replaced or deleted on disk since):"
+                " its bytes may not be the weights that were planned. Reload the model from the checkpoint (write a "
+                "changed checkpoint to a new folder, not over the files being read)."
+            )
+        return fd
 
     def start(self, layer: int, buffer: int, before: Callable[[], None] | None = None) -> None:
         """Queue the reads of `layer` into staging buffer `buffer`. `before` runs first, on a reader thread (e.g. the
@@ -413,68 +435,6 @@ class StagedReads:
                 self._fds.append(fd)
                 file.fd, file.direct = fd, False
             return file.fd
-
-
-def measure_read_gbps(path: Path, nbytes: int, *, threads: int = _MEASURE_THREADS) -> float:
-    """The sequential read speed of `path`, in GB/s (1e9 bytes a second): its first `nbytes` (at most the whole
-    file) read in aligned chunks of 16 MiB by `threads` threads, with direct I/O where the file system allows, else
-    through the page cache (which then gives the cache's speed for bytes it holds).
-
-    Example:
-
-    ```python
-    >>> import tempfile
-    >>> from pathlib import Path
-    >>> from hf_prefetch.host.file_reads import measure_read_gbps
-    >>> with tempfile.TemporaryDirectory() as folder:
-    ...     path = Path(folder) / "weights.bin"
-    ...     _ = path.write_bytes(bytes(3 * 2**20))
-    ...     gbps = measure_read_gbps(path, 2**20)
-    >>> gbps > 0
-    True
-
-    ```
-    """
-    path = Path(path)
-    if nbytes <= 0:
-        raise ValueError(f"measure_read_gbps: nbytes={nbytes}; give the bytes to read, a positive int.")
-    fd, direct = open_for_reads(path)
-    try:
-        return _timed_reads(path, fd, nbytes, threads)
-    except OSError as err:
-        if not direct or err.errno != errno.EINVAL:
-            raise
-    finally:
-        os.close(fd)
-    fd = os.open(path, os.O_RDONLY)  # the file system opened the file for direct I/O but refused its reads
-    try:
-        return _timed_reads(path, fd, nbytes, threads)
-    finally:
-        os.close(fd)
-
-
-def _timed_reads(path: Path, fd: int, nbytes: int, threads: int) -> float:
-    # GB/s of reading the first `nbytes` of `fd` in aligned chunks, each thread into a buffer of its own.
-    total = min(nbytes, os.fstat(fd).st_size)
-    if total == 0:
-        raise ValueError(f"{path} is empty: there is nothing to time. Measure a checkpoint file with weights in it.")
-    starts = iter(range(0, total, _MEASURE_CHUNK_BYTES))
-    take = threading.Lock()
-
-    def read_chunks() -> int:
-        buffer, got = aligned_buffer(_MEASURE_CHUNK_BYTES), 0
-        while True:
-            with take:
-                start = next(starts, None)
-            if start is None:
-                return got
-            length = round_up(min(_MEASURE_CHUNK_BYTES, total - start), DIRECT_IO_ALIGN_BYTES)
-            got += min(pread(fd, buffer[:length], start), total - start)
-
-    began = time.perf_counter()
-    with ThreadPoolExecutor(threads, thread_name_prefix="hf_prefetch-measure") as pool:
-        got = sum(future.result() for future in [pool.submit(read_chunks) for _ in range(threads)])
-    return got / (time.perf_counter() - began) / 1e9
 
 
 def _plan(layer: Sequence[FileExtent], window_bytes: int) -> _Layout:

@@ -27,7 +27,7 @@ from ..formats.bnb import (
     plain_save,
     repacks_on_cpu,
 )
-from ..formats.parts import as_parameter, with_inner
+from ..formats.parts import placeholder_of, with_inner
 from ..host.arena import HostArena
 from ..host.offloaded import OffloadedParam
 from ..interrupts import deferred_interrupts
@@ -263,9 +263,9 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
                 offloaded = by_name[f"{layer.path}.{spec.name}"]
                 slot_buffer = pool.buffer(spec.key, layer.slot)
                 where = f"{offloaded.full_name} to slot {layer.slot}"
-                if offloaded.host.is_meta:  # READ_ROUTED, no host storage ([Note: experts read from files]): swapped
-                    journal.swap(offloaded.param, as_parameter(offloaded.param, slot_buffer), where, Phase.ATTACH)
-                elif offloaded.inner is None or not is_traceable_wrapper_subclass(offloaded.param):
+                if offloaded.host.is_meta and offloaded.param.is_meta:  # READ_ROUTED: [Note: experts read from files]
+                    journal.swap(offloaded.param, placeholder_of(offloaded.param), f"{where}: a placeholder")
+                if offloaded.inner is None or not is_traceable_wrapper_subclass(offloaded.param):
                     journal.point(Phase.ATTACH, offloaded.param, slot_buffer, where, offloaded.attr)
                 else:  # a tensor subclass is rebuilt around all its inner slot buffers at once, below
                     subclassed.setdefault(id(offloaded.param), (offloaded.param, {}))[1][offloaded.inner] = slot_buffer

@@ -10,7 +10,6 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..formats.bnb import settle_int8, unpack_for
-from ..formats.parts import as_parameter
 from ..host import limits
 from ..host.arena import HostArena
 from ..host.expert_rows import read_whole
@@ -44,10 +43,8 @@ def detach(model: nn.Module, state: OffloadState, target: torch.device | None) -
         _quiesce(state)
         state.journal.unwind(Phase.ATTACH)
         state.engine = None  # drop the pool (hooks held the engine too): its memory is reused by the moves below
-        with deferred_interrupts():
-            for offloaded, value in experts:  # meta again: swapped for its values
-                if offloaded.param.is_meta:
-                    torch.utils.swap_tensors(offloaded.param, as_parameter(offloaded.param, value))
+        for offloaded, value in experts:  # its placeholder again: pointed at its values
+            offloaded.param.data = value
         if target is not None:
             move_tensors(model, target)
     except BaseException:
@@ -69,12 +66,12 @@ def _experts_read(state: OffloadState) -> list[tuple[OffloadedParam, torch.Tenso
     if not found:
         return []
     limits.check_host_memory(sum(o.host.numel() * o.host.element_size() for o, _ in found), limits.host_limits())
+    # From the files the model reads (the same where a path was replaced since); one written since refuses it.
+    readers = {path: read.reads for read in state.reads for path in read.reads.opened_files}
     values = []
     for offloaded, rows in found:
         value = torch.empty_strided(offloaded.host.shape, offloaded.host.stride(), dtype=offloaded.host.dtype)
-        values.append((offloaded, read_whole(rows, value)))
-    for reads in state.reads:  # the files as loaded: none changed since, nor while they were read
-        reads.reads.check_unchanged()
+        values.append((offloaded, read_whole(rows, value, readers[rows.extents[0].path])))
     return values
 
 

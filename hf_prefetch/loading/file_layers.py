@@ -14,8 +14,9 @@ from safetensors.torch import save_file
 
 from ..host.arena import HostArena
 from ..host.expert_rows import ExpertRows
-from ..host.file_reads import FileExtent, measure_read_gbps
+from ..host.file_reads import FileExtent
 from ..host.files import FilePiece
+from ..host.read_speed import measure_read_gbps
 from ..planning.file_tier import READ, READ_ROUTED, Stored
 from ..planning.offload_plan import OffloadPlan
 from ..planning.placements import ParamSpec

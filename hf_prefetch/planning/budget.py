@@ -16,7 +16,7 @@ from torch import nn
 
 from ..config import PrefetchConfig
 from ..host.arena import HostArena
-from .file_tier import Stored, experts_eligible, file_eligible, pinned_bytes, read_overflow
+from .file_tier import Stored, experts_eligible, fewest_pinned, file_eligible, pinned_bytes, read_overflow
 from .layers import candidate_layers, model_bytes, warn_unroutable
 from .memory import MemoryBudget
 from .offload_plan import OffloadPlan, format_bytes, host_arena_bytes
@@ -199,7 +199,7 @@ def plan_for_budget(
         fits = _read_from_files(fits_device, budget.host_bytes, stored)
     if not fits:
         least = min(fits_device, key=lambda o: o.pinned_bytes)
-        raise _host_error(budget, candidates, least, stored, config.compress)
+        raise _host_error(budget, candidates, least, stored, config.compress, fits_device)
     # Equal bytes: the whole-layer selection (listed first; min keeps the first of equals).
     best = min(fits, key=lambda o: (o.streamed_bytes, o.pinned_bytes, o.device_bytes))
     if compute is not None and link_gbps is not None:
@@ -338,7 +338,9 @@ def _read_from_files(options: list[_Option], host_bytes: int, stored: Stored) ->
     return []
 
 
-def _host_error(budget, candidates, least: _Option, stored: Stored | None, compress: bool) -> ValueError:
+def _host_error(
+    budget, candidates, least: _Option, stored: Stored | None, compress: bool, options: list[_Option]
+) -> ValueError:
     size = format_bytes
     layer = max(  # the host arena's bytes of a layer's streamable parameters
         HostArena.bytes_for([c.spec.nbytes for c in layer.params if id(c.param) in layer.streamable()])
@@ -346,17 +348,23 @@ def _host_error(budget, candidates, least: _Option, stored: Stored | None, compr
         for layer in ring
     )
     num_streamed = sum(len(ring.streamed) for ring in least.rings)
+    # With layers (or routed experts) read from the checkpoint's files: the least host budget that a plan fitting the
+    # device accepts.
+    fewest = None if stored is None or compress else min(fewest_pinned(o.rings, stored) for o in options)
+    needed = least.pinned_bytes if fewest is None else min(least.pinned_bytes, fewest)
+    with_files = f" ({needed} bytes, the rest read from the checkpoint's files)" if needed < least.pinned_bytes else ""
     return ValueError(
         f"The smallest plan that fits {budget.source} = {size(budget.device_bytes)} streams {num_streamed} layers and "
         f"pins {size(least.pinned_bytes)} of host memory, but max_memory['cpu'] allows {size(budget.host_bytes)}. "
-        f"Raise max_memory['cpu'] to at least {size(least.pinned_bytes)}, or give the device more memory (each layer "
+        f"Raise max_memory['cpu'] to at least {size(needed)}{with_files}, or give the device more memory (each layer "
         f"that stays resident pins up to {size(layer)} less)."
-        + _files_refused(least, budget.host_bytes, stored, compress)
+        + _files_refused(least, budget, stored, compress, fewest)
     )
 
 
-def _files_refused(least: _Option, host_bytes: int, stored: Stored | None, compress: bool) -> str:
-    # Why the streamed layers could not stay in the checkpoint's files instead.
+def _files_refused(least: _Option, budget, stored: Stored | None, compress: bool, fewest: int | None) -> str:
+    # Why the streamed layers could not stay in the checkpoint's files instead (`fewest`: the least host budget that
+    # reading them from files accepts).
     if compress:
         return " With compress=True no layer is read from the checkpoint's files (its bytes are encoded anew)."
     if stored is None:
@@ -365,16 +373,21 @@ def _files_refused(least: _Option, host_bytes: int, stored: Stored | None, compr
             "or pass dispatch_model an offload_folder to write them to."
         )
     layers = [layer for ring in least.rings for layer in ring.streamed]
-    eligible = [layer for layer in layers if file_eligible(layer, stored) or experts_eligible(layer, stored)]
-    if not eligible:
+    whole = [layer for layer in layers if file_eligible(layer, stored)]
+    experts = [layer for layer in layers if not file_eligible(layer, stored) and experts_eligible(layer, stored)]
+    if not whole and not experts:
         return (
             " None of its streamed layers can be read from the checkpoint's files: each needs every offloaded tensor "
             "stored in them as the model holds it (same dtype, dense) and no compression; routed experts of layers "
             "that take turns in a slot, each expert's rows stored as the model holds them."
         )
-    largest = max(layer.host_bytes for layer in eligible)
+    parts = (
+        [f"staging buffers for layers of up to {format_bytes(max(ly.host_bytes for ly in whole))}"] if whole else []
+    )
+    parts += ["a host expert cache of one token's picks"] if experts else []
+    what = f"{len(whole)} layers" if not experts else f"{len(whole) + len(experts)} layers (or their routed experts)"
     return (
-        f" Reading its {len(eligible)} layers stored as they are in the checkpoint from the files instead still "
-        f"pins more: staging buffers for layers of up to {format_bytes(largest)} and the layers that cannot be read "
-        f"from files (max_memory['cpu'] = {format_bytes(host_bytes)})."
+        f" Reading its {what} stored as they are in the checkpoint from the files instead still pins more: "
+        f"{', '.join(parts)} and the layers (or parts) that cannot be read from files, {format_bytes(fewest)} in all "
+        f"(max_memory['cpu'] = {format_bytes(budget.host_bytes)})."
     )

@@ -38,6 +38,7 @@ __all__ = [
     "staging_buffers",
     "staging_bytes",
     "expert_cache_bytes",
+    "fewest_pinned",
 ]
 
 READ = Placement.READ
@@ -128,10 +129,40 @@ def read_overflow(rings: tuple[RingPlan, ...], host_bytes: int, stored: Stored) 
     """`rings` with their last eligible streamed layers (or their routed experts) read from files instead of pinned,
     as few as make the pinned bytes fit `host_bytes`, the host expert caches given what is left; None where even every
     eligible layer in its files does not fit."""
-    rings = tuple(rings)
+    rings = _overflowed(tuple(rings), host_bytes, stored)
+    if pinned_bytes(rings) > host_bytes:
+        return None
+    for r, ring in enumerate(rings):  # what the budget leaves, to each ring's cache in turn
+        if ring.host_cached_experts:
+            total = sum(
+                s.routing.num_experts for layer in ring.layers if layer.experts_from_files for s in layer.routed[:1]
+            )
+            spare = (host_bytes - pinned_bytes(rings)) // HostArena.bytes_for([ring.expert_buffer_bytes])
+            more = max(0, min(total - ring.host_cached_experts, spare))
+            rings = rings[:r] + (replace(ring, host_cached_experts=ring.host_cached_experts + more),) + rings[r + 1 :]
+    return rings
+
+
+def fewest_pinned(rings: tuple[RingPlan, ...], stored: Stored) -> int:
+    """The least host budget `read_overflow` accepts for `rings`: the fewest pinned bytes of its steps (one more of
+    the last eligible streamed layers, or their routed experts, read from files each), the host expert caches their
+    smallest."""
+    seen: list[int] = []
+    _overflowed(tuple(rings), -1, stored, seen)
+    return min(seen)
+
+
+def _overflowed(
+    rings: tuple[RingPlan, ...], host_bytes: int, stored: Stored, seen: list[int] | None = None
+) -> tuple[RingPlan, ...]:
+    # `rings` with their last eligible streamed layers (or routed experts) read from files, until the pinned bytes fit
+    # `host_bytes` or none is left; the host expert caches their smallest. `seen` gets each step's pinned bytes.
     order = [(r, i) for r, ring in enumerate(rings) for i, layer in enumerate(ring.layers) if layer.streamed]
     for r, i in reversed(order):
-        if pinned_bytes(rings) <= host_bytes:
+        pinned = pinned_bytes(rings)
+        if seen is not None:
+            seen.append(pinned)
+        if pinned <= host_bytes:
             break
         layer = rings[r].layers[i]
         if file_eligible(layer, stored):
@@ -146,16 +177,8 @@ def read_overflow(rings: tuple[RingPlan, ...], host_bytes: int, stored: Stored) 
         layers = rings[r].layers[:i] + (replace(layer, params=params),) + rings[r].layers[i + 1 :]
         rings = rings[:r] + (replace(rings[r], layers=layers),) + rings[r + 1 :]
         rings = tuple(_with_expert_cache(ring, stored) for ring in rings)
-    if pinned_bytes(rings) > host_bytes:
-        return None
-    for r, ring in enumerate(rings):  # what the budget leaves, to each ring's cache in turn
-        if ring.host_cached_experts:
-            total = sum(
-                s.routing.num_experts for layer in ring.layers if layer.experts_from_files for s in layer.routed[:1]
-            )
-            spare = (host_bytes - pinned_bytes(rings)) // HostArena.bytes_for([ring.expert_buffer_bytes])
-            more = max(0, min(total - ring.host_cached_experts, spare))
-            rings = rings[:r] + (replace(ring, host_cached_experts=ring.host_cached_experts + more),) + rings[r + 1 :]
+    if seen is not None:
+        seen.append(pinned_bytes(rings))
     return rings
 
 

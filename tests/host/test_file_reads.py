@@ -18,9 +18,10 @@ import torch
 from safetensors.torch import save_file
 
 from hf_prefetch.alignment import DIRECT_IO_ALIGN_BYTES, round_up
-from hf_prefetch.host import diskio, file_reads
+from hf_prefetch.host import diskio, file_reads, read_speed
 from hf_prefetch.host.diskio import open_direct
-from hf_prefetch.host.file_reads import FileExtent, StagedReads, measure_read_gbps
+from hf_prefetch.host.file_reads import FileExtent, StagedReads
+from hf_prefetch.host.read_speed import measure_read_gbps
 from hf_prefetch.runtime.read_ahead import ReadAhead
 
 LAYERS = 5
@@ -109,6 +110,7 @@ class _Reads:
                     self.active -= 1
 
         monkeypatch.setattr(file_reads, "pread", pread)
+        monkeypatch.setattr(read_speed, "pread", pread)
 
     def wait_for_a_read(self) -> None:
         deadline = time.monotonic() + 5
@@ -382,7 +384,7 @@ def test_on_tmpfs_the_fallback_to_the_page_cache_is_reported():
 
 
 def test_measure_read_gbps_reads_up_to_nbytes_in_aligned_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(file_reads, "_MEASURE_CHUNK_BYTES", 2**20)
+    monkeypatch.setattr(read_speed, "_MEASURE_CHUNK_BYTES", 2**20)
     reads = _Reads(monkeypatch)
     path = tmp_path / "weights.bin"
     path.write_bytes(os.urandom(5 * 2**20 + 123))
