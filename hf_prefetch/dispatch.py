@@ -20,13 +20,14 @@ from .config import OffloadConfig, PrefetchConfig, UVAConfig, resolve_offload, w
 from .formats.parts import get_part
 from .host import limits
 from .host.arena import HostArena
+from .host.expert_rows import ExpertRows
 from .host.offloaded import OffloadedParam
 from .lifecycle.attach import attach, begin, forwards_held, host_layout, keep_int8_scales
 from .lifecycle.checks import refuse_other_offload, refuse_unknown_keywords, resolve_device
 from .lifecycle.compressed_storage import compress_arena
 from .lifecycle.detach import detach, finish_interrupted, rollback
 from .lifecycle.state import Lifecycle, OffloadState, exclusive
-from .loading.file_layers import dense_as_is, read_layout, with_read_speed, write_layers
+from .loading.file_layers import dense_as_is, expert_layout, read_layout, with_read_speed, write_layers
 from .planning.choose import choose_plan
 from .planning.links import resolve_links
 from .planning.memory import MaxMemory, device_argument, parse_max_memory
@@ -208,8 +209,8 @@ def _dispatch(
 
 
 def _write_files(model: nn.Module, state: OffloadState, folder: str | os.PathLike) -> None:
-    # The layers the host budget cannot pin, written to `folder` and pointed at those files' pages.
-    read = read_layout(state.plan)
+    # The layers (or routed experts) the host budget cannot pin, written to `folder`, pointed at those files' pages.
+    read = read_layout(state.plan) + expert_layout(state.plan)
     if not read:
         warn_at_caller(
             f"offload_folder={str(folder)!r} holds nothing in this plan: max_memory['cpu'] pins every streamed "
@@ -217,6 +218,9 @@ def _write_files(model: nn.Module, state: OffloadState, folder: str | os.PathLik
         )
         return
     state.file_arena, state.file_extents = write_layers(model, read, folder)
+    for layer_path, spec in expert_layout(state.plan):  # stored whole: their rows one after another
+        name = f"{layer_path}.{spec.name}"
+        state.file_extents[name] = ExpertRows.whole(state.file_extents[name], spec.routing.num_experts)
     state.plan = with_read_speed(state.plan, state.file_extents)
     for index, (layer_path, spec) in enumerate(read):
         name, param = f"{layer_path}.{spec.name}", _param(model, layer_path, spec)

@@ -217,9 +217,8 @@ def attach(model: nn.Module, state: OffloadState) -> None:
 
 
 def _encoder_outputs_on_input_device(model: nn.Module, journal: Journal) -> None:
-    # transformers' `generate` gives the encoder of a model with `hf_device_map` an accelerate hook that returns its
-    # outputs on its inputs' device (or sets `io_same_device` on the hook it has): set by the dispatch, through the
-    # journal, it leaves with the dispatch; added by `generate`, it would stay on the encoder after `remove_offload`.
+    # transformers' `generate` gives the encoder of a model with `hf_device_map` a hook that returns its outputs on its
+    # inputs' device: set here, through the journal, it leaves with the dispatch (added by `generate`, it would stay).
     get_encoder = getattr(model, "get_encoder", None)
     if not getattr(getattr(model, "config", None), "is_encoder_decoder", False) or not callable(get_encoder):
         return
@@ -272,7 +271,8 @@ def _attach_prefetch(model: nn.Module, state: OffloadState) -> None:
                 if spec.placement in (Placement.ROUTED, Placement.READ_ROUTED):
                     if ring_device not in routes:  # no forward routes (routed_max_tokens=0): never read
                         routes[ring_device] = _routed_sources(state, ring_device, plan.routed_max_tokens > 0)
-                    source = offloaded.host if offloaded.host.is_meta else routes[ring_device](offloaded.host)
+                    read = spec.placement is Placement.READ_ROUTED  # gathered from the host expert cache instead
+                    source = offloaded.host if read else routes[ring_device](offloaded.host)
                     routed.append(RoutedTensor(offloaded.host, source, slot_buffer, spec.routing.num_experts))
                 elif offloaded.layout is not None:  # [Note: compressed streaming] in runtime/decodes.py
                     staging = pool.buffer(staging_key, layer.slot)

@@ -103,14 +103,14 @@ def _dense(tensor: torch.Tensor) -> bool:
 
 def dense_as_is(model: torch.nn.Module) -> Stored:
     """For `dispatch_model(..., offload_folder=...)`: which parameters can be written to a file and read back as the
-    model holds them (plain dense tensors). Routed experts are not written to files (`row_pieces` 0): they stay
-    pinned."""
+    model holds them (plain dense tensors; routed experts among them are written whole, their rows one after
+    another)."""
 
     def check(name: str) -> bool:
         param = model.get_parameter(name)
         return type(param.data) is torch.Tensor and param.is_contiguous() and param.numel() > 0 and not param.is_meta
 
-    return Stored(check, lambda name: 0)
+    return Stored(check, lambda name: int(check(name) and model.get_parameter(name).dim() >= 2))
 
 
 def read_layout(plan: OffloadPlan) -> list[tuple[str, ParamSpec]]:

@@ -248,6 +248,30 @@ def test_a_removal_after_a_file_changed_is_refused_and_leaves_the_model_dispatch
     assert torch.equal(_logits(model, ids), want)
 
 
+def test_dispatch_model_writes_the_experts_it_cannot_pin_to_its_offload_folder(qwen3, tmp_path):
+    folder, reference, max_memory = qwen3
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = _ids()
+    want = _logits(reference, ids)
+    offload = tmp_path / "offload"
+    hf_prefetch.dispatch_model(
+        model, device="cpu", max_memory=max_memory, reserve_bytes=RESERVE, offload_folder=offload
+    )
+    state = hf_prefetch.get_state(model)
+    read = _file_layers(model)
+    assert read and state.plan.host_bytes <= max_memory["cpu"]
+    assert sorted(p.name for p in offload.iterdir()) == sorted(f"{path}.safetensors" for path in read)
+    for extent in (state.file_extents[f"{read[0]}.mlp.experts.gate_up_proj"].rows[0][0][0],):
+        assert extent.path == offload / f"{read[0]}.safetensors"  # the experts' rows in the written file
+    for _ in range(2):
+        assert torch.equal(_logits(model, ids), want)
+    assert hf_prefetch.stats(model).host_cache_misses > 0
+    hf_prefetch.remove_offload(model)
+    for (name, got), value in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
+        assert torch.equal(got, value), name
+    assert torch.equal(_logits(model, ids), want)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_cuda_experts_read_from_files_decode_bitwise_and_cuda_graphs_are_refused(qwen3):
