@@ -27,11 +27,11 @@ from .lifecycle.checks import refuse_other_offload, refuse_unknown_keywords, res
 from .lifecycle.compressed_storage import compress_arena
 from .lifecycle.detach import detach, finish_interrupted, rollback
 from .lifecycle.state import Lifecycle, OffloadState, exclusive
-from .loading.file_layers import dense_as_is, expert_layout, read_layout, with_read_speed, write_layers
+from .loading.file_layers import dense_as_is, read_layout, with_read_speed, write_layers
 from .planning.choose import choose_plan
 from .planning.links import resolve_links
 from .planning.memory import MaxMemory, device_argument, parse_max_memory
-from .planning.placements import INNER_SEP, ParamSpec
+from .planning.placements import INNER_SEP, ParamSpec, Placement
 from .planning.selection import make_uva_plan
 
 __all__ = ["dispatch_model", "remove_offload"]
@@ -210,7 +210,7 @@ def _dispatch(
 
 def _write_files(model: nn.Module, state: OffloadState, folder: str | os.PathLike) -> None:
     # The layers (or routed experts) the host budget cannot pin, written to `folder`, pointed at those files' pages.
-    read = read_layout(state.plan) + expert_layout(state.plan)
+    read = read_layout(state.plan) + read_layout(state.plan, Placement.READ_ROUTED)
     if not read:
         warn_at_caller(
             f"offload_folder={str(folder)!r} holds nothing in this plan: max_memory['cpu'] pins every streamed "
@@ -218,7 +218,9 @@ def _write_files(model: nn.Module, state: OffloadState, folder: str | os.PathLik
         )
         return
     state.file_arena, state.file_extents = write_layers(model, read, folder)
-    for layer_path, spec in expert_layout(state.plan):  # stored whole: their rows one after another
+    for layer_path, spec in read_layout(
+        state.plan, Placement.READ_ROUTED
+    ):  # stored whole: their rows one after another
         name = f"{layer_path}.{spec.name}"
         state.file_extents[name] = ExpertRows.whole(state.file_extents[name], spec.routing.num_experts)
     state.plan = with_read_speed(state.plan, state.file_extents)

@@ -17,9 +17,9 @@ from ..host.expert_rows import ExpertRows
 from ..host.file_reads import FileExtent
 from ..host.files import FilePiece
 from ..host.read_speed import measure_read_gbps
-from ..planning.file_tier import READ, READ_ROUTED, Stored
+from ..planning.file_tier import READ, Stored
 from ..planning.offload_plan import OffloadPlan
-from ..planning.placements import ParamSpec
+from ..planning.placements import ParamSpec, Placement
 from .checkpoint import Checkpoint, TensorEntry
 from .keymap import KeyMap
 
@@ -28,7 +28,6 @@ __all__ = [
     "expert_rows",
     "dense_as_is",
     "read_layout",
-    "expert_layout",
     "expert_storage",
     "file_storage",
     "write_layers",
@@ -113,30 +112,15 @@ def dense_as_is(model: torch.nn.Module) -> Stored:
     return Stored(check, lambda name: int(check(name) and model.get_parameter(name).dim() >= 2))
 
 
-def read_layout(plan: OffloadPlan) -> list[tuple[str, ParamSpec]]:
-    """(layer path, spec) of every parameter read from files, in plan order."""
-    return [
-        (layer.path, spec)
-        for ring in plan.rings
-        for layer in ring.layers
-        for spec in layer.offloaded
-        if spec.placement is READ
-    ]
-
-
-def expert_layout(plan: OffloadPlan) -> list[tuple[str, ParamSpec]]:
-    """(layer path, spec) of every routed expert tensor read from files as picked (READ_ROUTED), in plan order."""
-    return [
-        (layer.path, spec)
-        for ring in plan.rings
-        for layer in ring.layers
-        for spec in layer.offloaded
-        if spec.placement is READ_ROUTED
-    ]
+def read_layout(plan: OffloadPlan, placement: Placement = READ) -> list[tuple[str, ParamSpec]]:
+    """(layer path, spec) of every parameter of `placement` (READ: read from files whole; READ_ROUTED: routed experts
+    read from files as picked), in plan order."""
+    rings = plan.rings
+    return [(ly.path, spec) for r in rings for ly in r.layers for spec in ly.offloaded if spec.placement is placement]
 
 
 def expert_storage(layout: list[tuple[str, ParamSpec]], keymap: KeyMap) -> dict[str, ExpertRows]:
-    """Where each expert of the tensors of `expert_layout` lies in the checkpoint's files, by full name."""
+    """Where each expert of the tensors of `layout` (READ_ROUTED ones) lies in the checkpoint's files, by full name."""
     rows = {}
     for path, spec in layout:
         name = f"{path}.{spec.name}"

@@ -28,11 +28,12 @@ from ..lifecycle.detach import rollback
 from ..lifecycle.journal import Journal, Phase
 from ..lifecycle.state import get_state, model_lock
 from ..planning.choose import choose_plan
+from ..planning.file_tier import READ_ROUTED
 from ..planning.links import resolve_links
 from ..planning.memory import MaxMemory, device_argument, parse_max_memory
 from ..planning.pipeline import home_of
 from .checkpoint import Checkpoint
-from .file_layers import expert_layout, expert_storage, file_storage, read_layout, stored_layout, with_read_speed
+from .file_layers import expert_storage, file_storage, read_layout, stored_layout, with_read_speed
 from .filling import (
     Background,
     LoadTimeline,
@@ -405,7 +406,7 @@ def _load_unlocked(
         pieces = file_pieces(layout, keymap, checkpoint, device, plan, map_files, direct_io, compressing)
         read = read_layout(plan)  # the layers read from the checkpoint's files at each use
         files, extents = file_storage(read, keymap, checkpoint)
-        experts = expert_layout(plan)  # routed experts read from the files as their routers pick them
+        experts = read_layout(plan, READ_ROUTED)  # routed experts read from the files as their routers pick them
         extents |= expert_storage(experts, keymap)
         plan = with_read_speed(plan, extents)
         arena = new_arena(layout, pieces)

@@ -58,6 +58,15 @@ def _logits(model, ids) -> torch.Tensor:
         return model(ids).logits
 
 
+def loaded_copy(checkpoint, tmp_path):
+    """A copy of the checkpoint's folder in `tmp_path` loaded at its budget: (the copy's shard, the model, ids, the
+    reference's logits for them)."""
+    folder, reference, max_memory = checkpoint
+    copied = shutil.copytree(folder, tmp_path / "copy")
+    ids = _ids()
+    return copied / "model.safetensors", _load(copied, max_memory), ids, _logits(reference, ids)
+
+
 def _file_layers(model) -> list[str]:
     plan = hf_prefetch.get_state(model).plan
     return [layer.path for ring in plan.rings for layer in ring.streamed if layer.experts_from_files]
@@ -167,13 +176,8 @@ def test_a_read_error_leaves_no_expert_cached_that_did_not_read_whole(tmp_path, 
 
 
 def test_a_file_changed_under_the_model_fails_the_forward_naming_it_and_the_model_recovers(qwen3, tmp_path):
-    folder, reference, max_memory = qwen3
-    copied = shutil.copytree(folder, tmp_path / "copy")
-    model = _load(copied, max_memory)
-    ids = _ids()
-    want = _logits(reference, ids)
+    shard, model, ids, want = loaded_copy(qwen3, tmp_path)
     assert torch.equal(_logits(model, ids), want)
-    shard = copied / "model.safetensors"
     stat = os.stat(shard)
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))  # as a rewrite of the file would
     with pytest.raises(RuntimeError, match=r"model\.safetensors changed on disk"):
@@ -231,12 +235,7 @@ def test_a_model_removed_to_another_device_or_kept_for_a_redispatch_has_its_expe
 
 
 def test_a_removal_after_a_file_changed_is_refused_and_leaves_the_model_dispatched(qwen3, tmp_path):
-    folder, reference, max_memory = qwen3
-    copied = shutil.copytree(folder, tmp_path / "copy")
-    model = _load(copied, max_memory)
-    ids = _ids()
-    want = _logits(reference, ids)
-    shard = copied / "model.safetensors"
+    shard, model, ids, want = loaded_copy(qwen3, tmp_path)
     stat = os.stat(shard)
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + 10**9))
     with pytest.raises(RuntimeError, match=r"model\.safetensors changed on disk"):

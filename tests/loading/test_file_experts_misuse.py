@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hf_prefetch
-from tests.loading.test_file_experts import RESERVE, _ids, _load, _logits, _saved
+from tests.loading.test_file_experts import RESERVE, _ids, _load, _logits, _saved, loaded_copy
 
 
 @pytest.fixture(scope="module")
@@ -35,13 +35,9 @@ def _same_as(model, reference) -> None:
 
 
 def test_a_removal_refuses_experts_files_written_on_disk_and_reads_them_once_restored(qwen3, tmp_path):
-    folder, reference, max_memory = qwen3
-    copied = shutil.copytree(folder, tmp_path / "copy")
-    model = _load(copied, max_memory)
-    ids = _ids()
-    want = _logits(reference, ids)
+    reference = qwen3[1]
+    shard, model, ids, want = loaded_copy(qwen3, tmp_path)
     assert torch.equal(_logits(model, ids), want)
-    shard = copied / "model.safetensors"
     kept, original = shard.read_bytes(), os.stat(shard)
     start, end = _expert_bytes(shard, reference.config.num_hidden_layers - 1)
     with open(shard, "r+b") as file:
