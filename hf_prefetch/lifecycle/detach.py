@@ -67,11 +67,13 @@ def _experts_read(state: OffloadState) -> list[tuple[OffloadedParam, torch.Tenso
         return []
     limits.check_host_memory(sum(o.host.numel() * o.host.element_size() for o, _ in found), limits.host_limits())
     # From the files the model reads (the same where a path was replaced since); one written since refuses it.
-    readers = {path: read.reads for read in state.reads for path in read.reads.opened_files}
+    readers = [(set(read.reads.opened_files), read.reads) for read in state.reads]
     values = []
     for offloaded, rows in found:
         value = torch.empty_strided(offloaded.host.shape, offloaded.host.stride(), dtype=offloaded.host.dtype)
-        values.append((offloaded, read_whole(rows, value, readers[rows.extents[0].path])))
+        paths = {extent.path for extent in rows.extents}
+        reader = next(reads for opened, reads in readers if paths <= opened)  # its ring's: it opened them all
+        values.append((offloaded, read_whole(rows, value, reader)))
     return values
 
 

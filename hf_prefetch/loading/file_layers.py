@@ -4,6 +4,7 @@ its file, and the disk's direct read speed for the plan."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import replace
@@ -51,6 +52,7 @@ def stored_layout(keymap: KeyMap) -> Stored:
         same = entry.dtype == tensor.dtype and entry.nbytes == tensor.numel() * size > 0
         return same and _dense(tensor) and not entry.offset % size
 
+    @functools.cache  # the planner asks again for every layer it tries
     def row_pieces(name: str) -> int:
         rows = expert_rows(keymap, name)
         return max(len(row) for row in rows.rows) if rows is not None else 0

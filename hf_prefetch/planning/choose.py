@@ -104,7 +104,8 @@ def options_unused(plan: OffloadPlan) -> list[str]:
             alone = all(layer.owns_slot for ring in plan.rings for layer in ring.streamed if layer.routed)
             why = "each routed layer is alone in its slot, which keeps all of its experts"
             if not alone:
-                why += ", or holds the tensors of several experts modules, which get no cache"
+                why += ", holds the tensors of several experts modules, or reads its experts from files, none of which"
+                why += " get a cache"
         unused.append(
             f"PrefetchConfig(expert_cache={config.expert_cache}) keeps no expert on the device in this plan: {why}. "
             "Drop expert_cache."

@@ -5,9 +5,10 @@ layer's slot.
 [Note: experts read from files]
 A mixture-of-experts model whose host budget cannot pin every streamed layer keeps the routed experts of its last
 streamed layers in the checkpoint's own safetensors files (planning/file_tier.py); their other parameters (attention,
-the router, shared experts) stay pinned and stream as usual. Those routed tensors have no host storage (their host
-tensors are meta, the parameters a placeholder of no memory while their data is not the slot's): no copy ever brings
-them whole.
+the router, shared experts) stay pinned and stream as usual. No copy ever brings those routed tensors whole: loaded by
+`from_pretrained` they have no host storage (their host tensors are meta, the parameters a placeholder of no memory
+while their data is not the slot's); written by `dispatch_model(offload_folder=...)` (stored whole) their host
+tensors are the file's pages, mapped read-only as for layers read from files.
 - The host expert cache of a ring is a `StagedReads` whose units are (layer, expert): one unit holds one expert's
   rows of each of the layer's routed tensors, as the files store them (`ExpertRows`: a fused tensor's row, or the
   separate tensors of a checkpoint that stores experts one by one). Its `num_buffers` page-locked buffers are the
@@ -30,7 +31,7 @@ them whole.
   for ends them the same way. The cache never holds a unit that did not read whole.
 - No CUDA graph can record this (the host reads the router's choice): a capture over such a layer is refused.
   torch.compile without CUDA graphs runs the gather as its op, in Python.
-- `remove_offload` reads each such tensor whole from the files into memory (`expert_rows.read_whole`) through the
+- `remove_offload` reads each meta one whole from the files into memory (`expert_rows.read_whole`) through the
   files the reader opened (those it reads where a path was replaced since); one written since refuses the removal.
 """
 

@@ -337,7 +337,8 @@ class LayerTransfer:
     reads: Any = None  # read_ahead.ReadAhead (which knows this module, not the other way)
     read_index: int = -1
     # Placement.READ_ROUTED ([Note: experts read from files] in file_experts.py): its ring's host expert cache and
-    # this layer's place in it; `routed` tensors then have no host storage (meta) and are never copied whole.
+    # this layer's place in it; its `routed` tensors are then never copied whole (their host storage is none, or a
+    # file's pages).
     files: Any = None  # file_experts.FileExperts
     files_layer: int = -1
     # Recorded after this layer's latest copy; the compute stream waits on it before the layer runs. With timing on,

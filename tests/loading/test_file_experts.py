@@ -293,3 +293,17 @@ def test_on_cuda_experts_read_from_files_decode_bitwise_and_cuda_graphs_are_refu
         hf_prefetch.remove_offload(model, device="cpu")
         reference.cpu()
         torch._dynamo.reset()
+
+
+def test_packed_experts_are_never_read_from_files_by_picks():
+    # MXFP4 blocks and other integer parts: their kernels may read every expert's rows, so none is read by picks.
+    from hf_prefetch.planning.file_tier import Stored, experts_eligible
+    from hf_prefetch.planning.placements import LayerPlan, ParamSpec, Placement, Routing
+
+    routing = Routing("mlp.experts", 4, 2, "top_k_index")
+    stored = Stored(lambda name: True, lambda name: 1)
+    for dtype, eligible in ((torch.bfloat16, True), (torch.uint8, False)):
+        spec = ParamSpec(
+            "mlp.experts.w", (4, 8, 8), (64, 8, 1), dtype, 256 * dtype.itemsize, Placement.ROUTED, routing
+        )
+        assert experts_eligible(LayerPlan("model.layers.0", 0, (spec,), 0, 0, 1), stored) is eligible

@@ -70,6 +70,7 @@ def test_routed_layers_of_several_experts_modules_get_no_cache_and_it_says_so():
     assert plan.routed_bytes and plan.cache_bytes == 0
     assert options_unused(plan) == [
         "PrefetchConfig(expert_cache=2) keeps no expert on the device in this plan: each routed layer is alone in its "
-        "slot, which keeps all of its experts, or holds the tensors of several experts modules, which get no cache. "
+        "slot, which keeps all of its experts, holds the tensors of several experts modules, or reads its experts "
+        "from files, none of which get a cache. "
         "Drop expert_cache."
     ]
