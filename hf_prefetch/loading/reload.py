@@ -285,6 +285,7 @@ def sync_from_device(model: nn.Module, layers: str | Sequence[str] | None = None
                 "layer's weights, so nothing of its is on the device to sync. Change a streamed layer's weights with "
                 "hf_prefetch.reload_weights(model, source, process=fn) or model.load_state_dict(...) instead."
             )
+    state.private_host_storage()  # host storage that is a file's pages: private memory first (refused for files read)
     partial = [path for path in chosen if not state.engine.holds_whole(*streamed[path])]
     if partial:  # written back without those tensors (`engine.store`): said, since an edit of them is lost
         ring, position = streamed[partial[0]]
@@ -296,7 +297,6 @@ def sync_from_device(model: nn.Module, layers: str | Sequence[str] | None = None
             "values stay and an edit of them is lost. Run a forward of more tokens first (it copies whole layers), or "
             "change expert weights with hf_prefetch.reload_weights(model, source, process=fn)."
         )
-    state.private_host_storage()  # host storage that is a file's pages: private memory first
     state.engine.drain()
     # Compressed layers are encoded, all of them, before the first write: values that do not fit leave every layer
     # unwritten.
