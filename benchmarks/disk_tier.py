@@ -83,6 +83,24 @@ def largest_shard(folder: str) -> str:
     return max((os.path.join(folder, p) for p in shards), key=os.path.getsize)
 
 
+def load_both(args):
+    """(the largest shard, the disk speeds measured so far, the host budget, the RSS growth of the load with files,
+    that model, its plan, the model with every streamed tensor pinned): the two loads of `args.folder`."""
+    largest = largest_shard(args.folder)
+    disk = []
+    measure_disk(largest, disk)
+    gpu = {0: f"{args.gpu_gib}GiB"}
+    streamed = hf_prefetch.plan(args.folder, device="cuda", max_memory=gpu).streamed_bytes_per_forward
+    host = int(streamed * args.host_share)
+    rss_before = _rss()
+    files = hf_prefetch.from_pretrained(args.folder, device="cuda", max_memory={**gpu, "cpu": host})
+    rss = _rss() - rss_before  # before the other load: the host memory the load with files added
+    plan = hf_prefetch.get_state(files).plan
+    print(plan, flush=True)
+    pinned = hf_prefetch.from_pretrained(args.folder, device="cuda", max_memory=gpu)
+    return largest, disk, host, rss, files, plan, pinned
+
+
 def seconds_per_token(model, ids) -> tuple[float, float, torch.Tensor]:
     def run(n):
         torch.cuda.synchronize()
@@ -160,18 +178,7 @@ def dense(args) -> None:
         reference.save_pretrained(args.folder, max_shard_size="2GB")
         print(f"saved {args.layers} layers to {args.folder} in {time.perf_counter() - begin:.1f} s", flush=True)
     gc.collect()
-    largest = largest_shard(args.folder)
-    disk = []
-    measure_disk(largest, disk)
-    gpu = {0: f"{args.gpu_gib}GiB"}
-    streamed = hf_prefetch.plan(args.folder, device="cuda", max_memory=gpu).streamed_bytes_per_forward
-    host = int(streamed * args.host_share)
-    rss_before = _rss()
-    files = hf_prefetch.from_pretrained(args.folder, device="cuda", max_memory={**gpu, "cpu": host})
-    rss = _rss() - rss_before  # before the other systems load: the host memory the load with files added
-    plan = hf_prefetch.get_state(files).plan
-    print(plan, flush=True)
-    pinned = hf_prefetch.from_pretrained(args.folder, device="cuda", max_memory=gpu)
+    largest, disk, host, rss, files, plan, pinned = load_both(args)
     ids = torch.randint(3, 1000, (1, 16), device="cuda")
     systems = {"all on GPU": reference, "every streamed layer pinned": pinned, "layers read from files": files}
     for model in systems.values():
@@ -223,18 +230,7 @@ def experts(args) -> None:
     control_routing(reference, "random")
     top_k = reference.config.num_experts_per_tok
     gc.collect()
-    largest = largest_shard(args.folder)
-    disk = []
-    measure_disk(largest, disk)
-    gpu = {0: f"{args.gpu_gib}GiB"}
-    streamed = hf_prefetch.plan(args.folder, device="cuda", max_memory=gpu).streamed_bytes_per_forward
-    host = int(streamed * args.host_share)
-    rss_before = _rss()
-    files = hf_prefetch.from_pretrained(args.folder, device="cuda", max_memory={**gpu, "cpu": host})
-    rss = _rss() - rss_before  # before the other system loads: the host memory the load with files added
-    plan = hf_prefetch.get_state(files).plan
-    print(plan, flush=True)
-    pinned = hf_prefetch.from_pretrained(args.folder, device="cuda", max_memory=gpu)
+    largest, disk, host, rss, files, plan, pinned = load_both(args)
     for model in (pinned, files):  # the reference's picks: the same seeds, the same hidden states
         control_routing(model, "random", device="cuda")
     ids = torch.randint(3, 1000, (1, MOE_PROMPT_TOKENS), device="cuda")

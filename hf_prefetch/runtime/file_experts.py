@@ -68,7 +68,11 @@ class FileExpertLayer:
     num_experts: int
     row_bytes: tuple[int, ...]  # per routed tensor
     targets: tuple[tuple[tuple[int, int], ...], ...]
-    unit_bytes: int  # the bytes a read of one expert brings (its rows)
+
+    @property
+    def unit_bytes(self) -> int:
+        """The bytes a read of one expert brings: its rows of every routed tensor."""
+        return sum(self.row_bytes)
 
 
 class FileExperts:
@@ -135,8 +139,8 @@ class FileExperts:
                 for unit in units:
                     self._landed[self._buffer_of[unit]] = landed
             counters.routed_rows += len(units)
-            counters.routed_bytes += sum(spec.row_bytes) * len(units)
-            counters.copied_bytes += sum(spec.row_bytes) * len(units)
+            counters.routed_bytes += spec.unit_bytes * len(units)
+            counters.copied_bytes += spec.unit_bytes * len(units)
 
     def close(self) -> None:
         self.reads.close()
@@ -195,9 +199,8 @@ def attach_file_experts(
         for e in range(num_experts):
             units.append([extent for where in stored for extent, _ in where.rows[e]])
             targets.append(tuple((t, at) for t, where in enumerate(stored) for _, at in where.rows[e]))
-        unit_bytes = sum(where.row_bytes for where in stored)
         row_bytes = tuple(where.row_bytes for where in stored)
-        specs.append(FileExpertLayer(len(units) - num_experts, num_experts, row_bytes, tuple(targets), unit_bytes))
+        specs.append(FileExpertLayer(len(units) - num_experts, num_experts, row_bytes, tuple(targets)))
     experts = FileExperts(StagedReads(units, ring.host_cached_experts, pin=device.type == "cuda"), specs)
     for index, (transfer, _) in enumerate(chosen):
         transfer.files, transfer.files_layer = experts, index

@@ -126,7 +126,7 @@ def _cache(tmp_path, num_experts: int, capacity: int, layers: int = 2):
     for layer in range(layers):
         rows = ExpertRows.whole(FileExtent(path, layer * num_experts * 8, num_experts * 8), num_experts)
         units += [[extent for extent, _ in row] for row in rows.rows]
-        specs.append(FileExpertLayer(layer * num_experts, num_experts, (8,), ((((0, 0),),) * num_experts), 8))
+        specs.append(FileExpertLayer(layer * num_experts, num_experts, (8,), ((((0, 0),),) * num_experts)))
         slot = SimpleNamespace(device=torch.zeros(num_experts, 8, dtype=torch.uint8))
         transfers.append(SimpleNamespace(routed=[slot], counters=LayerCounters(), files_layer=layer))
     experts = FileExperts(StagedReads(units, capacity, pin=False), specs)
