@@ -52,7 +52,9 @@ def add_lookups(transfer: LayerTransfer, layer: LayerPlan, plan: OffloadPlan, de
     """What a routing forward looks up on the device for a layer whose slot takes turns and whose routed tensors
     belong to one experts module (`caches_experts`; one module's picks name no other's experts): its expert cache, and
     the experts it picked in its latest forward, fetched with its copy. Fetching ahead reads rows through the mapped
-    view from the copy stream: on CUDA only with its Triton kernel."""
+    view from the copy stream: on CUDA only with its Triton kernel. On CUDA with Triton every such layer's gather is
+    that kernel's (`gather_looked_up`, counted in `tallies`), with neither a cache nor recent picks too: one pass
+    over the picked rows, where torch's ops read them into a temporary and copy that into the slot."""
     if not caches_experts(layer):
         return
     transfer.cache = _expert_cache(transfer.routed, plan.cached_experts, device)
@@ -68,7 +70,8 @@ def add_lookups(transfer: LayerTransfer, layer: LayerPlan, plan: OffloadPlan, de
             enabled=torch.full((1,), int(recent is True), dtype=torch.int32, device=device),
             policy=RecentPolicy(fixed=recent is True, on=recent is True),
         )
-    if transfer.cache is not None or transfer.recent is not None:
+    one_pass = device.type == "cuda" and gather_kernel() is not None
+    if transfer.cache is not None or transfer.recent is not None or one_pass:
         transfer.tallies = torch.zeros(TALLIES, dtype=torch.long, device=device)
 
 
