@@ -29,6 +29,7 @@ from ..alignment import DIRECT_IO_ALIGN_BYTES, round_up
 
 __all__ = [
     "FileMapping",
+    "FileTruncated",
     "SharedMappings",
     "Window",
     "aligned_buffer",
@@ -37,6 +38,8 @@ __all__ = [
     "open_for_reads",
     "plan_windows",
     "pread",
+    "pread_falling_back",
+    "read_exactly",
 ]
 
 
@@ -139,6 +142,41 @@ def pread(fd: int, out: np.ndarray, position: int) -> int:
             break
         done += got
     return done
+
+
+class FileTruncated(OSError, ValueError):
+    """A file that ends before the bytes a read needs: it was truncated after it was opened (an `OSError` with errno
+    EIO, and a `ValueError`: its size no longer matches the header it was planned from)."""
+
+    def __init__(self, path: Path | str, end: int, needed: int) -> None:
+        super().__init__(
+            errno.EIO,
+            f"{path}: the file ended at byte {end} while reading up to byte {needed}; it was truncated after it was "
+            "opened. Re-download or re-save the checkpoint, and load the model from it again.",
+        )
+
+
+def read_exactly(fd: int, out: np.ndarray, position: int, path: Path | str, needed: int | None = None) -> None:
+    """Fill `out` from byte `position` of `path` (open as `fd`); `FileTruncated` where the file ends before byte
+    `needed` (default: the end of `out`; a direct read's aligned window may reach past the file's end)."""
+    got = pread(fd, out, position)
+    needed = position + out.nbytes if needed is None else needed
+    if position + got < needed:
+        raise FileTruncated(path, position + got, needed)
+
+
+def pread_falling_back(
+    fd: int, direct: bool, out: np.ndarray, position: int, buffered: Callable[[], int]
+) -> tuple[int, bool]:
+    """`pread`, and where a descriptor opened for direct I/O has a read refused (EINVAL: a file system whose block
+    size is above 4096, some FUSE mounts) the same read through the page cache, on the descriptor `buffered()` gives.
+    Returns (bytes read, whether that read was direct)."""
+    try:
+        return pread(fd, out, position), direct
+    except OSError as err:
+        if not direct or err.errno != errno.EINVAL:
+            raise
+    return pread(buffered(), out, position), False
 
 
 _libc: ctypes.CDLL | None = None

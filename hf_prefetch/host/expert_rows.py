@@ -4,14 +4,13 @@ their routers pick them ([Note: experts read from files] in runtime/file_experts
 
 from __future__ import annotations
 
-import errno
 import os
 from dataclasses import dataclass
 
 import torch
 
 from ..interrupts import deferred_interrupts
-from .diskio import pread
+from .diskio import read_exactly
 from .file_reads import FileExtent, StagedReads
 
 __all__ = ["ExpertRows", "read_whole"]
@@ -52,13 +51,7 @@ def read_whole(rows: ExpertRows, out: torch.Tensor, reader: StagedReads | None =
                         fd = os.open(extent.path, os.O_RDONLY) if reader is None else reader.reopen(extent.path)
                         files[extent.path] = fd
                 start = e * rows.row_bytes + at
-                got = pread(files[extent.path], flat[start : start + extent.nbytes], extent.offset)
-                if got != extent.nbytes:
-                    raise OSError(
-                        errno.EIO,
-                        f"Reading {extent.path} at byte offset {extent.offset} returned {got} of {extent.nbytes} "
-                        "bytes: the file was truncated. Reload the model from the checkpoint.",
-                    )
+                read_exactly(files[extent.path], flat[start : start + extent.nbytes], extent.offset, extent.path)
         for path in files if reader is not None else ():  # none changed while it was read
             reader.check_unchanged([path])
     finally:

@@ -23,7 +23,6 @@ which copy last read a buffer are the caller's.
 from __future__ import annotations
 
 import enum
-import errno
 import functools
 import os
 import threading
@@ -39,7 +38,7 @@ import torch
 
 from ..interrupts import deferred_interrupts
 from .arena import HostArena
-from .diskio import Window, open_for_reads, plan_windows, pread
+from .diskio import FileTruncated, Window, open_for_reads, plan_windows, pread_falling_back
 
 __all__ = ["FileExtent", "StagedReads"]
 
@@ -395,11 +394,7 @@ class StagedReads:
             got = self._pread(self._files[window.path], out.numpy(), window.start)
             seconds = time.perf_counter() - began
             if window.start + got < window.end:
-                raise OSError(
-                    errno.EIO,
-                    f"Reading {window.path} at byte offset {window.start} returned {got} bytes, short of byte "
-                    f"{window.end}: the file was truncated while being read. Reload the model from the checkpoint.",
-                )
+                raise FileTruncated(window.path, window.start + got, window.end)
         except BaseException:
             fill.failed = True
             raise
@@ -409,16 +404,8 @@ class StagedReads:
             self.read_seconds += seconds
 
     def _pread(self, file: _OpenFile, out: np.ndarray, position: int) -> int:
-        try:
-            fd, direct = file.fd, file.direct
-            try:
-                return pread(fd, out, position)
-            except OSError as err:
-                if not direct or err.errno != errno.EINVAL:
-                    raise
-                # A file system that opens files for direct I/O but refuses a read (a block size above 4096, some
-                # FUSE mounts): this file through the page cache from now on.
-                return pread(self._buffered(file), out, position)
+        try:  # a direct read refused: this file through the page cache from now on
+            return pread_falling_back(file.fd, file.direct, out, position, lambda: self._buffered(file))[0]
         except OSError as err:
             raise OSError(
                 err.errno,

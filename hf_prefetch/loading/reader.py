@@ -11,7 +11,6 @@ knows byte ranges (`checkpoint.TensorEntry`); which tensor goes where is the loa
 from __future__ import annotations
 
 import ctypes
-import errno
 import functools
 import itertools
 import mmap
@@ -28,7 +27,17 @@ import numpy as np
 import torch
 
 from ..host.arena import HostArena, lock_read_only, unlock
-from ..host.diskio import FileMapping, SharedMappings, Window, cached_fraction, open_direct, plan_windows, pread
+from ..host.diskio import (
+    FileMapping,
+    FileTruncated,
+    SharedMappings,
+    Window,
+    cached_fraction,
+    open_direct,
+    plan_windows,
+    pread_falling_back,
+    read_exactly,
+)
 from ..interrupts import deferred_interrupts
 from .checkpoint import Checkpoint, TensorEntry
 
@@ -302,18 +311,16 @@ class _Windows:
                 event.synchronize()  # the last copies out of this buffer have finished
             pending = []
             buffer = self.bounce.bytes_view(index, window.stop - window.start)
-            direct = self.direct[window.path]
-            try:
-                got = pread(self.fds[window.path], buffer.numpy(), window.start)
-            except OSError as err:
-                if not direct or err.errno != errno.EINVAL:
-                    raise
-                # A file system that opens files for direct I/O but refuses a read (a block size above 4096, some
-                # FUSE mounts): this window through the page cache.
-                direct = False
-                got = pread(self.reader.checkpoint.fd(window.path), buffer.numpy(), window.start)
+            # A direct read refused: this window through the page cache.
+            got, direct = pread_falling_back(
+                self.fds[window.path],
+                self.direct[window.path],
+                buffer.numpy(),
+                window.start,
+                lambda: self.reader.checkpoint.fd(window.path),
+            )
             if window.start + got < window.end:
-                _truncated(window.path, window.start + got, window.end)
+                raise FileTruncated(window.path, window.start + got, window.end)
             for offset, nbytes, (entry, flat) in window.pieces:
                 source = buffer[offset - window.start : offset - window.start + nbytes]
                 if flat.dtype == entry.dtype:  # raw bytes, whatever their alignment
@@ -389,7 +396,7 @@ class _Mapped:
         fd, end = self.reader.checkpoint.fd(span.path), span.end
         size = os.fstat(fd).st_size
         if size < end:
-            _truncated(span.path, size, end)
+            raise FileTruncated(span.path, size, end)
         # Locked and unlocked under a destination's device: a thread's current device is 0, where a call would
         # create a context of its own when the destinations are elsewhere.
         device = span.pieces[0][2][1].device
@@ -403,9 +410,7 @@ class _Mapped:
                 with _maps_files_lock:
                     _maps_files[_maps_key(device, fd)] = False
             buffer = torch.empty(end - span.start, dtype=torch.uint8)
-            got = pread(fd, buffer.numpy(), span.start)
-            if span.start + got < end:
-                _truncated(span.path, span.start + got, end)
+            read_exactly(fd, buffer.numpy(), span.start, span.path, end)
             self._copy(span, buffer, non_blocking=False)
             self.reader._count(_piece_bytes(span), direct=False)
             return
@@ -480,13 +485,6 @@ def _interleave(lists: Sequence[list]) -> list:
 
 def _piece_bytes(window: Window) -> int:
     return sum(nbytes for _, nbytes, _ in window.pieces)
-
-
-def _truncated(path: Path, end: int, needed: int) -> None:
-    raise ValueError(
-        f"{path}: the file ended at byte {end} while reading up to byte {needed}; it was truncated after it was "
-        "opened. Re-download or re-save the checkpoint."
-    )
 
 
 def _bytes_of(tensor: torch.Tensor) -> np.ndarray:

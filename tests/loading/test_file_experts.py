@@ -15,7 +15,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_prefetch
-from hf_prefetch.host import file_reads
+from hf_prefetch.host import diskio, file_reads
 from hf_prefetch.host.expert_rows import ExpertRows
 from hf_prefetch.host.file_reads import FileExtent, StagedReads
 from hf_prefetch.planning.selection import make_plan
@@ -157,7 +157,7 @@ def test_each_layer_keeps_its_share_of_the_cache_and_more_picks_than_it_holds_go
 
 def test_a_read_error_leaves_no_expert_cached_that_did_not_read_whole(tmp_path, monkeypatch):
     experts, transfers = _cache(tmp_path, num_experts=4, capacity=2, layers=1)
-    original, failed = file_reads.pread, []
+    original, failed = diskio.pread, []
 
     def failing(fd, out, position):
         if not failed:
@@ -165,7 +165,7 @@ def test_a_read_error_leaves_no_expert_cached_that_did_not_read_whole(tmp_path, 
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return original(fd, out, position)
 
-    monkeypatch.setattr(file_reads, "pread", failing)
+    monkeypatch.setattr(diskio, "pread", failing)
     try:
         with pytest.raises(OSError, match=r"experts\.bin at byte offset \d+ failed: Input/output"):
             experts.gather(transfers[0], torch.tensor([1]), cuda=False)

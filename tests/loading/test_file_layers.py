@@ -16,7 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_prefetch
-from hf_prefetch.host import file_reads
+from hf_prefetch.host import diskio, file_reads
 from hf_prefetch.planning.file_tier import staging_bytes
 from hf_prefetch.planning.selection import make_plan
 from tests.models import ATTENTION, assert_same_generation, generate_with_logits, logits, prompt
@@ -114,7 +114,7 @@ def test_a_read_error_mid_forward_names_the_file_and_offset_and_the_next_forward
     folder, reference, max_memory = checkpoint
     model = _load(folder, max_memory)
     want = logits(reference)
-    original, failed = file_reads.pread, []
+    original, failed = diskio.pread, []
 
     def failing(fd, out, position):  # the disk's error on the first read
         if not failed:
@@ -122,7 +122,7 @@ def test_a_read_error_mid_forward_names_the_file_and_offset_and_the_next_forward
             raise OSError(errno.EIO, os.strerror(errno.EIO))
         return original(fd, out, position)
 
-    monkeypatch.setattr(file_reads, "pread", failing)
+    monkeypatch.setattr(diskio, "pread", failing)
     with pytest.raises(OSError, match=r"of \S+model-\d+-of-\d+\.safetensors at byte offset \d+ failed: Input/output"):
         for _ in range(3):
             logits(model)

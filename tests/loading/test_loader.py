@@ -25,6 +25,7 @@ from transformers import (
 import hf_prefetch
 from hf_prefetch.lifecycle import attach
 from hf_prefetch.loading import filling, loader
+from hf_prefetch.host import diskio
 from hf_prefetch.loading import reader as reader_module
 from hf_prefetch.loading.checkpoint import Checkpoint
 from tests.models import ATTENTION, logits, prompt
@@ -377,7 +378,7 @@ def test_failed_direct_read_releases_everything(saved, monkeypatch, arenas):
     model = empty_model(folder)
     monkeypatch.setattr(reader_module, "open_direct", lambda path: os.open(path, os.O_RDONLY))
     monkeypatch.setattr(reader_module, "_WINDOW_BYTES", 8192)
-    calls, real_pread = [], reader_module.pread
+    calls, real_pread = [], diskio.pread
 
     def failing_pread(fd, out, position):
         calls.append(position)
@@ -385,7 +386,7 @@ def test_failed_direct_read_releases_everything(saved, monkeypatch, arenas):
             raise OSError("Input/output error")
         return real_pread(fd, out, position)
 
-    monkeypatch.setattr(reader_module, "pread", failing_pread)
+    monkeypatch.setattr(diskio, "pread", failing_pread)
     monkeypatch.setattr(reader_module, "HostArena", filling.HostArena)  # the recording arena: bounce buffers too
     with pytest.raises(OSError, match="Input/output error"):
         hf_prefetch.load_checkpoint_and_dispatch(
