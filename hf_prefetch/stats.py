@@ -31,8 +31,10 @@ class LayerStats:
     copy_seconds: float
     stall_seconds: float
     compute_seconds: float
-    # Routed experts (Placement.ROUTED): expert rows copied as the router picked them, their bytes (part of
-    # copied_bytes), and layers copied without their routed tensors that a forward of many tokens completed.
+    # Routed experts (Placement.ROUTED, READ_ROUTED): expert rows copied from host memory as the router picked them
+    # (each copy once: a repeated pick is copied again, except from files, where a forward copies each expert once),
+    # their bytes (part of copied_bytes), and layers copied without their routed tensors that a forward of many
+    # tokens completed.
     routed_rows: int = 0
     routed_bytes: int = 0
     completions: int = 0

@@ -119,15 +119,15 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return blocks.contiguous(), (exponents + 127).to(torch.uint8).contiguous()
 
 
-def mxfp4_checkpoint(folder, seed: int = 0):
-    """A tiny gpt-oss checkpoint as the gpt-oss releases store one: the experts' `gate_up_proj` and `down_proj` as
-    MXFP4 blocks and scales (`quantize_mxfp4`), everything else bf16, and config.json's quantization_config
-    `{"quant_method": "mxfp4", ...}`."""
+def mxfp4_checkpoint(folder, seed: int = 0, model=None):
+    """A tiny gpt-oss checkpoint (of `model` where given, a `GptOssForCausalLM`) as the gpt-oss releases store one:
+    the experts' `gate_up_proj` and `down_proj` as MXFP4 blocks and scales (`quantize_mxfp4`), everything else bf16,
+    and config.json's quantization_config `{"quant_method": "mxfp4", ...}`."""
     import json
 
     from safetensors.torch import load_file, save_file
 
-    moe_model("gpt_oss", seed).to(torch.bfloat16).save_pretrained(folder)
+    (moe_model("gpt_oss", seed) if model is None else model).to(torch.bfloat16).save_pretrained(folder)
     tensors = {}
     for key, value in load_file(folder / "model.safetensors").items():
         if key.endswith(("experts.gate_up_proj", "experts.down_proj")):

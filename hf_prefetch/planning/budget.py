@@ -350,7 +350,8 @@ def _host_error(
     num_streamed = sum(len(ring.streamed) for ring in least.rings)
     # With layers (or routed experts) read from the checkpoint's files: the least host budget that a plan fitting the
     # device accepts.
-    fewest = None if stored is None or compress else min(fewest_pinned(o.rings, stored) for o in options)
+    with_reads = None if stored is None or compress else min(options, key=lambda o: fewest_pinned(o.rings, stored))
+    fewest = None if with_reads is None else fewest_pinned(with_reads.rings, stored)
     needed = least.pinned_bytes if fewest is None else min(least.pinned_bytes, fewest)
     with_files = f" ({needed} bytes, the rest read from the checkpoint's files)" if needed < least.pinned_bytes else ""
     return ValueError(
@@ -358,13 +359,13 @@ def _host_error(
         f"pins {size(least.pinned_bytes)} of host memory, but max_memory['cpu'] allows {size(budget.host_bytes)}. "
         f"Raise max_memory['cpu'] to at least {size(needed)}{with_files}, or give the device more memory (each layer "
         f"that stays resident pins up to {size(layer)} less)."
-        + _files_refused(least, budget, stored, compress, fewest)
+        + _files_refused(with_reads or least, budget, stored, compress, fewest)
     )
 
 
-def _files_refused(least: _Option, budget, stored: Stored | None, compress: bool, fewest: int | None) -> str:
-    # Why the streamed layers could not stay in the checkpoint's files instead (`fewest`: the least host budget that
-    # reading them from files accepts).
+def _files_refused(option: _Option, budget, stored: Stored | None, compress: bool, fewest: int | None) -> str:
+    # Why the streamed layers could not stay in the checkpoint's files instead: `option` is the plan whose reads from
+    # files pin the least, `fewest` bytes (the least host budget reading from files accepts).
     if compress:
         return " With compress=True no layer is read from the checkpoint's files (its bytes are encoded anew)."
     if stored is None:
@@ -372,7 +373,7 @@ def _files_refused(least: _Option, budget, stored: Stored | None, compress: bool
             " The layers that do not fit can be read from files instead: load the checkpoint with from_pretrained, "
             "or pass dispatch_model an offload_folder to write them to."
         )
-    layers = [layer for ring in least.rings for layer in ring.streamed]
+    layers = [layer for ring in option.rings for layer in ring.streamed]
     whole = [layer for layer in layers if file_eligible(layer, stored)]
     experts = [layer for layer in layers if not file_eligible(layer, stored) and experts_eligible(layer, stored)]
     if not whole and not experts:
@@ -387,7 +388,8 @@ def _files_refused(least: _Option, budget, stored: Stored | None, compress: bool
     parts += ["a host expert cache of one token's picks"] if experts else []
     what = f"{len(whole)} layers" if not experts else f"{len(whole) + len(experts)} layers (or their routed experts)"
     return (
-        f" Reading its {what} stored as they are in the checkpoint from the files instead still pins more: "
+        f" The plan that pins the least with reads from files reads {what} from the checkpoint's files and still "
+        "pins more: "
         f"{', '.join(parts)} and the layers (or parts) that cannot be read from files, {format_bytes(fewest)} in all "
         f"(max_memory['cpu'] = {format_bytes(budget.host_bytes)})."
     )

@@ -130,8 +130,9 @@ class LayerCounters:
     copies: int = 0
     copied_bytes: int = 0
     misses: int = 0
-    # Picks of the router whose rows were copied from host memory (a repeated pick counts again; with an expert
-    # cache, its misses, counted on the device and added by `experts.collect_tallies`).
+    # Expert rows copied from host memory, each copy once: a gather copies every pick (a repeated one again; with an
+    # expert cache its misses, counted on the device and added by `experts.collect_tallies`), a layer whose experts
+    # are read from files each distinct pick of a forward once.
     routed_rows: int = 0
     routed_bytes: int = 0  # their bytes, also counted in copied_bytes
     routed_picks: int = 0  # the router's picks in routing forwards (a repeated pick counts again)

@@ -121,3 +121,16 @@ def test_a_removal_or_collection_while_an_autograd_graph_holds_the_experts_compl
     state = hf_prefetch.get_state(model)
     state.finalizer()  # what collecting the model runs
     assert not state.finalizer.alive and not state.reads
+
+
+def test_cpu_experts_where_every_routed_layer_reads_its_experts_from_files_says_why_it_does_nothing(qwen3):
+    folder, reference, max_memory = qwen3
+    budget = {**max_memory, "cpu": max_memory["cpu"] // 2}  # too little to pin any layer's experts
+    with pytest.warns(UserWarning, match=r"computes nothing on the host.*read from the checkpoint's files.*max_memory"):
+        model = _load(folder, budget, offload=hf_prefetch.PrefetchConfig(cpu_experts=True))
+    plan = hf_prefetch.get_state(model).plan
+    assert plan.host_compute is None
+    assert all(layer.experts_from_files for ring in plan.rings for layer in ring.streamed if layer.routed)
+    ids = _ids()
+    assert torch.equal(_logits(model, ids), _logits(reference, ids))  # over the files, as without cpu_experts
+    hf_prefetch.remove_offload(model)
