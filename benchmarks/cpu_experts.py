@@ -16,8 +16,9 @@ decode. GPU only.
    max(all-on-GPU s/token, router-only bytes per token / the concurrent ceiling of step 1, link and host together).
 3. Numerics of the host systems against the resident model: greedy-token agreement over `--agree` tokens (the share of
    positions before the first differing token, and of all positions) and the largest logit difference over the steps
-   before the first difference; each run twice, tokens bitwise the same. The yardstick: the resident model itself with
-   transformers' eager experts against its batched_mm decode (sums in another order, no host involved).
+   before the first difference; each run twice: tokens and logits bitwise the same or not. The yardsticks: the
+   resident model run again (whether the GPU's own decode repeats bitwise), and with transformers' eager experts
+   against its batched_mm decode (sums in another order, no host involved).
 4. With `--throttle`, a background copy loop shares the link (a consumer link's speed, about half): "router only" and
    an "auto" dispatched while it runs, with the speeds it measured and the count of a token's picks it gives the host.
 
@@ -311,6 +312,8 @@ def main() -> None:
             )
         )
     numerics, greedy_want = {}, greedy(reference, ids, args.agree)
+    # The resident model against itself: whether the GPU's own decode repeats bitwise (the last column's yardstick).
+    numerics["all on the GPU, run again"] = agreement(reference, greedy_want, ids, args.agree)
     for name in [name for name in ("auto", "host") if name in models]:
         numerics[name] = agreement(models[name], greedy_want, ids, args.agree)
         print(f"{name} against the resident model: {numerics[name]}", flush=True)

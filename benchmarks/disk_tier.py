@@ -11,6 +11,11 @@ shard, read by as many threads as the reader uses, after the page cache was drop
 those. Prints the read rate of the file layers during their runs against that speed, how much the process's RSS grew
 at that load against the host budget with the staging buffers, and whether the tokens are identical.
 
+RSS: the reference runs one forward before the loads (a process's first forward loads CUDA's libraries, which are not
+the budget's). For the load with files: the growth of RSS (anonymous, file-backed, shared), its peak during the load
+(VmHWM, reset first), the growth once glibc returned freed heap (malloc_trim) and the bytes hf_prefetch page-locked;
+for the load with everything pinned: its growth beyond what it page-locked (a load's own bookkeeping).
+
 `--shape qwen3-30b-a3b`: a random bf16 model of the Qwen3-30B-A3B shape (moe.py's; 128 experts, 8 per token; 16
 layers: 21.2 GB) is built on the GPU and saved the same way (each expert's tensors on their own, as the Hub's
 checkpoint stores them), then loaded with every streamed expert pinned, and with the `--host-share` host budget, so
@@ -35,6 +40,7 @@ RSS growth at the load against the host budget.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
 import json
 import os
@@ -50,6 +56,7 @@ from common import build_model, h2d_peak_gbps, save_results  # noqa: E402
 from moe import build, generate  # noqa: E402
 
 import hf_prefetch  # noqa: E402
+from hf_prefetch.host.arena import pinned_bytes  # noqa: E402
 from hf_prefetch.host.read_speed import measure_read_gbps  # noqa: E402
 from tests.routing import control_routing  # noqa: E402
 
@@ -92,12 +99,23 @@ def load_both(args):
     gpu = {0: f"{args.gpu_gib}GiB"}
     streamed = hf_prefetch.plan(args.folder, device="cuda", max_memory=gpu).streamed_bytes_per_forward
     host = int(streamed * args.host_share)
-    rss_before = _rss()
+    before = _memory()
+    peak_reset = _reset_peak()
     files = hf_prefetch.from_pretrained(args.folder, device="cuda", max_memory={**gpu, "cpu": host})
-    rss = _rss() - rss_before  # before the other load: the host memory the load with files added
+    rss = _grown(before, _memory(), peak_reset)  # before the other load: the host memory the load with files added
+    rss["trimmed"] = _trimmed_rss() - before["VmRSS"]
+    print(_describe(rss), flush=True)
     plan = hf_prefetch.get_state(files).plan
     print(plan, flush=True)
+    before = _memory()
     pinned = hf_prefetch.from_pretrained(args.folder, device="cuda", max_memory=gpu)
+    after = _memory()
+    rss["pinned_load_beyond_locked"] = after["VmRSS"] - before["VmRSS"] - (after["locked"] - before["locked"])
+    print(
+        f"the load with every streamed tensor pinned: RSS grew {(after['VmRSS'] - before['VmRSS']) / 2**30:.2f} GiB, "
+        f"{rss['pinned_load_beyond_locked'] / 2**30:.2f} GiB beyond what it page-locked",
+        flush=True,
+    )
     return largest, disk, host, rss, files, plan, pinned
 
 
@@ -178,8 +196,9 @@ def dense(args) -> None:
         reference.save_pretrained(args.folder, max_shard_size="2GB")
         print(f"saved {args.layers} layers to {args.folder} in {time.perf_counter() - begin:.1f} s", flush=True)
     gc.collect()
-    largest, disk, host, rss, files, plan, pinned = load_both(args)
     ids = torch.randint(3, 1000, (1, 16), device="cuda")
+    generate(reference, ids, SHORT)  # a process's first forward (CUDA's libraries loaded) before RSS is measured
+    largest, disk, host, rss, files, plan, pinned = load_both(args)
     systems = {"all on GPU": reference, "every streamed layer pinned": pinned, "layers read from files": files}
     for model in systems.values():
         seconds_per_token(model, ids)  # warm-up
@@ -218,9 +237,9 @@ def dense(args) -> None:
         verdict = "reference" if name == "all on GPU" else "identical" if same else "DIFFER"
         print(f"{name:32} {moved:9.2f} {from_files:9.2f} {s:8.4f} {bound:8.4f} {ratio:8.3f}  {verdict}")
     print(f"read from files during the runs: {read_rate / 1e9:.2f} GB/s ({read_rate / 1e9 / disk_gbps:.2f}x the disk)")
-    print(f"waited for reads in the last pair: {stats.read_wait_seconds:.2f} s; RSS grew by {rss / 2**30:.2f} GiB at "
-          f"that load, host budget {host / 2**30:.2f} GiB (pinned {plan.host_bytes / 2**30:.2f} GiB with the staging "
-          f"buffers)")  # fmt: skip
+    print(f"waited for reads in the last pair: {stats.read_wait_seconds:.2f} s")
+    print(f"{_describe(rss)}; host budget {host / 2**30:.2f} GiB (pinned {plan.host_bytes / 2**30:.2f} GiB with the "
+          "staging buffers)")  # fmt: skip
     save_results("disk_tier.json", dict(rows=rows, link=link, disk=disk, rss=rss, host=host))
 
 
@@ -230,10 +249,11 @@ def experts(args) -> None:
     control_routing(reference, "random")
     top_k = reference.config.num_experts_per_tok
     gc.collect()
+    ids = torch.randint(3, 1000, (1, MOE_PROMPT_TOKENS), device="cuda")
+    generate(reference, ids, SHORT)  # a process's first forward (CUDA's libraries loaded) before RSS is measured
     largest, disk, host, rss, files, plan, pinned = load_both(args)
     for model in (pinned, files):  # the reference's picks: the same seeds, the same hidden states
         control_routing(model, "random", device="cuda")
-    ids = torch.randint(3, 1000, (1, MOE_PROMPT_TOKENS), device="cuda")
     systems = {"all on GPU": reference, "all experts pinned": pinned, "experts from files": files}
     for model in systems.values():
         generate(model, ids, SHORT)  # warm-up: a first forward's one-time costs, the host expert cache filled
@@ -312,9 +332,9 @@ def experts(args) -> None:
         print(f"host expert cache hit rate, measured: {measured} ({misses:.1f} misses per token)")
     read_rate = files_row["disk_gb_per_token"] / files_row["s_per_token"]
     print(f"read from files while decoding: {read_rate:.2f} GB/s ({read_rate / disk_gbps:.2f}x the disk)")
-    print(f"waited for reads in the last run: {stats.read_wait_seconds:.2f} s; RSS grew by {rss / 2**30:.2f} GiB at "
-          f"that load, host budget {host / 2**30:.2f} GiB (pinned {plan.host_bytes / 2**30:.2f} GiB with the staging "
-          f"buffers and the host expert cache)")  # fmt: skip
+    print(f"waited for reads in the last run: {stats.read_wait_seconds:.2f} s")
+    print(f"{_describe(rss)}; host budget {host / 2**30:.2f} GiB (pinned {plan.host_bytes / 2**30:.2f} GiB with the "
+          "staging buffers and the host expert cache)")  # fmt: skip
     save_results(
         "disk_tier_qwen3-30b-a3b.json",
         dict(
@@ -353,9 +373,57 @@ def _moe_reference(layers: int, folder: str):
     return model
 
 
-def _rss() -> int:
+_MEMORY_FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM", "VmPin", "VmLck")
+
+
+def _memory() -> dict[str, int]:
+    # The process's memory now, in bytes (/proc/self/status): resident (anonymous, file-backed and shared pages), its
+    # peak since the last reset, and the pages locked or pinned.
+    values = {}
     with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+        for line in f:
+            name, _, rest = line.partition(":")
+            if name in _MEMORY_FIELDS:
+                values[name] = int(rest.split()[0]) * 1024
+    values["locked"] = pinned_bytes()
+    return values
+
+
+def _reset_peak() -> bool:
+    # Linux resets VmHWM to the current RSS when "5" is written to clear_refs.
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _trimmed_rss() -> int:
+    # RSS once glibc has returned the heap freed so far to the system (malloc_trim): what the process still uses.
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+    return _memory()["VmRSS"]
+
+
+def _grown(before: dict[str, int], after: dict[str, int], peak_reset: bool) -> dict[str, int | None]:
+    grown = {name: after.get(name, 0) - before.get(name, 0) for name in ("VmRSS", "RssAnon", "RssFile", "RssShmem")}
+    grown["peak"] = after["VmHWM"] - before["VmRSS"] if peak_reset and "VmHWM" in after else None
+    grown["locked"] = after["locked"] - before["locked"]
+    return grown
+
+
+def _describe(rss: dict[str, int | None]) -> str:
+    gib = 2**30
+    peak = "not measured" if rss["peak"] is None else f"{rss['peak'] / gib:.2f} GiB above the RSS before it"
+    return (
+        f"RSS at the load with files: grew {rss['VmRSS'] / gib:.2f} GiB (anonymous {rss['RssAnon'] / gib:.2f}, "
+        f"file-backed {rss['RssFile'] / gib:.2f}, shared {rss['RssShmem'] / gib:.2f}); peak during it {peak}; "
+        f"page-locked by hf_prefetch {rss['locked'] / gib:.2f} GiB; grown once freed heap was returned "
+        f"(malloc_trim) {rss['trimmed'] / gib:.2f} GiB"
+    )
 
 
 def _loaded(folder: str) -> dict:
