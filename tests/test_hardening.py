@@ -374,7 +374,7 @@ def _interrupt_points(events: list[tuple], changes_from: str | None, every: int)
     return points
 
 
-def _interrupted_everywhere(monkeypatch, setup, call, check, changes_from=None, every=50):
+def _interrupted_everywhere(monkeypatch, setup, call, check, changes_from=None, every=150):
     """For each interrupt point of `call(model)` on a fresh `setup()`: interrupt it there, then `check(model, at)`."""
     interrupts = Interrupts(monkeypatch)
     call(setup())  # once first: what runs only once per process (a warning, a cache) is not on the path later
