@@ -99,6 +99,7 @@ def load_both(args):
     gpu = {0: f"{args.gpu_gib}GiB"}
     streamed = hf_prefetch.plan(args.folder, device="cuda", max_memory=gpu).streamed_bytes_per_forward
     host = int(streamed * args.host_share)
+    _trimmed_rss()  # freed heap returned before the baseline too, so that the trimmed growth is the load's
     before = _memory()
     peak_reset = _reset_peak()
     files = hf_prefetch.from_pretrained(args.folder, device="cuda", max_memory={**gpu, "cpu": host})

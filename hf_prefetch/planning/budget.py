@@ -386,7 +386,8 @@ def _files_refused(option: _Option, budget, stored: Stored | None, compress: boo
         [f"staging buffers for layers of up to {format_bytes(max(ly.host_bytes for ly in whole))}"] if whole else []
     )
     parts += ["a host expert cache of one token's picks"] if experts else []
-    what = f"{len(whole)} layers" if not experts else f"{len(whole) + len(experts)} layers (or their routed experts)"
+    count = len(whole) + len(experts)
+    what = f"up to {count} layer{'s' * (count != 1)}" + (" (or their routed experts)" if experts else "")
     return (
         f" The plan that pins the least with reads from files reads {what} from the checkpoint's files and still "
         "pins more: "

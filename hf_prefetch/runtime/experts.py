@@ -126,7 +126,8 @@ def _picked(layer: LayerTransfer, index: torch.Tensor) -> torch.Tensor:
 
 
 def gather_looked_up(layer: LayerTransfer, index: torch.Tensor) -> None:
-    """The rows of every expert `index` names, for a layer with an expert cache or recent picks (its `tallies`):
+    """The rows of every expert `index` names, for a layer with `tallies` (an expert cache, recent picks, or on CUDA
+    the Triton gather):
     nothing for a pick already in the slot (`recent.ready`), from the cache's row where `slot_of` says it holds it,
     from host memory otherwise. Looked up on the device: no host synchronisation, shapes fixed by `index`, so a CUDA
     graph records it and each replay looks up its own picks. Counts each pick (`cache.picks`) and where it was found
