@@ -374,12 +374,12 @@ def _moe_reference(layers: int, folder: str):
     return model
 
 
-_MEMORY_FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM", "VmPin", "VmLck")
+_MEMORY_FIELDS = ("VmRSS", "RssAnon", "RssFile", "RssShmem", "VmHWM")
 
 
 def _memory() -> dict[str, int]:
     # The process's memory now, in bytes (/proc/self/status): resident (anonymous, file-backed and shared pages), its
-    # peak since the last reset, and the pages locked or pinned.
+    # peak since the last reset; and the bytes hf_prefetch page-locked.
     values = {}
     with open("/proc/self/status") as f:
         for line in f:

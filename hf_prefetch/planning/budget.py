@@ -350,8 +350,9 @@ def _host_error(
     num_streamed = sum(len(ring.streamed) for ring in least.rings)
     # With layers (or routed experts) read from the checkpoint's files: the least host budget that a plan fitting the
     # device accepts.
-    with_reads = None if stored is None or compress else min(options, key=lambda o: fewest_pinned(o.rings, stored))
-    fewest = None if with_reads is None else fewest_pinned(with_reads.rings, stored)
+    fewest, with_reads = None, None
+    if stored is not None and not compress:
+        fewest, with_reads = min(((fewest_pinned(o.rings, stored), o) for o in options), key=lambda pair: pair[0])
     needed = least.pinned_bytes if fewest is None else min(least.pinned_bytes, fewest)
     with_files = f" ({needed} bytes, the rest read from the checkpoint's files)" if needed < least.pinned_bytes else ""
     return ValueError(

@@ -119,7 +119,7 @@ def host_unused(plan: OffloadPlan) -> str | None:
             "no streamed parameter is routed (PrefetchConfig(routed_experts=False) streams expert tensors whole, "
             "or no experts module streams)"
         )
-    elif not host_layers(plan.rings) and any(
+    elif not (computing := host_layers(plan.rings)) and any(
         layer.experts_from_files for ring in plan.rings for layer in ring.streamed
     ):
         why = (
@@ -127,7 +127,7 @@ def host_unused(plan: OffloadPlan) -> str | None:
             "checkpoint's files (they do not fit max_memory['cpu']), and the host computes only experts it holds "
             "in pinned memory (raise max_memory['cpu'] to pin them)"
         )
-    elif not host_layers(plan.rings):
+    elif not computing:
         why = (
             "no streamed layer has routed experts that take turns in a slot (routed layers alone in their slot "
             "keep their experts on the device)"
