@@ -84,12 +84,12 @@ def main() -> None:
     # The expert cache's gather (`hf_prefetch.runtime.experts.gather_looked_up`): one Triton kernel per tensor reads
     # each picked row from the cache when the lookup table has it, else from the mapped view. With no row cached it
     # moves the same bytes as index_select; with half the picks cached, half of them cross the bus.
-    from hf_prefetch.runtime.expert_kernels import gather_kernel
+    from hf_prefetch.runtime.expert_kernels import TALLIES, gather_kernel
 
     launch = gather_kernel()
     capacity = args.picks
     caches = {n: hosts[n][picks].to(device).view(capacity, -1).view(torch.int64) for n in SHAPES}
-    tallies = torch.zeros(4, dtype=torch.long, device=device)
+    tallies = torch.zeros(TALLIES, dtype=torch.long, device=device)
     counts = torch.zeros(EXPERTS, dtype=torch.long, device=device)
     for cached_picks in (0, args.picks // 2):
         slot_of = torch.full((EXPERTS,), -1, dtype=torch.long, device=device)
@@ -99,7 +99,7 @@ def main() -> None:
             for number, name in enumerate(SHAPES):
                 src = sources[name].view(EXPERTS, -1).view(torch.int64)
                 dst = slots[name].view(EXPERTS, -1).view(torch.int64)
-                launch(rows, None, slot_of, src, caches[name], dst, counts, tallies, count=number == 0)
+                launch(rows, None, None, slot_of, src, caches[name], dst, counts, tallies, count=number == 0)
 
         for slot in slots.values():
             slot.zero_()
@@ -116,6 +116,8 @@ def main() -> None:
     fetch = fetch_kernel()
     ready = torch.zeros(EXPERTS, dtype=torch.int32, device=device)
     chosen = torch.full((EXPERTS,), -1, dtype=torch.long, device=device)
+    marked = torch.zeros(EXPERTS, dtype=torch.int32, device=device)
+    enabled = torch.ones(1, dtype=torch.int32, device=device)  # the policy fetches
     pairs = [
         (sources[name].view(EXPERTS, -1).view(torch.int64), slots[name].view(EXPERTS, -1).view(torch.int64))
         for name in SHAPES
@@ -123,7 +125,7 @@ def main() -> None:
     for programs in (16, 32, 64, 132, 264):
 
         def fetched(programs=programs):  # both tensors: the choice, then one copy kernel
-            fetch(rows, None, chosen, ready, pairs, tallies, programs=programs)
+            fetch(rows, None, chosen, ready, marked, enabled, pairs, tallies, programs=programs)
 
         for slot in slots.values():
             slot.zero_()
