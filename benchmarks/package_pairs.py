@@ -186,6 +186,11 @@ def _run(args, part: str, package_dir: Path) -> dict:
     return result
 
 
+def _figures(result: dict) -> dict[str, float]:
+    # A child's timed figures (its tokens left out), rounded for the progress lines.
+    return {k: round(v, 4) for k, v in result.items() if isinstance(v, float)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--previous-dir", help="a folder holding the other package's hf_prefetch folder")
@@ -208,10 +213,8 @@ def main() -> None:
     if "load" in args.parts:
         _save_checkpoint(args)
     if args.warmup:  # the run's first process pays one-time costs of the machine
-        figures = {
-            k: round(v, 4) for k, v in _run(args, args.parts[0], packages["previous"]).items() if isinstance(v, float)
-        }
-        print(f"warm-up, not counted: {args.parts[0]} previous: {figures}", flush=True)
+        warmup = _figures(_run(args, args.parts[0], packages["previous"]))
+        print(f"warm-up, not counted: {args.parts[0]} previous: {warmup}", flush=True)
     rows = []
     for part in args.parts:
         results: dict[str, list[dict]] = {name: [] for name in packages}
@@ -219,8 +222,7 @@ def main() -> None:
             order = list(packages) if pair % 2 == 0 else list(packages)[::-1]
             for name in order:
                 results[name].append(_run(args, part, packages[name]))
-                figures = {k: round(v, 4) for k, v in results[name][-1].items() if isinstance(v, float)}
-                print(f"{part} pair {pair} {name}: {figures}", flush=True)
+                print(f"{part} pair {pair} {name}: {_figures(results[name][-1])}", flush=True)
         agree = all(r["tokens"] == results["this"][0]["tokens"] for name in packages for r in results[name])
         for figure in [k for k, v in results["this"][0].items() if isinstance(v, float)]:
             this = [r[figure] for r in results["this"]]
