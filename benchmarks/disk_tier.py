@@ -30,7 +30,9 @@ generate) are the differences between a generate of 16 tokens and one of 4, whic
 max(all-on-GPU s/token, link bytes per token / pinned H2D peak, file bytes per token / the disk's direct sequential
 read speed, measured as above). Prints the host expert cache's hit rate against the one uniform picks predict (its
 experts over the experts in the files), the misses per token, the read rate of the files while decoding, and the
-RSS growth at the load against the host budget.
+RSS growth at the load against the host budget. Last, each loaded model is reloaded from its checkpoint
+(`reload_weights(model, folder)`: the one reading experts from files switches to the files again instead of writing
+them) and decodes once more: the reload's time, and whether the tokens are still the reference's.
 
     python benchmarks/disk_tier.py [--shape 8b] [--layers 32] [--gpu-gib 8] [--host-share 0.25] [--pairs 3]
         [--folder PATH]
@@ -58,6 +60,7 @@ from moe import build, generate  # noqa: E402
 import hf_prefetch  # noqa: E402
 from hf_prefetch.host.arena import pinned_bytes  # noqa: E402
 from hf_prefetch.host.read_speed import measure_read_gbps  # noqa: E402
+from hf_prefetch.planning.placements import Storage  # noqa: E402
 from tests.routing import control_routing  # noqa: E402
 
 SHORT, LONG = 4, 16
@@ -336,6 +339,7 @@ def experts(args) -> None:
     print(f"waited for reads in the last run: {stats.read_wait_seconds:.2f} s")
     print(f"{_describe(rss)}; host budget {host / 2**30:.2f} GiB (pinned {plan.host_bytes / 2**30:.2f} GiB with the "
           "staging buffers and the host expert cache)")  # fmt: skip
+    reloads = _reloads({"all experts pinned": pinned, "experts from files": files}, args.folder, ids, want)
     save_results(
         "disk_tier_qwen3-30b-a3b.json",
         dict(
@@ -350,8 +354,29 @@ def experts(args) -> None:
             host=host,
             predicted_hit_rate=predicted,
             misses_per_token=misses,
+            reloads=reloads,
         ),
     )
+
+
+def _reloads(models: dict, folder: str, ids: torch.Tensor, want: torch.Tensor) -> dict:
+    # `reload_weights(model, folder)` of each model from the checkpoint it was loaded from: the time, the bytes it
+    # wrote (a model reading experts from files reads those from the files again instead), and whether the decode
+    # after it still gives the reference's tokens.
+    found = {}
+    for name, model in models.items():
+        torch.cuda.synchronize()
+        begin = time.perf_counter()
+        hf_prefetch.reload_weights(model, folder)
+        seconds = time.perf_counter() - begin
+        written = sum(spec.nbytes for ring in hf_prefetch.get_state(model).plan.rings for layer in ring.layers
+                      for spec in layer.offloaded if spec.placement.storage is not Storage.FILE)  # fmt: skip
+        _, _, out = decode_counts(model, ids)
+        same = torch.equal(out, want)
+        found[name] = dict(seconds=seconds, offloaded_written_gb=written / 1e9, tokens_identical=same)
+        print(f"reload_weights of {name}: {seconds:.2f} s (streamed tensors written: {written / 1e9:.2f} GB; the rest "
+              f"of the model too); tokens after it identical: {same}", flush=True)  # fmt: skip
+    return found
 
 
 def _moe_reference(layers: int, folder: str):

@@ -18,6 +18,8 @@ which copy last read a buffer are the caller's.
 - No thread writes into a free buffer. A read that failed, that a Ctrl-C interrupted in `views`, or that was released
   unread is ended: its queued windows are cancelled and those being read waited for (with Ctrl-C held back) before
   its buffer is free. `close` waits for every window before it drops the buffers.
+- `retarget` opens and checks another set of files (a new checkpoint's) beside the current ones, changing nothing;
+  `switch` ends every read, then reads those from then on (the buffers kept where each new layer fits them).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from ..interrupts import deferred_interrupts
 from .arena import HostArena
 from .diskio import FileTruncated, Window, open_for_reads, plan_windows, pread_falling_back
 
-__all__ = ["FileExtent", "StagedReads"]
+__all__ = ["FileExtent", "StagedReads", "Retarget"]
 
 _WINDOW_BYTES = 8 * 2**20  # one direct read (a multiple of DIRECT_IO_ALIGN_BYTES)
 
@@ -58,6 +60,25 @@ class FileExtent:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"FileExtent of {self.path}: {name}={value!r} must be a non-negative int.")
+
+
+class Retarget:
+    """Files opened and checked for a `StagedReads` (`retarget`), their layers' windows and new buffers where the
+    reader's are too small: `StagedReads.switch` takes them, `discard` (or the collector) closes what was not."""
+
+    def __init__(self) -> None:
+        self.files: dict[Path, _OpenFile] = {}
+        self.fds: list[int] = []
+        self.layouts: list[_Layout] = []
+        self.buffer_bytes, self.arena = 0, None  # arena: HostArena | None
+        weakref.finalize(self, _close_all, self.fds)
+
+    def discard(self) -> None:
+        with deferred_interrupts():
+            _close_all(self.fds)
+            if self.arena is not None:
+                self.arena.release()
+                self.arena = None
 
 
 class _State(enum.Enum):
@@ -99,8 +120,8 @@ class _OpenFile:
             raise RuntimeError(
                 f"{self.path} changed on disk since it was opened for reading (size {self.stamp[0]} -> "
                 f"{status.st_size} bytes, modification time {self.stamp[1]} -> {status.st_mtime_ns} ns): its bytes "
-                "may no longer be the weights that were planned. Reload the model from the checkpoint (write a "
-                "changed checkpoint to a new folder, not over the files being read)."
+                "may no longer be the weights that were planned. Put the file back, or read the changed checkpoint "
+                "with hf_prefetch.reload_weights(model, folder)."
             )
 
 
@@ -177,29 +198,18 @@ class StagedReads:
         if threads < 1:
             raise ValueError(f"threads={threads}: reads need at least one thread.")
         self.num_buffers = num_buffers
-        self.bytes_read = 0
-        self.reads = 0
-        self.read_seconds = 0.0
+        self.bytes_read, self.reads, self.read_seconds = 0, 0, 0.0
         self._lock = threading.Lock()  # the counters, and a file's switch to the page cache
-        self._closed = False
+        self._closed, self._window_bytes = False, window_bytes
+        self._pin = torch.cuda.is_available() if pin is None else pin  # page-locked for copies to a CUDA device
         self._fds: list[int] = []  # every descriptor opened, closed by `close` (or when the reader goes)
         weakref.finalize(self, _close_all, self._fds)
-        self._files: dict[Path, _OpenFile] = {}
-        try:
-            for path in dict.fromkeys(extent.path for layer in layers for extent in layer):
-                self._open(path)
-            for extent in (extent for layer in layers for extent in layer):
-                self._files[extent.path].check_holds(extent)
-            self._layouts = [_plan(layer, window_bytes) for layer in layers]
-            self.buffer_bytes = max((layout.nbytes for layout in self._layouts), default=0)
-            self._arena = HostArena([self.buffer_bytes] * num_buffers)
-        except BaseException:
-            with deferred_interrupts():
-                _close_all(self._fds)
-            raise
-        if torch.cuda.is_available() if pin is None else pin:  # page-locked for copies to a CUDA device
-            self._arena.bytes_view(0, self._arena.nbytes).zero_()  # touched pages page-lock ~10x faster
-            self._arena.pin()
+        files = self._prepare(layers, capacity=None)
+        with deferred_interrupts():  # the reader's now (the list the Retarget's finalizer closes is left empty)
+            self._fds[:], self._files, self._layouts = files.fds, files.files, files.layouts
+            self.buffer_bytes, self._arena, self._capacity = files.buffer_bytes, files.arena, files.buffer_bytes
+            files.fds.clear()
+            files.arena = None
         self._fills: list[_Fill | None] = [None] * num_buffers  # each buffer's read, from `start` to `release`
         self._fill_by_layer: dict[int, _Fill] = {}  # the same, by layer
         self._threads: set[threading.Thread] = set()  # the pool's, as each starts (held apart from `self`)
@@ -212,7 +222,7 @@ class StagedReads:
 
     def started(self, layer: int) -> bool:
         """Whether `layer`'s read was started and its buffer not given back (nor ended by an error)."""
-        return self._fill_of(layer) is not None
+        return self._fill_by_layer.get(layer) is not None
 
     @property
     def buffered_files(self) -> list[Path]:
@@ -239,10 +249,35 @@ class StagedReads:
             os.close(fd)
             raise RuntimeError(
                 f"{path} is no longer the file that was opened for reading (it was replaced or deleted on disk since):"
-                " its bytes may not be the weights that were planned. Reload the model from the checkpoint (write a "
-                "changed checkpoint to a new folder, not over the files being read)."
+                " its bytes may not be the weights that were planned. Put the file back, or read the changed "
+                "checkpoint with hf_prefetch.reload_weights(model, folder)."
             )
         return fd
+
+    def retarget(self, layers: Sequence[Sequence[FileExtent]]) -> Retarget:
+        """The files of `layers` (as many as now: a new checkpoint's) opened and checked as the constructor does, for
+        `switch`; new buffers only where a layer outgrows the current ones. The reader is unchanged; raises as it."""
+        if len(layers) != self.num_layers:
+            raise ValueError(f"retarget: {len(layers)} layers for a reader of {self.num_layers}.")
+        self._check_open()
+        return self._prepare(layers, capacity=self._capacity)
+
+    def switch(self, files: Retarget) -> None:
+        """Read `files` (from `retarget`) from now on: every read ended first (as `release` ends one), the old files
+        closed, the old buffers dropped where `files` brought new ones. The counters go on."""
+        with deferred_interrupts():
+            for fill in list(self._fills):
+                if fill is not None:
+                    self._end(fill)
+            old = list(self._fds)
+            self._fds[:] = files.fds  # the finalizer's list: closed with the reader from now on
+            self._files, self._layouts, self.buffer_bytes = files.files, files.layouts, files.buffer_bytes
+            if files.arena is not None:
+                self._arena.release()
+                self._arena, self._capacity = files.arena, files.buffer_bytes
+            files.fds.clear()  # taken: the Retarget's finalizer closes nothing
+            files.arena = None
+            _close_all(old)
 
     def start(self, layer: int, buffer: int, before: Callable[[], None] | None = None) -> None:
         """Queue the reads of `layer` into staging buffer `buffer`. `before` runs first, on a reader thread (e.g. the
@@ -257,7 +292,7 @@ class StagedReads:
                 f"Staging buffer {buffer} still holds layer {held.layer} ({held.state.value}): call "
                 f"release({buffer}) once its copy is issued, then start another read into it."
             )
-        other = self._fill_of(layer)
+        other = self._fill_by_layer.get(layer)
         if other is not None:
             raise RuntimeError(
                 f"Layer {layer} is already being read into staging buffer {other.buffer}: use its views, or "
@@ -285,7 +320,7 @@ class StagedReads:
         byte offset, RuntimeError for a file changed on disk), after which the buffer is free; RuntimeError for a
         layer not started."""
         layout = self._layout(layer)
-        fill = self._fill_of(layer)
+        fill = self._fill_by_layer.get(layer)
         if fill is None:
             raise RuntimeError(
                 f"views({layer}): layer {layer} was not started. Call start({layer}, buffer) first, early enough "
@@ -344,25 +379,43 @@ class StagedReads:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _open(self, path: Path) -> None:
-        with deferred_interrupts():  # opened and recorded with no Ctrl-C between: `close` finds it
-            fd, direct = open_for_reads(path)
-            self._fds.append(fd)
-        self._files[path] = _OpenFile(path, fd, direct)
+    def _prepare(self, layers: Sequence[Sequence[FileExtent]], capacity: int | None) -> Retarget:
+        # Every file of `layers` opened (for direct I/O where its file system allows) and its extents checked, their
+        # windows planned, and staging buffers allocated (page-locked with `_pin`) unless each layer fits `capacity`.
+        files = Retarget()
+        try:
+            for path in dict.fromkeys(extent.path for layer in layers for extent in layer):
+                with deferred_interrupts():  # opened and recorded with no Ctrl-C between: `discard` closes it
+                    fd, direct = open_for_reads(path)
+                    files.fds.append(fd)
+                files.files[path] = _OpenFile(path, fd, direct)
+            for extent in (extent for layer in layers for extent in layer):
+                files.files[extent.path].check_holds(extent)
+            files.layouts = [_plan(layer, self._window_bytes) for layer in layers]
+            files.buffer_bytes = max((layout.nbytes for layout in files.layouts), default=0)
+            if capacity is None or files.buffer_bytes > capacity:
+                files.arena = HostArena([files.buffer_bytes] * self.num_buffers)
+                if self._pin:
+                    files.arena.bytes_view(0, files.arena.nbytes).zero_()  # touched pages page-lock ~10x faster
+                    files.arena.pin()
+        except BaseException:
+            files.discard()
+            raise
+        return files
 
     def _layout(self, layer: int) -> _Layout:
-        if self._closed:
-            raise RuntimeError("The staged reads were closed; create another StagedReads to read again.")
+        self._check_open()
         if not 0 <= layer < len(self._layouts):
             raise ValueError(f"layer={layer}: the reads were planned for layers 0 to {len(self._layouts) - 1}.")
         return self._layouts[layer]
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("The staged reads were closed; create another StagedReads to read again.")
+
     def _check_buffer(self, buffer: int) -> None:
         if not 0 <= buffer < len(self._fills):
             raise ValueError(f"buffer={buffer}: the staging buffers are 0 to {len(self._fills) - 1}.")
-
-    def _fill_of(self, layer: int) -> _Fill | None:
-        return self._fill_by_layer.get(layer)
 
     def _buffer(self, buffer: int) -> torch.Tensor:
         return self._arena.bytes_view(buffer, self.buffer_bytes)

@@ -10,6 +10,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from ..formats.bnb import settle_int8, unpack_for
+from ..formats.parts import assign
 from ..host import limits
 from ..host.arena import HostArena
 from ..host.expert_rows import read_whole
@@ -45,6 +46,9 @@ def detach(model: nn.Module, state: OffloadState, target: torch.device | None) -
         state.engine = None  # drop the pool (hooks held the engine too): its memory is reused by the moves below
         for offloaded, value in experts:  # its placeholder again: pointed at its values
             offloaded.param.data = value
+        for offloaded in state.offloaded:  # read from files: the files read now (a reload may have switched them)
+            if offloaded.full_name in state.file_extents and not offloaded.host.is_meta:
+                assign(offloaded.param, offloaded.attr, offloaded.host)
         if target is not None:
             move_tensors(model, target)
     except BaseException:

@@ -36,10 +36,10 @@ __all__ = ["OffloadState", "Lifecycle", "get_state", "FILES_READ_ONLY"]
 FILES_READ_ONLY = (
     "hf_prefetch: the layers {layers} (or their routed experts) are read from the checkpoint's files at each use "
     "(max_memory['cpu'] holds less than what streams): their host storage is those files, so writing weights "
-    "(load_state_dict, reload_weights, sync_from_device, weights_in_place) and state_dict() are refused. Nothing was "
-    "changed. Read "
-    "the checkpoint's tensors with safetensors, write a changed checkpoint and load it with from_pretrained, or give "
-    "max_memory['cpu'] room for every streamed layer."
+    "(load_state_dict, sync_from_device, weights_in_place) and state_dict() are refused. Nothing was changed. Write "
+    "a changed checkpoint to a new folder and pass it to hf_prefetch.reload_weights(model, folder), which reads its "
+    "files from then on; read the checkpoint's tensors with safetensors; or give max_memory['cpu'] room for every "
+    "streamed layer."
 )
 
 STATE_ATTR = "_hf_prefetch_state"
@@ -93,20 +93,24 @@ class OffloadState:
     file_arena: HostArena | None = None
     file_extents: dict[str, Any] = field(default_factory=dict)  # full name -> FileExtent or ExpertRows
     reads: list[Any] = field(default_factory=list)
+    # `reload_weights` reads `state_dict()` for names and destinations only, under the model's lock, and hands
+    # nothing out: the state-dict hooks then leave host storage as it is (`writable_host_storage`).
+    listing: bool = False
 
     @property
     def reads_files(self) -> bool:
         """Whether parameters are read from the checkpoint's files (layers, or routed experts as picked)."""
         return bool(self.file_extents)
 
-    def private_host_storage(self) -> None:
+    def private_host_storage(self, keep_files: bool = False) -> None:
         """[Note: mapped host storage] in host/arena.py. Before host storage is written or handed out: streamed weights
         that are still a checkpoint file's pages become private memory (`HostArena.make_writable`), after every copy
         and kernel queued so far. Call under the model's lock. A no-op once done. Refused (RuntimeError, nothing
         changed) once a CUDA graph recorded copies from those pages: page-locking the private pages again would leave
         the graph's copies reading an address the device no longer maps. Refused (RuntimeError) for a dispatch whose
-        layers are read from the checkpoint's files, which are those files' pages for good."""
-        if self.reads_files:
+        layers are read from the checkpoint's files, which are those files' pages for good, unless `keep_files`: the
+        caller writes no weight read from files (`reload_weights` switches them to new files instead)."""
+        if self.reads_files and not keep_files:
             raise RuntimeError(FILES_READ_ONLY.format(layers=self.read_layers()))
         if not self.arena.file_bytes:
             return
@@ -121,6 +125,16 @@ class OffloadState:
         if self.engine is not None:
             self.engine.drain()
         self.arena.make_writable()
+
+    @contextmanager
+    def listing_destinations(self) -> Iterator[None]:
+        """Inside the block (under the model's lock), `state_dict()` lists names and host tensors for the caller's own
+        use and changes nothing (`listing`); the caller makes host storage private before it writes any."""
+        self.listing = True
+        try:
+            yield
+        finally:
+            self.listing = False
 
     def private_before_graphs(self) -> None:
         """[Note: mapped host storage] in host/arena.py. Before a forward (the gate's): a CUDA model that ran compiled

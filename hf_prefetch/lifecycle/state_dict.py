@@ -152,6 +152,8 @@ def writable_host_storage(state_ref: weakref.ref, lock: threading.RLock, module:
     if state is None:
         return
     with held_in_turns(lock):
+        if state.listing:  # reload_weights lists destinations, and makes host storage private itself
+            return
         if state.arena.file_bytes or state.reads_files:
             state.private_host_storage()  # refused for layers read from files (`FILES_READ_ONLY`)
         if state.in_place is not None:

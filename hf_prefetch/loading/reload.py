@@ -34,6 +34,7 @@ from torch import nn
 from ..config import warn_at_caller
 from ..lifecycle.state import OffloadState, exclusive, get_state
 from ..planning.offload_plan import OffloadPlan
+from .reload_files import FileSwitch
 from .sources import REDISPATCH, CheckpointValues, StateDictValues, check_writable, same_memory
 
 __all__ = ["reload_weights", "sync_from_device"]
@@ -171,41 +172,44 @@ def reload_weights(
             "quantization, which writes their tensors in place, or hf_prefetch.remove_offload(model), write the "
             "weights, and dispatch again. Nothing was written."
         )
-    check_writable(model)
-    started = time.perf_counter()
-    if isinstance(source, Mapping):
-        values = StateDictValues(model, source, strict)
-    elif isinstance(source, (str, os.PathLike)):
-        if not strict:
-            warn_at_caller(
-                "reload_weights(strict=False) applies to a state dict only: a checkpoint must fill every parameter, "
-                "as for from_pretrained, so strict=False changes nothing here. To write some tensors only, pass them "
-                "as a state dict (e.g. safetensors.torch.load_file(path) filtered by name) with strict=False."
-            )
-        values = CheckpointValues(model, source)
-    else:
+    if process is not None and state.reads_files:
         raise ValueError(
-            f"source={type(source).__name__} is neither a checkpoint path nor a state dict; pass a folder, a "
-            ".safetensors file, or a mapping of the model's state_dict() names to tensors."
+            f"reload_weights(process=...) stores each processed layer back into its host storage, but the layers "
+            f"{state.read_layers()} (or their routed experts) are read from the checkpoint's files at each use, which "
+            "are not written. Process the weights, save them as a checkpoint and pass its folder to reload_weights "
+            "(without process), or give max_memory['cpu'] room for every streamed layer. Nothing was written."
         )
+    started = time.perf_counter()
+    with state.listing_destinations():  # names and destinations only: nothing is handed out
+        check_writable(model)
+        values = _values(model, source, strict)
     with values:  # validated: from here on values are written
-        layers = _layers(state.plan)
-        names_of = _names_by_layer(values.names, layers)
-        state.private_host_storage()  # host storage that is a file's pages: private memory first
-        state.engine.drain()  # no copy may still read host storage, and no kernel a tensor, that is rewritten now
-        # Every slot forgotten before the first write: an interrupt anywhere after this leaves layers that load their
-        # (new or old, never mixed) values from host storage when they run, never a slot with stale bytes.
-        state.engine.invalidate()
+        switch = _file_switch(state, values)  # the new files of the tensors read from files, opened and checked
         try:
-            if process is None:
-                values.write(values.names)
-            else:
-                values.write(names_of.get(None, []))
-                for layer in layers:
-                    values.write(names_of.get(layer.path, []))
-                    _process(model, state, layer, process)
+            written = [name for name in values.names if name not in state.file_extents]
+            layers = _layers(state.plan)
+            names_of = _names_by_layer(written, layers)
+            # Host storage that is a file's pages: private memory first (the files read at each use are switched).
+            state.private_host_storage(keep_files=True)
+            state.engine.drain()  # no copy may still read host storage, and no kernel a tensor, that is rewritten
+            # Every slot forgotten before the first write: an interrupt anywhere after this leaves layers that load
+            # their (new or old, never mixed) values from host storage when they run, never a slot with stale bytes.
+            state.engine.invalidate()
+            try:
+                if switch is not None:
+                    switch.commit()  # read from the new files from now on
+                if process is None:
+                    values.write(written)
+                else:
+                    values.write(names_of.get(None, []))
+                    for layer in layers:
+                        values.write(names_of.get(layer.path, []))
+                        _process(model, state, layer, process)
+            finally:
+                state.engine.refill()  # [Note: rewriting weights]: no slot keeps a layer's old values
         finally:
-            state.engine.refill()  # [Note: rewriting weights]: no slot keeps a layer's old values
+            if switch is not None:
+                switch.close()
     seconds = time.perf_counter() - started
     gb = values.nbytes / 1e9
     logger.info("Reloaded %d tensors: %.2f GB in %.2f s (%.2f GB/s)", len(values.names), gb, seconds, gb / seconds)
@@ -304,6 +308,39 @@ def sync_from_device(model: nn.Module, layers: str | Sequence[str] | None = None
     for path, values in zip(chosen, encoded, strict=True):
         state.engine.store(*streamed[path], values)
     return chosen
+
+
+def _values(model: nn.Module, source: Any, strict: bool) -> StateDictValues | CheckpointValues:
+    # The source's values, validated (nothing written yet).
+    if isinstance(source, Mapping):
+        return StateDictValues(model, source, strict)
+    if isinstance(source, (str, os.PathLike)):
+        if not strict:
+            warn_at_caller(
+                "reload_weights(strict=False) applies to a state dict only: a checkpoint must fill every parameter, "
+                "as for from_pretrained, so strict=False changes nothing here. To write some tensors only, pass them "
+                "as a state dict (e.g. safetensors.torch.load_file(path) filtered by name) with strict=False."
+            )
+        return CheckpointValues(model, source)
+    raise ValueError(
+        f"source={type(source).__name__} is neither a checkpoint path nor a state dict; pass a folder, a "
+        ".safetensors file, or a mapping of the model's state_dict() names to tensors."
+    )
+
+
+def _file_switch(state: OffloadState, values: StateDictValues | CheckpointValues) -> FileSwitch | None:
+    # Tensors read from the checkpoint's files are not written: a checkpoint's are read from its files from then on.
+    read = [name for name in values.names if name in state.file_extents]
+    if not read:
+        return None
+    if isinstance(values, CheckpointValues):
+        return FileSwitch(state, values.keymap, values.checkpoint)
+    raise ValueError(
+        f"state_dict[{read[0]!r}] (and {len(read) - 1} more of its keys) is read from the checkpoint's files at each "
+        "use (max_memory['cpu'] holds less than what streams), and reload_weights does not write those files. Save "
+        "the new weights as a checkpoint (model.save_pretrained, or safetensors' save_file in the model's dtypes) and "
+        "pass its folder, which is read from then on; or leave those keys out with strict=False. Nothing was written."
+    )
 
 
 def _dispatched(model: nn.Module, verb: str) -> OffloadState:

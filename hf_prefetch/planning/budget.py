@@ -195,11 +195,11 @@ def plan_for_budget(
         least = min(options, key=lambda o: (o.device_bytes, -o.pinned_bytes))
         raise _device_error(model, budget, config, candidates, total, least)
     fits = [o for o in fits_device if budget.host_bytes is None or o.pinned_bytes <= budget.host_bytes]
-    if not fits and stored is not None and not config.compress:  # compressed bytes are encoded anew
+    if not fits and stored is not None:
         fits = _read_from_files(fits_device, budget.host_bytes, stored)
     if not fits:
         least = min(fits_device, key=lambda o: o.pinned_bytes)
-        raise _host_error(budget, candidates, least, stored, config.compress, fits_device)
+        raise _host_error(budget, candidates, least, stored, fits_device)
     # Equal bytes: the whole-layer selection (listed first; min keeps the first of equals).
     best = min(fits, key=lambda o: (o.streamed_bytes, o.pinned_bytes, o.device_bytes))
     if compute is not None and link_gbps is not None:
@@ -339,7 +339,7 @@ def _read_from_files(options: list[_Option], host_bytes: int, stored: Stored) ->
 
 
 def _host_error(
-    budget, candidates, least: _Option, stored: Stored | None, compress: bool, options: list[_Option]
+    budget, candidates, least: _Option, stored: Stored | None, options: list[_Option]
 ) -> ValueError:
     size = format_bytes
     layer = max(  # the host arena's bytes of a layer's streamable parameters
@@ -351,7 +351,7 @@ def _host_error(
     # With layers (or routed experts) read from the checkpoint's files: the least host budget that a plan fitting the
     # device accepts.
     fewest, with_reads = None, None
-    if stored is not None and not compress:
+    if stored is not None:
         fewest, with_reads = min(((fewest_pinned(o.rings, stored), o) for o in options), key=lambda pair: pair[0])
     needed = least.pinned_bytes if fewest is None else min(least.pinned_bytes, fewest)
     with_files = f" ({needed} bytes, the rest read from the checkpoint's files)" if needed < least.pinned_bytes else ""
@@ -360,15 +360,13 @@ def _host_error(
         f"pins {size(least.pinned_bytes)} of host memory, but max_memory['cpu'] allows {size(budget.host_bytes)}. "
         f"Raise max_memory['cpu'] to at least {size(needed)}{with_files}, or give the device more memory (each layer "
         f"that stays resident pins up to {size(layer)} less)."
-        + _files_refused(with_reads or least, budget, stored, compress, fewest)
+        + _files_refused(with_reads or least, budget, stored, fewest)
     )
 
 
-def _files_refused(option: _Option, budget, stored: Stored | None, compress: bool, fewest: int | None) -> str:
+def _files_refused(option: _Option, budget, stored: Stored | None, fewest: int | None) -> str:
     # Why the streamed layers could not stay in the checkpoint's files instead: `option` is the plan whose reads from
     # files pin the least, `fewest` bytes (the least host budget reading from files accepts).
-    if compress:
-        return " With compress=True no layer is read from the checkpoint's files (its bytes are encoded anew)."
     if stored is None:
         return (
             " The layers that do not fit can be read from files instead: load the checkpoint with from_pretrained, "
@@ -380,7 +378,7 @@ def _files_refused(option: _Option, budget, stored: Stored | None, compress: boo
     if not whole and not experts:
         return (
             " None of its streamed layers can be read from the checkpoint's files: each needs every offloaded tensor "
-            "stored in them as the model holds it (same dtype, dense) and no compression; routed experts of layers "
+            "stored in them as the model holds it (same dtype, dense); routed experts of layers "
             "that take turns in a slot, each expert's rows stored as the model holds them."
         )
     parts = (

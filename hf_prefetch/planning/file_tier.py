@@ -3,11 +3,11 @@ the layers it cannot hold are read from their files before each copy (`Placement
 the routed experts of a mixture-of-experts layer as its router picks them (`Placement.READ_ROUTED`,
 runtime/file_experts.py). Pure: the budget and the checkpoint's layout come in as numbers and predicates (`Stored`).
 
-A layer can stay in its files (READ) when each of its offloaded parameters is one checkpoint tensor stored as the
-model holds it (the same dtype and bytes, dense, at an offset aligned to its element size: `Stored.as_is`), it has no
-routed experts and nothing compressed (its encoded bytes are new). Its ring then gets `num_slots + 1` pinned staging
-buffers, each as large as its largest such layer: the slots' next copies read from them while the next layer's read
-fills the spare one.
+A layer can stay in its files (READ) when each of its offloaded parameters is one checkpoint tensor stored as the model
+holds it (the same dtype and bytes, dense, at an offset aligned to its element size: `Stored.as_is`) and it has no
+routed experts; with `compress=True` such a layer is read plain (encoded bytes are made at load, not stored). Its ring
+then gets `num_slots + 1` pinned staging buffers, each as large as its largest such layer: the slots' next copies read
+from them while the next layer's read fills the spare one.
 
 A layer's routed experts can stay in their files (READ_ROUTED) when the layer takes turns in a slot, its routed tensors
 belong to one experts module, and each expert's rows of each are stored as the model holds them, in one or more
@@ -59,9 +59,8 @@ def file_eligible(layer: LayerPlan, stored: Stored) -> bool:
     """Whether `layer` can stay in the checkpoint's files whole (READ; see the module's docstring)."""
     if not layer.streamed or layer.routed:
         return False
-    return all(
+    return all(  # a compressed one is read plain: its encoded bytes are made at load, not in the files
         spec.placement in (Placement.STREAMED, READ)
-        and spec.compressed is None
         and not spec.inner
         and stored.as_is(f"{layer.path}.{spec.name}")
         for spec in layer.offloaded
@@ -170,7 +169,8 @@ def _overflowed(
         layer = rings[r].layers[i]
         if file_eligible(layer, stored):
             params = tuple(
-                replace(s, placement=READ) if s.placement is Placement.STREAMED else s for s in layer.params
+                replace(s, placement=READ, compressed=None) if s.placement is Placement.STREAMED else s
+                for s in layer.params
             )
         elif experts_eligible(layer, stored):
             routed = {id(spec) for spec in layer.routed}

@@ -61,8 +61,10 @@ def compressed_layout(spec: ParamSpec) -> Layout | None:
 def kept_plain(layer: LayerPlan, spec: ParamSpec) -> str | None:
     """With `compress=True`, why a streamed parameter of a streamed layer is not kept compressed, in words that follow
     a count of tensors; None for one that is, and for one that does not stream."""
-    if spec.compressed is not None or spec.placement not in (Placement.STREAMED, Placement.ROUTED):
+    if spec.compressed is not None or spec.placement not in (Placement.STREAMED, Placement.ROUTED, Placement.READ):
         return None
+    if spec.placement is Placement.READ:
+        return "read from the checkpoint's files as stored"
     if layer.owns_slot:
         return "in layers alone in their slot, which are copied once"
     if spec.placement is Placement.ROUTED:

@@ -44,12 +44,12 @@ from dataclasses import dataclass
 import torch
 
 from ..host.expert_rows import ExpertRows
-from ..host.file_reads import StagedReads
+from ..host.file_reads import FileExtent, Retarget, StagedReads
 from ..interrupts import deferred_interrupts
 from ..planning.placements import RingPlan
 from .ring import LayerTransfer
 
-__all__ = ["FileExperts", "FileExpertLayer", "CAPTURE_REFUSED", "attach_file_experts"]
+__all__ = ["FileExperts", "FileExpertLayer", "CAPTURE_REFUSED", "attach_file_experts", "expert_units"]
 
 CAPTURE_REFUSED = (
     "hf_prefetch: the routed experts of layers {layers} are read from the checkpoint's files as their routers pick "
@@ -145,6 +145,18 @@ class FileExperts:
     def close(self) -> None:
         self.reads.close()
 
+    def switch(self, files: Retarget, layers: list[FileExpertLayer]) -> None:
+        """Read the experts from `files` (`StagedReads.retarget`, e.g. a new checkpoint's), laid out as `layers` says,
+        from now on: the cache is emptied (every read ended). Call only while no copy out of a buffer is in flight."""
+        if [(spec.first, spec.num_experts) for spec in layers] != [(s.first, s.num_experts) for s in self.layers]:
+            raise ValueError("FileExperts.switch: the new layers' experts are not those of the cache's layers.")
+        with deferred_interrupts():
+            self.reads.switch(files)
+            self.layers = layers
+            self._buffer_of.clear()
+            self._order = [OrderedDict() for _ in layers]
+            self._free = deque(range(self.reads.num_buffers))
+
     def _start(self, unit: int, keep: set[int]) -> None:
         # Read `unit` into a free buffer, or else into the one of the least recently picked unit not in `keep`.
         with deferred_interrupts():  # taken and recorded together
@@ -188,11 +200,22 @@ def attach_file_experts(
     """The host expert cache of `ring`'s layers whose experts are read from files (`transfers`: its streamed layers';
     `rows`: where each routed tensor's experts lie, by full name), [] without such layers: their gathers read from it
     from now on."""
-    chosen = [(t, layer) for t, layer in zip(transfers, ring.streamed, strict=True) if layer.experts_from_files]
+    chosen = [t for t, layer in zip(transfers, ring.streamed, strict=True) if layer.experts_from_files]
     if not chosen:
         return []
-    units, specs = [], []
-    for _, layer in chosen:
+    units, specs = expert_units(ring, rows)
+    experts = FileExperts(StagedReads(units, ring.host_cached_experts, pin=device.type == "cuda"), specs)
+    for index, transfer in enumerate(chosen):
+        transfer.files, transfer.files_layer = experts, index
+    return [experts]
+
+
+def expert_units(ring: RingPlan, rows: dict[str, ExpertRows]) -> tuple[list[list[FileExtent]], list[FileExpertLayer]]:
+    """The units of `ring`'s host expert cache (each (layer, expert)'s extents in the files, from `rows`: where each
+    routed tensor's experts lie, by full name) and each layer's place among them."""
+    units: list[list[FileExtent]] = []
+    specs = []
+    for layer in (layer for layer in ring.streamed if layer.experts_from_files):
         stored = [rows[f"{layer.path}.{spec.name}"] for spec in layer.routed]
         num_experts = layer.routed[0].routing.num_experts
         targets = []
@@ -201,7 +224,4 @@ def attach_file_experts(
             targets.append(tuple((t, at) for t, where in enumerate(stored) for _, at in where.rows[e]))
         row_bytes = tuple(where.row_bytes for where in stored)
         specs.append(FileExpertLayer(len(units) - num_experts, num_experts, row_bytes, tuple(targets)))
-    experts = FileExperts(StagedReads(units, ring.host_cached_experts, pin=device.type == "cuda"), specs)
-    for index, (transfer, _) in enumerate(chosen):
-        transfer.files, transfer.files_layer = experts, index
-    return [experts]
+    return units, specs

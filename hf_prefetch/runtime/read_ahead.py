@@ -27,13 +27,13 @@ from collections import deque
 
 import torch
 
-from ..host.file_reads import FileExtent, StagedReads
+from ..host.file_reads import FileExtent, Retarget, StagedReads
 from ..interrupts import deferred_interrupts
 from ..planning.file_tier import staging_buffers
 from ..planning.placements import RingPlan
 from .ring import LayerTransfer
 
-__all__ = ["ReadAhead", "CAPTURE_REFUSED", "attach_reads"]
+__all__ = ["ReadAhead", "CAPTURE_REFUSED", "attach_reads", "read_extents"]
 
 CAPTURE_REFUSED = (
     "hf_prefetch: this model's layers {layers} are read from the checkpoint's files at each use (max_memory['cpu'] "
@@ -82,6 +82,14 @@ class ReadAhead:
     def close(self) -> None:
         self.reads.close()
 
+    def switch(self, files: Retarget) -> None:
+        """Read the layers from `files` (`StagedReads.retarget`, e.g. a new checkpoint's) from now on; every read
+        started so far is ended. Call only while no copy out of a buffer is in flight."""
+        with deferred_interrupts():
+            self.reads.switch(files)
+            self._buffer_of.clear()
+            self._free = deque(range(self.reads.num_buffers))
+
     def _ahead(self, index: int) -> None:
         # The next layers after `index`, in cyclic order, into every free buffer.
         for step in range(1, self._count + 1):
@@ -118,11 +126,16 @@ def attach_reads(
 ) -> list[ReadAhead]:
     """The reads of `ring`'s layers read from files (`transfers`: its streamed layers'; `extents`: where each
     parameter lies, by full name), [] without such layers: their copies come from its staging buffers from now on."""
-    read = [(t, layer) for t, layer in zip(transfers, ring.streamed, strict=True) if layer.read_from_files]
+    read = [transfer for transfer, layer in zip(transfers, ring.streamed, strict=True) if layer.read_from_files]
     if not read:
         return []
-    layers = [[extents[f"{layer.path}.{spec.name}"] for spec in layer.offloaded] for _, layer in read]
-    ahead = ReadAhead(StagedReads(layers, staging_buffers(ring), pin=device.type == "cuda"))
-    for index, (transfer, _) in enumerate(read):
+    ahead = ReadAhead(StagedReads(read_extents(ring, extents), staging_buffers(ring), pin=device.type == "cuda"))
+    for index, transfer in enumerate(read):
         transfer.reads, transfer.read_index, transfer.span = ahead, index, None
     return [ahead]
+
+
+def read_extents(ring: RingPlan, extents: dict[str, FileExtent]) -> list[list[FileExtent]]:
+    """Each of `ring`'s layers read from files: where each of its parameters lies (`extents`, by full name)."""
+    read = [layer for layer in ring.streamed if layer.read_from_files]
+    return [[extents[f"{layer.path}.{spec.name}"] for spec in layer.offloaded] for layer in read]

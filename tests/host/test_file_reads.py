@@ -237,7 +237,9 @@ def test_a_file_changed_under_the_reader_is_refused_naming_it(checkpoint, change
             status = os.stat(path)
             os.utime(path, ns=(status.st_atime_ns, status.st_mtime_ns + 10**9))
         staged.start(0, 0)  # a.big and b.w
-        with pytest.raises(RuntimeError, match=rf"{re.escape(str(path))} changed on disk .*Reload the model"):
+        with pytest.raises(
+            RuntimeError, match=rf"{re.escape(str(path))} changed on disk .*reload_weights\(model, folder\)"
+        ):
             staged.views(0)
         staged.start(2, 0)  # the buffer is free again; layer 2 reads no tensor of b
         _check(staged.views(2), checkpoint, 2)
@@ -429,3 +431,46 @@ def test_a_read_evicted_before_its_wait_for_the_buffer_leaves_that_wait_to_the_n
         assert not waited
         _check(ahead.sources(4), checkpoint, 4)  # out of order: layer 2 is evicted, layer 4 read into buffer 0
         assert len(waited) == 1 and waited[0] is not threading.main_thread()
+
+
+def test_a_retarget_reads_other_files_once_switched_and_ends_the_reads_of_the_old_ones(checkpoint, monkeypatch):
+    reads = _Reads(monkeypatch, delay=0.2)
+    folder = checkpoint.files["a"].parent / "other"
+    folder.mkdir()
+    other = _write_checkpoint(folder)
+    for name in "abc":  # the same tensors with other bytes
+        tensors = {k: t for k, t in checkpoint.tensors.items() if k[0] == name}
+        other.tensors.update({k: (t + 1) if t.is_floating_point() else t ^ 1 for k, t in tensors.items()})
+        save_file({k: other.tensors[k] for k in tensors}, other.files[name])
+    other.extents = {k: e for path in other.files.values() for k, e in _extents(path).items()}
+    opened = len(os.listdir("/proc/self/fd"))
+    with StagedReads(_layers(checkpoint), 2, threads=2, window_bytes=8192) as staged:
+        arena = staged._arena
+        staged.start(0, 0)
+        staged.start(1, 1)
+        reads.wait_for_a_read()
+        files = staged.retarget(_layers(other))
+        assert staged.started(0) and arena is staged._arena  # nothing of the reader changed yet
+        staged.switch(files)
+        assert reads.active == 0 and not staged.started(0) and not staged.started(1)  # the old reads were ended
+        assert staged._arena is arena  # the layers fit the buffers it has
+        assert len(os.listdir("/proc/self/fd")) == opened + len(staged.opened_files)  # the old files were closed
+        reads.delay = 0.0
+        for layer in range(LAYERS):
+            staged.start(layer, 0)
+            _check(staged.views(layer), other, layer)
+            staged.release(0)
+        with pytest.raises(ValueError, match="retarget: 4 layers for a reader of 5"):
+            staged.retarget(_layers(other)[:4])
+        bigger = staged.retarget([[*_layers(checkpoint)[0], checkpoint.extents["c.y"]]] * LAYERS)
+        bigger.discard()  # what was opened and allocated for it, dropped
+        assert len(os.listdir("/proc/self/fd")) == opened + len(staged.opened_files)
+        bigger = staged.retarget([[*_layers(checkpoint)[0], checkpoint.extents["c.y"]]] * LAYERS)
+        staged.switch(bigger)
+        assert staged._arena is not arena and staged.buffer_bytes > 0
+        staged.start(3, 1)
+        views = staged.views(3)
+        assert torch.equal(views[-1], checkpoint.tensors["c.y"].view(torch.uint8))
+    assert len(os.listdir("/proc/self/fd")) == opened
+    with pytest.raises(RuntimeError, match="were closed"):
+        staged.retarget(_layers(checkpoint))

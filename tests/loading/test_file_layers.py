@@ -22,6 +22,7 @@ from hf_prefetch.planning.selection import make_plan
 from tests.models import ATTENTION, assert_same_generation, generate_with_logits, logits, prompt
 
 RESERVE = 2**20
+CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 @pytest.fixture(scope="module")
@@ -86,9 +87,9 @@ def test_writing_weights_and_state_dict_are_refused_and_change_nothing(checkpoin
     with pytest.raises(RuntimeError, match=refused):
         model.load_state_dict(values)
     with pytest.raises(RuntimeError, match=refused):
-        hf_prefetch.reload_weights(model, folder)
-    with pytest.raises(RuntimeError, match=refused):
         hf_prefetch.sync_from_device(model)
+    assert torch.equal(logits(model), want)
+    hf_prefetch.reload_weights(model, folder)  # reads the checkpoint's files again (tests/loading/test_file_reload.py)
     assert torch.equal(logits(model), want)
     hf_prefetch.remove_offload(model)
     assert torch.equal(logits(model), want)
@@ -191,10 +192,31 @@ def test_on_cuda_layers_read_from_files_decode_bitwise_and_cuda_graphs_are_refus
         torch._dynamo.reset()
 
 
-def test_compressed_plans_keep_no_layer_in_the_files_and_say_so(checkpoint):
-    folder, reference, max_memory = checkpoint
-    with pytest.raises(ValueError, match=r"With compress=True no layer is read from the checkpoint's files"):
-        _load(folder, max_memory, offload=hf_prefetch.PrefetchConfig(compress=True))
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
+def test_with_compress_the_layers_that_do_not_fit_are_read_plain_and_the_others_kept_compressed(tmp_path, device):
+    torch.manual_seed(0)
+    config = LlamaConfig(intermediate_size=256, num_hidden_layers=8, **{**ATTENTION, "hidden_size": 128})
+    AutoModelForCausalLM.from_config(config).to(torch.bfloat16).save_pretrained(tmp_path, max_shard_size="300KB")
+    reference = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16).eval()
+    compress = hf_prefetch.PrefetchConfig(compress=True)
+    every = make_plan(reference, compress, streamed=range(8))
+    budget = {0: every.device_bytes + RESERVE + 4096, "cpu": every.host_bytes * 3 // 4}
+    model = hf_prefetch.from_pretrained(
+        tmp_path, device=device, max_memory=budget, reserve_bytes=RESERVE, offload=compress
+    )
+    state = hf_prefetch.get_state(model)
+    read = set(_read_layers(model))
+    compressed = {o.full_name.rsplit(".", 3)[0] for o in state.offloaded if o.layout is not None}
+    assert read and compressed and not read & compressed  # the pinned layers compressed, those read plain
+    assert "read from the checkpoint's files as stored" in str(state.plan) and state.plan.host_bytes <= budget["cpu"]
+    resident = reference.to(device)
+    ids = prompt().to(device)
+    for _ in range(2):
+        assert_same_generation(generate_with_logits(model, ids), generate_with_logits(resident, ids))
+    assert hf_prefetch.stats(model).misses == 0
+    hf_prefetch.remove_offload(model, device="cpu")
+    for (name, got), want in zip(model.state_dict().items(), reference.cpu().state_dict().values(), strict=True):
+        assert torch.equal(got, want), name
 
 
 def test_the_statistics_show_what_the_copies_read_from_files(checkpoint):
