@@ -345,13 +345,14 @@ class HostArena:
         offset = self.offsets[index]
         return self._buffer[offset : offset + nbytes]
 
-    def release(self) -> None:
+    def release(self, forget_files: bool = False) -> None:
         """Unpin the arena. Call only when no copy from it is in flight. While a device view from `map` is alive the
-        pages stay registered, and the arena's finalizer unpins them after the last view died."""
+        pages stay registered, and the arena's finalizer unpins them after the last view died. `forget_files`: no view
+        will be read again, so a file's pages are dropped rather than kept copy-on-write (`MappedFiles.release`)."""
         if self._mapping is not None and self._mapping() is not None:
             return  # unregistering now would make every live device view fault on its next read
         self._drop_pin()
-        self._files.release()  # what a view that outlives the arena holds of a file: copy-on-write from now on
+        self._files.release(forget_files)  # what a view that outlives the arena holds of a file
         self._buffer = torch.empty(0, dtype=torch.uint8)
 
 

@@ -68,9 +68,8 @@ class Retarget:
 
     def __init__(self) -> None:
         self.files: dict[Path, _OpenFile] = {}
-        self.fds: list[int] = []
-        self.layouts: list[_Layout] = []
-        self.buffer_bytes, self.arena = 0, None  # arena: HostArena | None
+        self.fds, self.layouts = [], []  # descriptors (closed with it unless taken), each layer's `_Layout`
+        self.buffer_bytes, self.capacity, self.arena = 0, 0, None  # largest layer, new buffer (bytes), new buffers
         weakref.finalize(self, _close_all, self.fds)
 
     def discard(self) -> None:
@@ -157,9 +156,10 @@ class StagedReads:
 
     `views(i)` hands out `layers[i]`'s extents in their order ([Note: staged reads]). Each file is opened once, for
     direct I/O where its file system allows (`buffered_files` are those read through the page cache), and its size
-    and modification time recorded; an extent past a file's end is a ValueError. The buffers, `buffer_bytes` each
-    (the largest layer's), are one `HostArena`, page-locked with `pin` (None: where CUDA is available); `threads`
-    read windows of at most `window_bytes`. Counters: `bytes_read` (the extents' bytes), `reads` (windows),
+    and modification time recorded; an extent past a file's end is a ValueError. The buffers, each as large as
+    the largest layer (`buffer_bytes`) or `min_buffer_bytes` where more (room for other files: `retarget`), are one
+    `HostArena`, page-locked with `pin` (None: where CUDA is available); `threads` read windows of at most
+    `window_bytes`. Counters: `bytes_read` (the extents' bytes), `reads` (windows),
     `read_seconds` (the reads' wall times, summed over threads).
 
     Example:
@@ -192,6 +192,7 @@ class StagedReads:
         threads: int = 4,
         window_bytes: int = _WINDOW_BYTES,
         pin: bool | None = None,
+        min_buffer_bytes: int = 0,
     ) -> None:
         if num_buffers < 1:
             raise ValueError(f"num_buffers={num_buffers}: a staged read needs at least one staging buffer.")
@@ -200,14 +201,14 @@ class StagedReads:
         self.num_buffers = num_buffers
         self.bytes_read, self.reads, self.read_seconds = 0, 0, 0.0
         self._lock = threading.Lock()  # the counters, and a file's switch to the page cache
-        self._closed, self._window_bytes = False, window_bytes
+        self._closed, self._window_bytes, self._min_buffer_bytes = False, window_bytes, min_buffer_bytes
         self._pin = torch.cuda.is_available() if pin is None else pin  # page-locked for copies to a CUDA device
         self._fds: list[int] = []  # every descriptor opened, closed by `close` (or when the reader goes)
         weakref.finalize(self, _close_all, self._fds)
         files = self._prepare(layers, capacity=None)
         with deferred_interrupts():  # the reader's now (the list the Retarget's finalizer closes is left empty)
             self._fds[:], self._files, self._layouts = files.fds, files.files, files.layouts
-            self.buffer_bytes, self._arena, self._capacity = files.buffer_bytes, files.arena, files.buffer_bytes
+            self.buffer_bytes, self._arena, self._capacity = files.buffer_bytes, files.arena, files.capacity
             files.fds.clear()
             files.arena = None
         self._fills: list[_Fill | None] = [None] * num_buffers  # each buffer's read, from `start` to `release`
@@ -274,7 +275,7 @@ class StagedReads:
             self._files, self._layouts, self.buffer_bytes = files.files, files.layouts, files.buffer_bytes
             if files.arena is not None:
                 self._arena.release()
-                self._arena, self._capacity = files.arena, files.buffer_bytes
+                self._arena, self._capacity = files.arena, files.capacity
             files.fds.clear()  # taken: the Retarget's finalizer closes nothing
             files.arena = None
             _close_all(old)
@@ -394,7 +395,8 @@ class StagedReads:
             files.layouts = [_plan(layer, self._window_bytes) for layer in layers]
             files.buffer_bytes = max((layout.nbytes for layout in files.layouts), default=0)
             if capacity is None or files.buffer_bytes > capacity:
-                files.arena = HostArena([files.buffer_bytes] * self.num_buffers)
+                files.capacity = max(files.buffer_bytes, self._min_buffer_bytes)
+                files.arena = HostArena([files.capacity] * self.num_buffers)
                 if self._pin:
                     files.arena.bytes_view(0, files.arena.nbytes).zero_()  # touched pages page-lock ~10x faster
                     files.arena.pin()

@@ -160,14 +160,19 @@ class MappedFiles:
             for _, length, copy in copies:  # those not moved into the arena
                 libc.munmap(copy, length)
 
-    def release(self) -> None:
+    def release(self, forget: bool = False) -> None:
         """Map what is still a file's copy-on-write (`MAP_PRIVATE`, writable, no copy) at the same addresses, and
         close the files: a view that outlives the arena may be written, and the file never changes. Only once the
-        range is not page-locked (a page the device had locked is then not copied on a write)."""
+        range is not page-locked (a page the device had locked is then not copied on a write). With `forget`, zero
+        pages instead, for views that will not be read: no page of the files stays mapped (a deleted file is freed)."""
         if self._regions:
             libc = _libc()
             for region in self._regions:
-                if not _map(libc, self.base, region, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE):
+                if forget:
+                    where, flags = self.base + region.start, mmap.MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_FIXED
+                    if libc.mmap(where, region.length, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0) != where:
+                        logger.warning("Could not unmap %s: %s", region.file.path, os.strerror(ctypes.get_errno()))
+                elif not _map(libc, self.base, region, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE):
                     error = os.strerror(ctypes.get_errno())
                     logger.warning("Could not map %s copy-on-write: %s", region.file.path, error)
         self._regions, self.nbytes = [], 0

@@ -93,8 +93,8 @@ class OffloadState:
     file_arena: HostArena | None = None
     file_extents: dict[str, Any] = field(default_factory=dict)  # full name -> FileExtent or ExpertRows
     reads: list[Any] = field(default_factory=list)
-    # `reload_weights` reads `state_dict()` for names and destinations only, under the model's lock, and hands
-    # nothing out: the state-dict hooks then leave host storage as it is (`writable_host_storage`).
+    # While `reload_weights` reads `state_dict()` for names and destinations only, under the model's lock (it hands
+    # nothing out): the state-dict hooks then leave host storage as it is (`writable_host_storage`).
     listing: bool = False
 
     @property
@@ -125,16 +125,6 @@ class OffloadState:
         if self.engine is not None:
             self.engine.drain()
         self.arena.make_writable()
-
-    @contextmanager
-    def listing_destinations(self) -> Iterator[None]:
-        """Inside the block (under the model's lock), `state_dict()` lists names and host tensors for the caller's own
-        use and changes nothing (`listing`); the caller makes host storage private before it writes any."""
-        self.listing = True
-        try:
-            yield
-        finally:
-            self.listing = False
 
     def private_before_graphs(self) -> None:
         """[Note: mapped host storage] in host/arena.py. Before a forward (the gate's): a CUDA model that ran compiled

@@ -13,8 +13,9 @@ it that way: (1) validate the whole source first, so that nothing is written if 
 `engine.invalidate()`: every slot forgets its owner before the first write, so that an interrupt anywhere after leaves
 layers that load their values from host storage when they run (a miss), never a slot with stale bytes that claims a
 layer; (4) write in place, allocating and re-pointing nothing (tensor identities, the pool and captured CUDA graphs
-stay valid); (5) `engine.refill()` copies each ring's first layers again, also when writing failed. With `process`, a
-streamed layer is loaded into its slot, processed there and stored back (`engine.load`, `engine.store`).
+stay valid; the one exception, tensors read from the checkpoint's files, is switched to the new checkpoint's files at
+once: reload_files.py); (5) `engine.refill()` copies each ring's first layers again, also when writing failed. With
+`process`, a streamed layer is loaded into its slot, processed there and stored back (`engine.load`, `engine.store`).
 `load_state_dict` follows the same order per module (`WriteThrough`, lifecycle/state_dict.py), and `sync_from_device`
 stores each slot into the host storage of the layer that holds it.
 """
@@ -71,10 +72,13 @@ def reload_weights(
     """Write new weights into a dispatched model in place: same tensors, same buffer pool, no stale copies.
 
     Streamed parameters get their new values in their host storage, resident parameters and buffers in their device
-    tensors; then every slot of the pool is refilled from host storage, so the next forward never computes with the
-    old weights. Everything is validated before the first byte is written: names, coverage, shapes, dtypes, that each
-    value is a dense tensor holding values, and that tied tensors given twice agree. A checkpoint is read straight
-    into place, tensor by tensor, like `from_pretrained` reads it (no copy of the whole checkpoint in memory).
+    tensors; then every slot of the pool is refilled from host storage, so the next forward never computes with the old
+    weights. Where weights are read from the checkpoint's files at each use (a host budget below what streams), those
+    are read from the new checkpoint's files from then on instead: each must be stored there as the model holds it
+    (`ValueError` naming it otherwise), and a state dict cannot give them values. Everything is validated before the
+    first byte is written: names, coverage, shapes, dtypes, that each value is a dense tensor holding values, and that
+    tied tensors given twice agree. A checkpoint is read straight into place, tensor by tensor, like `from_pretrained`
+    reads it (no copy of the whole checkpoint in memory).
 
     Write weights this way, with `model.load_state_dict(...)` (which writes through to host storage), or through the
     parameters inside `hf_prefetch.weights_in_place(model)`, and not through the parameters outside it
@@ -157,11 +161,11 @@ def reload_weights(
     state = _dispatched(model, "reload_weights")
     compressed = [o.full_name for o in state.offloaded if o.layout is not None]
     if compressed:
+        instead = "" if state.reads_files else "Use model.load_state_dict(...), which encodes the new values, or "
         raise ValueError(
             f"reload_weights does not write compressed host storage ({compressed[0]} and {len(compressed) - 1} more "
-            "are kept compressed: PrefetchConfig(compress=True)). Use model.load_state_dict(...), which encodes the "
-            "new values, or hf_prefetch.remove_offload(model), write the weights, and dispatch again. Nothing was "
-            "written."
+            f"are kept compressed: PrefetchConfig(compress=True)). {instead or 'Call '}hf_prefetch.remove_offload("
+            "model), write the weights, and dispatch again. Nothing was written."
         )
     subclassed = list(dict.fromkeys(o.param_name for o in state.offloaded if o.inner is not None))
     if subclassed:
@@ -180,12 +184,16 @@ def reload_weights(
             "(without process), or give max_memory['cpu'] room for every streamed layer. Nothing was written."
         )
     started = time.perf_counter()
-    with state.listing_destinations():  # names and destinations only: nothing is handed out
+    try:  # names and destinations only (`OffloadState.listing`): nothing is handed out
+        state.listing = True
         check_writable(model)
         values = _values(model, source, strict)
+    finally:
+        state.listing = False
     with values:  # validated: from here on values are written
-        switch = _file_switch(state, values)  # the new files of the tensors read from files, opened and checked
+        switch = None
         try:
+            switch = _file_switch(state, values)  # the new files of the tensors read from files, opened and checked
             written = [name for name in values.names if name not in state.file_extents]
             layers = _layers(state.plan)
             names_of = _names_by_layer(written, layers)
@@ -336,8 +344,9 @@ def _file_switch(state: OffloadState, values: StateDictValues | CheckpointValues
     if isinstance(values, CheckpointValues):
         return FileSwitch(state, values.keymap, values.checkpoint)
     raise ValueError(
-        f"state_dict[{read[0]!r}] (and {len(read) - 1} more of its keys) is read from the checkpoint's files at each "
-        "use (max_memory['cpu'] holds less than what streams), and reload_weights does not write those files. Save "
+        f"state_dict[{read[0]!r}]{f' (and {len(read) - 1} more of its keys)' if len(read) > 1 else ''} is read from "
+        "the checkpoint's files at each use (max_memory['cpu'] holds less than what streams), and reload_weights does "
+        "not write those files. Save "
         "the new weights as a checkpoint (model.save_pretrained, or safetensors' save_file in the model's dtypes) and "
         "pass its folder, which is read from then on; or leave those keys out with strict=False. Nothing was written."
     )

@@ -62,6 +62,8 @@ class FileSwitch:
                 if any(layer.experts_from_files for layer in ring.streamed):
                     experts = next(readers)
                     units, specs = expert_units(ring, self.extents)
+                    if not experts.same_units(specs):
+                        raise RuntimeError(f"hf_prefetch: the host expert cache of {ring.path} has other layers now.")
                     self.readers.append((experts, experts.reads.retarget(units), specs))
             self.plan = with_read_speed(plan, self.extents)
         except BaseException:
@@ -73,30 +75,36 @@ class FileSwitch:
         host storage of the tensors read from files the new files' pages, the old ones unmapped. Call after
         `engine.drain()` and `engine.invalidate()`, and refill the slots after."""
         state = self.state
+        by_name = {o.full_name: o for o in state.offloaded}
+        # Everything new made first (nothing below raises once the readers switch): each host tensor's replacement.
+        new: dict[int, torch.Tensor] = {}
+        for index, (path, spec) in enumerate(self.mapped):
+            new[id(by_name[f"{path}.{spec.name}"].host)] = self.arena.view(index, spec.shape, spec.stride, spec.dtype)
+        for name in self.unmapped:  # [Note: experts read from files]: no host storage, read whole on a removal
+            host = by_name[name].host
+            new[id(host)] = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device="meta")
+        routed = {}
+        for ring in state.engine.rings:
+            for transfer in ring.layers:
+                for i, tensor in enumerate(transfer.routed):
+                    if id(tensor.host) in new:  # gathered from the host expert cache, not read: kept true anyway
+                        host = new[id(tensor.host)]
+                        routed[id(transfer), i] = replace(tensor, host=host, source=host)
         with deferred_interrupts():  # all of it or none of it
             for reader, files, specs in self.readers:
                 reader.switch(files) if specs is None else reader.switch(files, specs)
-            by_name = {o.full_name: o for o in state.offloaded}
-            new = {}
-            for index, (path, spec) in enumerate(self.mapped):
-                offloaded = by_name[f"{path}.{spec.name}"]
-                new[id(offloaded.host)] = offloaded.host = self.arena.view(index, spec.shape, spec.stride, spec.dtype)
-            for name in self.unmapped:  # [Note: experts read from files]: no host storage, read whole on a removal
-                host = by_name[name].host
-                meta = torch.empty_strided(host.shape, host.stride(), dtype=host.dtype, device="meta")
-                new[id(host)] = by_name[name].host = meta
+            for offloaded in state.offloaded:
+                offloaded.host = new.get(id(offloaded.host), offloaded.host)
             for ring in state.engine.rings:
                 for transfer in ring.layers:
                     transfer.host[:] = [new.get(id(host), host) for host in transfer.host]
-                    for i, routed in enumerate(transfer.routed):
-                        if id(routed.host) in new:  # gathered from the host expert cache, not read: kept true anyway
-                            host = new[id(routed.host)]
-                            transfer.routed[i] = replace(routed, host=host, source=host)
+                    for i, tensor in enumerate(transfer.routed):
+                        transfer.routed[i] = routed.get((id(transfer), i), tensor)
             old, state.file_arena = state.file_arena, self.arena
             state.file_extents, state.plan = self.extents, self.plan
             self.arena, self.readers = None, []
-        if old is not None:
-            old.release()
+            if old is not None:  # its pages are read no more (the journal's views of them are re-pointed on removal)
+                old.release(forget_files=True)
 
     def close(self) -> None:
         """Close what was opened and not committed (a no-op after `commit`)."""

@@ -338,9 +338,7 @@ def _read_from_files(options: list[_Option], host_bytes: int, stored: Stored) ->
     return []
 
 
-def _host_error(
-    budget, candidates, least: _Option, stored: Stored | None, options: list[_Option]
-) -> ValueError:
+def _host_error(budget, candidates, least: _Option, stored: Stored | None, options: list[_Option]) -> ValueError:
     size = format_bytes
     layer = max(  # the host arena's bytes of a layer's streamable parameters
         HostArena.bytes_for([c.spec.nbytes for c in layer.params if id(c.param) in layer.streamable()])

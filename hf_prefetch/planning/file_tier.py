@@ -37,6 +37,7 @@ __all__ = [
     "read_overflow",
     "staging_buffers",
     "staging_bytes",
+    "staging_buffer_bytes",
     "expert_cache_bytes",
     "fewest_pinned",
 ]
@@ -60,9 +61,7 @@ def file_eligible(layer: LayerPlan, stored: Stored) -> bool:
     if not layer.streamed or layer.routed:
         return False
     return all(  # a compressed one is read plain: its encoded bytes are made at load, not in the files
-        spec.placement in (Placement.STREAMED, READ)
-        and not spec.inner
-        and stored.as_is(f"{layer.path}.{spec.name}")
+        spec.placement in (Placement.STREAMED, READ) and not spec.inner and stored.as_is(f"{layer.path}.{spec.name}")
         for spec in layer.offloaded
     )
 
@@ -91,15 +90,15 @@ def _read_size(nbytes: int, extents: int) -> int:
     return round_up(nbytes + 2 * DIRECT_IO_ALIGN_BYTES * extents, DIRECT_IO_ALIGN_BYTES)
 
 
+def staging_buffer_bytes(ring: RingPlan) -> int:
+    """The bytes of each of `ring`'s staging buffers: its largest layer read from files as direct I/O reads it."""
+    layers = [layer for layer in ring.streamed if layer.read_from_files]
+    return max((_read_size(layer.host_bytes, len(layer.offloaded)) for layer in layers), default=0)
+
+
 def staging_bytes(rings: tuple[RingPlan, ...]) -> int:
-    """Pinned host bytes of the staging buffers of `rings`, each as large as its ring's largest layer read from files
-    as direct I/O reads it."""
-    total = 0
-    for ring in rings:
-        layers = [layer for layer in ring.streamed if layer.read_from_files]
-        largest = max((_read_size(layer.host_bytes, len(layer.offloaded)) for layer in layers), default=0)
-        total += staging_buffers(ring) * HostArena.bytes_for([largest])
-    return total
+    """Pinned host bytes of the staging buffers of `rings` (`staging_buffer_bytes` each)."""
+    return sum(staging_buffers(ring) * HostArena.bytes_for([staging_buffer_bytes(ring)]) for ring in rings)
 
 
 def expert_cache_bytes(rings: tuple[RingPlan, ...]) -> int:

@@ -147,15 +147,18 @@ class FileExperts:
 
     def switch(self, files: Retarget, layers: list[FileExpertLayer]) -> None:
         """Read the experts from `files` (`StagedReads.retarget`, e.g. a new checkpoint's), laid out as `layers` says,
-        from now on: the cache is emptied (every read ended). Call only while no copy out of a buffer is in flight."""
-        if [(spec.first, spec.num_experts) for spec in layers] != [(s.first, s.num_experts) for s in self.layers]:
-            raise ValueError("FileExperts.switch: the new layers' experts are not those of the cache's layers.")
+        from now on (the same layers and experts: `same_units`): the cache is emptied (every read ended). Call only
+        while no copy out of a buffer is in flight."""
         with deferred_interrupts():
             self.reads.switch(files)
             self.layers = layers
             self._buffer_of.clear()
             self._order = [OrderedDict() for _ in layers]
             self._free = deque(range(self.reads.num_buffers))
+
+    def same_units(self, layers: list[FileExpertLayer]) -> bool:
+        """Whether `layers` number the same layers' experts as the cache does (what `switch` needs)."""
+        return [(spec.first, spec.num_experts) for spec in layers] == [(s.first, s.num_experts) for s in self.layers]
 
     def _start(self, unit: int, keep: set[int]) -> None:
         # Read `unit` into a free buffer, or else into the one of the least recently picked unit not in `keep`.
@@ -204,7 +207,8 @@ def attach_file_experts(
     if not chosen:
         return []
     units, specs = expert_units(ring, rows)
-    experts = FileExperts(StagedReads(units, ring.host_cached_experts, pin=device.type == "cuda"), specs)
+    pin, room = device.type == "cuda", ring.expert_buffer_bytes  # as the plan counted: a reload's files fit it
+    experts = FileExperts(StagedReads(units, ring.host_cached_experts, pin=pin, min_buffer_bytes=room), specs)
     for index, transfer in enumerate(chosen):
         transfer.files, transfer.files_layer = experts, index
     return [experts]

@@ -29,7 +29,7 @@ import torch
 
 from ..host.file_reads import FileExtent, Retarget, StagedReads
 from ..interrupts import deferred_interrupts
-from ..planning.file_tier import staging_buffers
+from ..planning.file_tier import staging_buffer_bytes, staging_buffers
 from ..planning.placements import RingPlan
 from .ring import LayerTransfer
 
@@ -129,7 +129,14 @@ def attach_reads(
     read = [transfer for transfer, layer in zip(transfers, ring.streamed, strict=True) if layer.read_from_files]
     if not read:
         return []
-    ahead = ReadAhead(StagedReads(read_extents(ring, extents), staging_buffers(ring), pin=device.type == "cuda"))
+    # Buffers as large as the plan counted: a reload's new files (`retarget`) fit them.
+    reads = StagedReads(
+        read_extents(ring, extents),
+        staging_buffers(ring),
+        pin=device.type == "cuda",
+        min_buffer_bytes=staging_buffer_bytes(ring),
+    )
+    ahead = ReadAhead(reads)
     for index, transfer in enumerate(read):
         transfer.reads, transfer.read_index, transfer.span = ahead, index, None
     return [ahead]

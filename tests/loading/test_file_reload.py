@@ -70,7 +70,9 @@ def test_layers_read_from_files_are_read_from_the_new_checkpoint_and_the_old_fil
     assert state.reads_files and torch.equal(logits(model), logits(reference))
     hf_prefetch.reload_weights(model, second)
     assert all(path.parent == second for path in _read_paths(model))
-    shutil.rmtree(copied)  # nothing of the old checkpoint is read any more
+    shutil.rmtree(copied)  # nothing of the old checkpoint is read any more, nor mapped
+    with open("/proc/self/maps") as maps:
+        assert str(copied) not in maps.read()
     assert torch.equal(logits(model), logits(other))
     assert_same_generation(generate_with_logits(model, prompt()), generate_with_logits(other, prompt()))
     assert hf_prefetch.stats(model).misses == 0 and "read from files" in str(state.plan)
@@ -115,6 +117,10 @@ def test_a_state_dict_for_tensors_read_from_files_is_refused_and_one_for_the_oth
     read = next(iter(state.file_extents))
     with pytest.raises(ValueError, match=rf"state_dict\['{read}'\] .* read from the checkpoint's files.* Nothing"):
         hf_prefetch.reload_weights(model, other.state_dict())
+    with pytest.raises(ValueError, match=r"has shape \[3\]"):  # refused while it lists the destinations
+        hf_prefetch.reload_weights(model, {"model.norm.weight": torch.ones(3)}, strict=False)
+    with pytest.raises(RuntimeError, match=r"read from the checkpoint's files at each use .* are refused"):
+        model.state_dict()  # still refused after either
     assert torch.equal(logits(model), want)
     written = {k: v for k, v in other.state_dict().items() if k not in state.file_extents}
     hf_prefetch.reload_weights(model, written, strict=False)
@@ -209,8 +215,16 @@ def test_experts_read_from_files_are_read_from_the_new_checkpoint_with_the_cache
     hf_prefetch.reset_stats(model)
     assert torch.equal(_logits(model), _logits(other))
     assert hf_prefetch.stats(model).host_cache_misses > 0
+    # A checkpoint of the model's own tensors (experts fused, stored whole): read by expert from there, in the
+    # buffers the cache has (the plan's room fits any layout of the same tensors).
+    fused = tmp_path_factory.mktemp(f"{family}_fused")
+    shutil.copy(first / "config.json", fused / "config.json")
+    save_file({k: v.contiguous() for k, v in reference.state_dict().items()}, fused / "model.safetensors")
+    buffers = experts.reads._arena
+    hf_prefetch.reload_weights(model, fused)
+    assert experts.reads._arena is buffers and torch.equal(_logits(model), _logits(reference))
     hf_prefetch.remove_offload(model)
-    for (name, got), want in zip(model.state_dict().items(), other.state_dict().values(), strict=True):
+    for (name, got), want in zip(model.state_dict().items(), reference.state_dict().values(), strict=True):
         assert torch.equal(got, want), name
 
 
