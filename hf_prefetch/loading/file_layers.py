@@ -26,6 +26,7 @@ from .keymap import KeyMap
 
 __all__ = [
     "stored_layout",
+    "extent_of",
     "expert_rows",
     "dense_as_is",
     "read_layout",
@@ -73,7 +74,7 @@ def expert_rows(keymap: KeyMap, name: str) -> ExpertRows | None:
         return None
     if len(sources) == 1 and sources[0][1] is None:
         entry = sources[0][0]
-        return ExpertRows.whole(_extent(entry), num_experts) if entry.nbytes == row_bytes * num_experts else None
+        return ExpertRows.whole(extent_of(entry), num_experts) if entry.nbytes == row_bytes * num_experts else None
     inner = row_bytes // tensor.shape[1]  # bytes of one index of the row's first dimension
     pieces: list[list[tuple[int, FileExtent]]] = [[] for _ in range(num_experts)]
     for entry, region in sources:
@@ -83,7 +84,7 @@ def expert_rows(keymap: KeyMap, name: str) -> ExpertRows | None:
         first, length = (0, tensor.shape[1]) if first is None else (first, length)
         if entry.nbytes != length * inner:
             return None
-        pieces[index].append((first * inner, _extent(entry)))
+        pieces[index].append((first * inner, extent_of(entry)))
     rows = []
     for row in pieces:
         row.sort(key=lambda piece: piece[0])
@@ -140,7 +141,7 @@ def file_storage(
     without any) and where each lies in its file, by full name."""
     extents = {}
     for path, spec in layout:
-        extents[f"{path}.{spec.name}"] = _extent(keymap.streamed[f"{path}.{spec.name}"][0][0])
+        extents[f"{path}.{spec.name}"] = extent_of(keymap.streamed[f"{path}.{spec.name}"][0][0])
     return _mapped(layout, extents, checkpoint.fd), extents
 
 
@@ -161,7 +162,7 @@ def write_layers(
         save_file({name: model.get_parameter(name).detach().cpu().contiguous() for name in names}, partial)
         os.replace(partial, target)  # a new file: a model that maps the old one keeps its pages
         with Checkpoint.open(target) as written:  # its header names where each tensor lies
-            extents.update({key: _extent(entry) for key, entry in written.entries.items()})
+            extents.update({key: extent_of(entry) for key, entry in written.entries.items()})
     fds: dict[Path, int] = {}
 
     def fd(path: Path) -> int:
@@ -184,7 +185,8 @@ def _mapped(layout, extents: dict[str, FileExtent], fd) -> HostArena | None:
     return HostArena([spec.nbytes for _, spec in layout], files=pieces)
 
 
-def _extent(entry: TensorEntry) -> FileExtent:
+def extent_of(entry: TensorEntry) -> FileExtent:
+    """Where checkpoint tensor `entry` lies in its file."""
     return FileExtent(entry.path, entry.offset, entry.nbytes)
 
 

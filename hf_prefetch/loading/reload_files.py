@@ -10,6 +10,7 @@ new checkpoint's files are then what the model reads: they must stay as they are
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -24,7 +25,7 @@ from ..planning.file_tier import READ, READ_ROUTED
 from ..runtime.file_experts import FileExpertLayer, expert_units
 from ..runtime.read_ahead import read_extents
 from .checkpoint import Checkpoint
-from .file_layers import expert_rows, file_storage, read_layout, stored_layout, with_read_speed
+from .file_layers import expert_rows, extent_of, file_storage, read_layout, stored_layout, with_read_speed
 from .keymap import KeyMap
 
 __all__ = ["FileSwitch"]
@@ -43,12 +44,12 @@ class FileSwitch:
         self.arena: HostArena | None = None
         self.readers: list[tuple[Any, Retarget, list[FileExpertLayer] | None]] = []
         hosts = {o.full_name: o.host for o in state.offloaded}
-        self.extents = _stored(state.file_extents, keymap, checkpoint)
+        as_is = stored_layout(keymap).as_is
+        self.extents = _stored(state.file_extents, keymap, as_is, checkpoint)
         plan = state.plan
         # The tensors with host storage (the files' mapped pages), in the order the arena holds them: every layer's
         # read from files, and routed experts written whole by dispatch_model(offload_folder=...) that the new
         # checkpoint stores whole too (stored by expert, they keep no host storage: read as picked, as a load's).
-        as_is = stored_layout(keymap).as_is
         routed = [(p, s) for p, s in read_layout(plan, READ_ROUTED) if not hosts[f"{p}.{s.name}"].is_meta]
         self.mapped = read_layout(plan, READ) + [(p, s) for p, s in routed if as_is(f"{p}.{s.name}")]
         self.unmapped = [f"{p}.{s.name}" for p, s in routed if not as_is(f"{p}.{s.name}")]
@@ -118,11 +119,10 @@ class FileSwitch:
 
 
 def _stored(
-    extents: dict[str, FileExtent | ExpertRows], keymap: KeyMap, checkpoint: Checkpoint
+    extents: dict[str, FileExtent | ExpertRows], keymap: KeyMap, as_is: Callable[[str], bool], checkpoint: Checkpoint
 ) -> dict[str, FileExtent | ExpertRows]:
-    # Where the new checkpoint stores each tensor read from files, as the model holds it: a layer's whole, routed
-    # experts by expert (or whole); ValueError otherwise.
-    as_is = stored_layout(keymap).as_is
+    # Where the new checkpoint stores each tensor read from files, as the model holds it (`as_is`: one tensor stored
+    # so): a layer's whole, routed experts by expert (or whole); ValueError otherwise.
     found: dict[str, FileExtent | ExpertRows] = {}
     for name, where in extents.items():
         if isinstance(where, ExpertRows):
@@ -131,8 +131,7 @@ def _stored(
                 raise ValueError(_not_as_held(name, keymap, checkpoint, "each expert's rows"))
             found[name] = rows
         elif as_is(name):
-            entry = keymap.streamed[name][0][0]
-            found[name] = FileExtent(entry.path, entry.offset, entry.nbytes)
+            found[name] = extent_of(keymap.streamed[name][0][0])
         else:
             raise ValueError(_not_as_held(name, keymap, checkpoint, "one tensor"))
     return found
