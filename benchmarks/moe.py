@@ -59,10 +59,10 @@ def build(layers: int, config_class=Qwen3MoeConfig, model_class=Qwen3MoeForCausa
     return model.eval()
 
 
-def generate(model, ids, n: int) -> torch.Tensor:
+def generate(model, ids, n: int, **kwargs) -> torch.Tensor:
     with torch.no_grad():
         return model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n, do_sample=False, **kwargs
         )
 
 

@@ -8,9 +8,12 @@ configs and stay dispatched, so that the systems alternate inside each routing r
 - "cache N": `PrefetchConfig(expert_cache=top_k)`: a cache the user sets (the planner streams more to make room).
 Every experts module picks by a regime of tests/routing.py (random, sticky, skewed, drifting, and "mixed": each layer
 its own), a function of the hidden states chosen on the device, so one compile serves every regime. Decoding is greedy;
-a row's s/token is `(t(long) - t(short)) / (long - short)` of two generates, so a policy's first window
-(`expert_policy.WINDOW` tokens after the prefill) is outside it; its bytes per token are the engine's counters over the
-same tokens. bound = max(all-on-GPU s/token, router-only bytes per token (all it copies) / pinned H2D peak), the peak
+a row's s/token is the median time of one generate's tokens from `--short` to `--long` (eager; compiled:
+`(t(long) - t(short)) / (long - short)` of two generates), so a policy's first window (`expert_policy.WINDOW` tokens
+after the prefill) is outside it, and the median of its pairs; "time / router only" is the median of the pairs' ratios
+to router only; its bytes per token are the engine's counters over the same tokens.
+`--profile` ends with torch.profiler's host time per token of each system on sticky routing, by operation.
+bound = max(all-on-GPU s/token, router-only bytes per token (all it copies) / pinned H2D peak), the peak
 measured before each row and the fastest used. With `--compiled`, transformers' compile of static-cache decoding
 (inductor "reduce-overhead": CUDA graphs); the bytes of a replayed token are not counted by Python, so they are counted
 on one eager generate of the same dispatch.
@@ -28,7 +31,14 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import GptOssConfig, GptOssForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM, StaticCache
+from transformers import (
+    GptOssConfig,
+    GptOssForCausalLM,
+    LogitsProcessorList,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+    StaticCache,
+)
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
@@ -69,32 +79,65 @@ REGIMES = {
 PROMPT_TOKENS = 16
 
 
+class _TokenClock:
+    """A logits processor (called once per generated token, after its forward): the time each token's forward ended,
+    and the engine's copied bytes at token `short` and at the last one."""
+
+    def __init__(self, model, short: int, long: int) -> None:
+        self.model, self.short, self.long = model, short, long
+        self.times: list[float] = []
+        self.bytes: list[int] = []
+
+    def __call__(self, input_ids, scores):
+        torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+        if len(self.times) - 1 in (self.short, self.long - 1) and hf_prefetch.get_state(self.model) is not None:
+            self.bytes.append(hf_prefetch.stats(self.model).copied_bytes)
+        return scores
+
+
 def measure(model, ids, short: int, long: int, compiled: bool, cache) -> tuple[float, float | None, torch.Tensor]:
-    """(s/token, bytes/token or None where replays are not counted, tokens of the long run) over the tokens between
-    `short` and `long`: two generates, whose difference leaves out the prefill and the policy's first window."""
-    dispatched = hf_prefetch.get_state(model) is not None
-    counted = []
-    times, out = [], None
-    for n in (short, long):
-        if dispatched:
-            hf_prefetch.reset_stats(model)
-        if compiled:
+    """(s/token, bytes/token or None where replays are not counted, tokens of the run) over the tokens from `short`
+    to `long`, past the prefill and the policy's first window. Eager: one generate, the median of its tokens' times
+    (a host-bound decode stalls now and then; a median of many tokens does not follow one stall) and the bytes
+    copied over the same tokens. Compiled: the difference of two generates (replays run no Python to time them)."""
+    if compiled:
+        times = []
+        for n in (short, long):
             seconds, out = static_decode(model, ids, cache, n, True)
-        else:
-            torch.cuda.synchronize()
-            begin = time.perf_counter()
-            out = generate(model, ids, n)
-            torch.cuda.synchronize()
-            seconds = time.perf_counter() - begin
-        times.append(seconds)
-        counted.append(hf_prefetch.stats(model).copied_bytes if dispatched else 0)
-    per_token = None if compiled else (counted[1] - counted[0]) / (long - short)
-    return (times[1] - times[0]) / (long - short), per_token, out
+            times.append(seconds)
+        return (times[1] - times[0]) / (long - short), None, out
+    clock = _TokenClock(model, short, long)
+    out = generate(model, ids, long, logits_processor=LogitsProcessorList([clock]))
+    steps = [b - a for a, b in zip(clock.times[short:-1], clock.times[short + 1 :], strict=True)]
+    per_token = (clock.bytes[1] - clock.bytes[0]) / len(steps) if len(clock.bytes) == 2 else 0.0
+    return statistics.median(steps), per_token, out
 
 
 def eager_bytes_per_token(model, ids, short: int, long: int) -> float:
     _, per_token, _ = measure(model, ids, short, long, False, None)
     return per_token
+
+
+def profile_host(models: dict, controls: dict, ids: torch.Tensor, tokens: int, top: int = 12) -> None:
+    """Each system's host time per decoded token on sticky routing, by operation (torch.profiler's self CPU time of
+    one eager generate, the prefill included), the busiest `top` operations."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, model in models.items():
+        controls[name].set("sticky")
+        generate(model, ids, tokens)  # the policy's windows settle on sticky routing first
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            generate(model, ids, tokens)
+            torch.cuda.synchronize()
+        events = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+        total = sum(e.self_cpu_time_total for e in events) / 1e3 / tokens
+        print(f"host time of {name} on sticky routing: {total:.2f} ms per token (profiled), busiest operations:")
+        for e in events[:top]:
+            print(
+                f"  {e.key[:60]:60} {e.self_cpu_time_total / 1e3 / tokens:8.3f} ms/token  "
+                f"{e.count / tokens:6.1f} calls/token"
+            )
 
 
 def main() -> None:
@@ -106,6 +149,7 @@ def main() -> None:
     parser.add_argument("--short", type=int, default=16)
     parser.add_argument("--long", type=int, default=48)
     parser.add_argument("--compiled", action="store_true")
+    parser.add_argument("--profile", action="store_true")
     parser.add_argument("--regimes", nargs="*", default=list(REGIMES), choices=list(REGIMES))
     args = parser.parse_args()
     layers = args.layers or SHAPES[args.shape][2]["num_hidden_layers"]
@@ -166,9 +210,11 @@ def main() -> None:
             moved = {name: eager_bytes_per_token(model, ids, args.short, args.long) for name, model in models.items()}
         link = max(links)
         bound = max(resident, moved["router only"] / (link * 1e9))
-        base = statistics.median(samples["router only"])
         for name in models:
             seconds = statistics.median(samples[name])
+            # The median of the pairs' ratios: a host-bound eager decode drifts between pairs more than it differs
+            # between systems within one.
+            ratios = [t / r for t, r in zip(samples[name], samples["router only"], strict=True)]
             layers_stats = hf_prefetch.stats(models[name]).layers
             policy = ", ".join(sorted({layer.recent_decision for layer in layers_stats}))
             row = dict(
@@ -177,7 +223,8 @@ def main() -> None:
                 gb_per_token=moved[name] / 1e9,
                 bytes_vs_router=moved[name] / moved["router only"],
                 s_per_token=seconds,
-                vs_router=seconds / base,
+                vs_router=statistics.median(ratios),
+                pair_ratios=ratios,
                 x_bound=seconds / bound,
                 tokens_identical=tokens[name],
                 recent=policy,
@@ -190,6 +237,8 @@ def main() -> None:
                 f"tokens {'identical' if tokens[name] else 'DIFFER'}; recent {policy}; resident {resident:.4f}",
                 flush=True,
             )
+    if args.profile:
+        profile_host({"all on GPU": reference, **models}, {"all on GPU": control, **controls}, ids, args.long)
     print(f"link {max(links):.1f} GB/s (fastest of {len(links)})")
     print("| regime | system | GB/token | bytes / router only | s/token | time / router only | x bound | tokens |")
     print("|---|---|---:|---:|---:|---:|---:|---|")

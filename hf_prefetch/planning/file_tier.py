@@ -70,9 +70,8 @@ def experts_eligible(layer: LayerPlan, stored: Stored) -> bool:
     """Whether `layer`'s routed experts can stay in the checkpoint's files (READ_ROUTED; see the module docstring)."""
     if not layer.routed or layer.owns_slot or len({spec.routing.module for spec in layer.routed}) != 1:
         return False
-    return all(  # packed formats (MXFP4 blocks, integer parts) stay pinned: their kernels may read every row
-        spec.dtype.is_floating_point
-        and spec.compressed is None
+    return all(  # any dtype: a routed tensor's module reads only the picked rows ([Note: routed experts])
+        spec.compressed is None
         and not spec.inner
         and stored.row_pieces(f"{layer.path}.{spec.name}") > 0
         for spec in layer.routed

@@ -18,6 +18,7 @@ import hf_prefetch
 from hf_prefetch.host import diskio, file_reads
 from hf_prefetch.host.expert_rows import ExpertRows
 from hf_prefetch.host.file_reads import FileExtent, StagedReads
+from hf_prefetch.planning.placements import INNER_SEP
 from hf_prefetch.planning.selection import make_plan
 from hf_prefetch.runtime.file_experts import FileExpertLayer, FileExperts
 from hf_prefetch.runtime.ring import LayerCounters
@@ -300,15 +301,21 @@ def test_on_cuda_experts_read_from_files_decode_bitwise_and_cuda_graphs_are_refu
         torch._dynamo.reset()
 
 
-def test_packed_experts_are_never_read_from_files_by_picks():
-    # MXFP4 blocks and other integer parts: their kernels may read every expert's rows, so none is read by picks.
+def test_routed_tensors_of_any_dtype_are_read_by_picks_but_parts_and_unstored_rows_are_not():
+    # The experts' forward reads only the picked rows of a routed tensor, whatever it holds (MXFP4 blocks are uint8):
+    # what keeps a layer's experts pinned is a tensor stored in parts, or rows the files do not store as the model
+    # holds them.
     from hf_prefetch.planning.file_tier import Stored, experts_eligible
     from hf_prefetch.planning.placements import LayerPlan, ParamSpec, Placement, Routing
 
     routing = Routing("mlp.experts", 4, 2, "top_k_index")
-    stored = Stored(lambda name: True, lambda name: 1)
-    for dtype, eligible in ((torch.bfloat16, True), (torch.uint8, False)):
-        spec = ParamSpec(
-            "mlp.experts.w", (4, 8, 8), (64, 8, 1), dtype, 256 * dtype.itemsize, Placement.ROUTED, routing
+
+    def eligible(dtype: torch.dtype, name: str = "mlp.experts.w", pieces: int = 1) -> bool:
+        spec = ParamSpec(name, (4, 8, 8), (64, 8, 1), dtype, 256 * dtype.itemsize, Placement.ROUTED, routing)
+        return experts_eligible(
+            LayerPlan("model.layers.0", 0, (spec,), 0, 0, 1), Stored(lambda n: True, lambda n: pieces)
         )
-        assert experts_eligible(LayerPlan("model.layers.0", 0, (spec,), 0, 0, 1), stored) is eligible
+
+    assert eligible(torch.bfloat16) and eligible(torch.uint8) and eligible(torch.float8_e4m3fn)
+    assert not eligible(torch.bfloat16, pieces=0)
+    assert not eligible(torch.int8, name=f"mlp.experts.w{INNER_SEP}qdata")

@@ -23,9 +23,9 @@ from transformers import (
 )
 
 import hf_prefetch
+from hf_prefetch.host import diskio
 from hf_prefetch.lifecycle import attach
 from hf_prefetch.loading import filling, loader
-from hf_prefetch.host import diskio
 from hf_prefetch.loading import reader as reader_module
 from hf_prefetch.loading.checkpoint import Checkpoint
 from tests.models import ATTENTION, logits, prompt
