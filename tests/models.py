@@ -3,12 +3,15 @@ run them and compare what they compute."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 # The tiny models' attention sizes and vocabulary (ATTENTION), and all their sizes but the layer count (_TINY).
 ATTENTION = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
 _TINY = dict(ATTENTION, intermediate_size=128)
+# The marks of a parametrized case that needs CUDA: `pytest.param("cuda", marks=CUDA)`.
+CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 def tiny_llama(

@@ -11,7 +11,8 @@ from them while the next layer's read fills the spare one.
 
 A layer's routed experts can stay in their files (READ_ROUTED) when the layer takes turns in a slot, its routed tensors
 belong to one experts module, and each expert's rows of each are stored as the model holds them, in one or more
-pieces (`Stored.row_pieces`: a fused tensor stored whole, or experts stored one by one). Its other offloaded
+pieces (`Stored.row_pieces`: a fused tensor stored whole, or experts stored one by one), whatever their dtype (MXFP4
+blocks and scales too: the experts' forward reads only the picked rows). Its other offloaded
 parameters stay pinned. The ring's host expert cache holds at least one token's picks of any such layer; what the host
 budget leaves once everything else is pinned goes to it, one buffer per expert.
 """

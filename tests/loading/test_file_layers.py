@@ -19,10 +19,9 @@ import hf_prefetch
 from hf_prefetch.host import diskio, file_reads
 from hf_prefetch.planning.file_tier import staging_bytes
 from hf_prefetch.planning.selection import make_plan
-from tests.models import ATTENTION, assert_same_generation, generate_with_logits, logits, prompt
+from tests.models import ATTENTION, CUDA, assert_same_generation, generate_with_logits, logits, prompt
 
 RESERVE = 2**20
-CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
 @pytest.fixture(scope="module")

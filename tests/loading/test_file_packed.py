@@ -14,11 +14,10 @@ import hf_prefetch
 from hf_prefetch import PrefetchConfig
 from hf_prefetch.formats import mxfp4
 from hf_prefetch.planning.placements import Placement
-from tests.models import assert_same_generation, generate_with_logits
+from tests.models import CUDA, assert_same_generation, generate_with_logits
 from tests.moe_models import VOCAB, _build, mxfp4_checkpoint
 
 RESERVE = 2**20
-CUDA = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 ROUTED = PrefetchConfig(offload_params=["experts"])  # routed experts, the rest of each layer resident
 WHOLE = PrefetchConfig(prefetch_step=1, routed_experts=False)  # expert tensors streamed whole: read in full
 
@@ -26,22 +25,20 @@ WHOLE = PrefetchConfig(prefetch_step=1, routed_experts=False)  # expert tensors 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory):
     # A gpt-oss checkpoint with experts large enough that reading them from files pins less than pinning them (the
-    # staging buffers align each tensor to the direct-I/O block), and a budget that pins half of what streams.
+    # staging buffers align each tensor to the direct-I/O block), and budgets that pin half of what streams: with the
+    # experts streamed whole, and routed.
     config = GptOssConfig(
         hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB, num_hidden_layers=8,
         intermediate_size=256, num_local_experts=8, num_experts_per_tok=2, head_dim=16, sliding_window=8,
     )  # fmt: skip
     folder = mxfp4_checkpoint(tmp_path_factory.mktemp("mxfp4"), model=_build(GptOssForCausalLM, config, 0))
     every = hf_prefetch.plan(folder, PrefetchConfig(group_size=1, prefetch_step=1, routed_experts=False), device="cpu")
-    routed = hf_prefetch.plan(folder, ROUTED, device="cpu")
-    return (
-        folder,
-        {0: every.device_bytes + RESERVE + 4096, "cpu": every.host_bytes // 2},
-        {
-            0: routed.device_bytes + RESERVE + 4096,
-            "cpu": routed.host_bytes // 2,
-        },
-    )
+    return folder, _half_host(every), _half_host(hf_prefetch.plan(folder, ROUTED, device="cpu"))
+
+
+def _half_host(plan) -> dict:
+    # A budget with the device memory `plan` needs and half the host memory it pins.
+    return {0: plan.device_bytes + RESERVE + 4096, "cpu": plan.host_bytes // 2}
 
 
 def _ids() -> torch.Tensor:
