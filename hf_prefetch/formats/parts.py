@@ -12,7 +12,21 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from ..interrupts import deferred_interrupts
 from . import bnb
 
-__all__ = ["get_part", "set_part", "assign", "stored_parts", "with_inner", "as_parameter", "placeholder_of"]
+__all__ = [
+    "is_dtensor",
+    "get_part",
+    "set_part",
+    "assign",
+    "stored_parts",
+    "with_inner",
+    "as_parameter",
+    "placeholder_of",
+]
+
+
+def is_dtensor(tensor: Any) -> bool:
+    """Whether `tensor` is a torch.distributed DTensor (a tensor-parallel shard); torch.distributed is not imported."""
+    return any(c.__name__ == "DTensor" and c.__module__.startswith("torch.distributed") for c in type(tensor).__mro__)
 
 
 def get_part(param: torch.Tensor, name: str) -> torch.Tensor:
@@ -40,7 +54,9 @@ def stored_parts(param: torch.Tensor, module: nn.Module | None = None) -> list[t
     subclass that holds anything else (a nested subclass, state outside its inner tensors)."""
     if is_traceable_wrapper_subclass(param):
         names, _ = param.__tensor_flatten__()
-        inner = [(name, getattr(param, name)) for name in names]
+        values = [(name, getattr(param, name)) for name in names]
+        # A DTensor also flattens its device mesh, an object the rebuilt tensor keeps (`with_inner`)
+        inner = [(name, value) for name, value in values if isinstance(value, torch.Tensor)]
         if not inner or any(type(tensor) is not torch.Tensor for _, tensor in inner):
             return None
         return inner
@@ -49,7 +65,8 @@ def stored_parts(param: torch.Tensor, module: nn.Module | None = None) -> list[t
 
 def with_inner(param: torch.Tensor, inner: dict[str, torch.Tensor]) -> torch.Tensor:
     """A tensor subclass like `param` made of the tensors `inner` (by attribute): its device follows them."""
-    _, context = param.__tensor_flatten__()
+    names, context = param.__tensor_flatten__()
+    inner = {name: inner[name] if name in inner else getattr(param, name) for name in names}
     return type(param).__tensor_unflatten__(inner, context, param.size(), param.stride())
 
 

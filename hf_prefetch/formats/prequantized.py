@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from . import bnb
+from .parts import is_dtensor
 
 __all__ = ["prepare", "checkpoint_parts", "quant_method"]
 
@@ -47,11 +48,12 @@ def prepare(model: nn.Module, checkpoint: Any, method: str) -> None:
 def checkpoint_parts(model: nn.Module) -> dict[str, tuple[str, torch.Tensor] | None]:
     """Checkpoint key -> (the name of the parameter part it fills, `<param>:<part>`, and that part's tensor), for
     `model`'s parameters stored as several tensors; None for a key that fills nothing (the entries a parameter's
-    settings were read from). A parameter two modules share (tied embeddings) has its parts under both names."""
+    settings were read from). A parameter two modules share (tied embeddings) has its parts under both names. A
+    tensor-parallel shard (DTensor) is stored whole, under its own name."""
     found = bnb.checkpoint_parts(model)
     for path, module in model.named_modules(remove_duplicate=False):
         for attr, param in module.named_parameters(recurse=False):
-            if not is_traceable_wrapper_subclass(param):
+            if not is_traceable_wrapper_subclass(param) or is_dtensor(param):  # a DTensor: loading/sharded.py
                 continue
             name = f"{path}.{attr}" if path else attr
             owner = f"{path}." if path else ""

@@ -15,7 +15,7 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..config import warn_at_caller
-from ..formats.parts import get_part
+from ..formats.parts import get_part, with_inner
 from ..formats.prequantized import quant_method
 from ..host.arena import HostArena
 from ..host.diskio import cached_fraction
@@ -273,6 +273,5 @@ def install(model: nn.Module, keymap: KeyMap, dests: dict[str, torch.Tensor], jo
             journal.swap(param, value, f"{name} loaded")
     for param_name, inner in subclass_parts.items():
         param = model.get_parameter(param_name)
-        _, context = param.__tensor_flatten__()
-        rebuilt = type(param).__tensor_unflatten__(inner, context, param.size(), param.stride())
+        rebuilt = with_inner(param, inner)
         journal.swap(param, nn.Parameter(rebuilt, requires_grad=param.requires_grad), f"{param_name} loaded")

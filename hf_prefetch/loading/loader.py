@@ -32,6 +32,7 @@ from ..planning.file_tier import READ_ROUTED
 from ..planning.links import resolve_links
 from ..planning.memory import MaxMemory, device_argument, parse_max_memory
 from ..planning.pipeline import home_of
+from . import sharded
 from .checkpoint import Checkpoint
 from .file_layers import expert_storage, file_storage, read_layout, stored_layout, with_read_speed
 from .filling import (
@@ -76,6 +77,8 @@ def from_pretrained(
     subfolder: str | None = None,
     attn_implementation: str | dict[str, str] | None = None,
     trust_remote_code: bool = False,
+    distributed_config: Any = None,
+    device_mesh: Any = None,
     **unknown: Any,
 ) -> nn.Module:
     """Load a transformers checkpoint straight into a dispatched model, without a full copy in host memory.
@@ -119,6 +122,10 @@ def from_pretrained(
             set on the model's config as transformers' `from_pretrained(..., attn_implementation=...)` does.
         trust_remote_code (`bool`): Only `False`: the model is built from transformers' own classes, and no code from
             the checkpoint runs.
+        distributed_config, device_mesh: Tensor parallelism as in transformers (`DistributedConfig(tp_size=N)`,
+            on each of N ranks under `torchrun`): each rank reads only its slices of the checkpoint and streams only
+            its shards; `device` defaults to its GPU (`LOCAL_RANK`), `max_memory` is its own budget. See
+            docs/design.md, "Tensor-parallel ranks".
 
     Returns:
         The model, dispatched and in eval mode.
@@ -146,6 +153,8 @@ def from_pretrained(
     refuse_unknown_keywords("from_pretrained", unknown)
     config = resolve_config(offload, "from_pretrained")
     max_memory = parse_max_memory(max_memory, reserve_bytes, config)
+    # Tensor parallelism: (its config, the mesh) or None; a rank's device defaults to its GPU (LOCAL_RANK's)
+    tensor_parallel, device = sharded.prepare(distributed_config, device_mesh, device)
     exec_device = resolve_device(device_argument(max_memory, device))
     link_indices = resolve_links(links, exec_device)
     check_direct_io(direct_io, map_files)
@@ -160,6 +169,8 @@ def from_pretrained(
         with Checkpoint.open(folder) as checkpoint:
             timeline.mark("open")
             model, torch_dtype = build_skeleton(folder, checkpoint, dtype, model_class)
+            if tensor_parallel is not None:
+                model = sharded.shard_skeleton(model, tensor_parallel[0], tensor_parallel[1])
             set_attention(model, attn_implementation)
             if hub_id(path) is not None:
                 model.config.name_or_path = path  # as transformers names a model loaded from the Hub
@@ -394,7 +405,7 @@ def _load_unlocked(
     try:
         warmup = warmup if warmup is not None else Warmup(device)
         set_dtypes(model, dtype, cast, journal)
-        keymap = map_keys(model, checkpoint)
+        keymap = sharded.local_shards(model, map_keys(model, checkpoint))  # a tensor-parallel rank's slices
         plan = choose_plan(model, config, layers, device, max_memory, links, stored_layout(keymap))
         timeline.mark("plan")
         # The first forward's one-time costs, paid while the reads run, in device memory the pool gets afterwards.

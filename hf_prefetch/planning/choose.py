@@ -20,6 +20,7 @@ from .memory import MaxMemory, resolve_budget, resolve_budgets
 from .offload_plan import OffloadPlan, compresses_nothing, format_bytes
 from .pipeline import plan_pipeline
 from .placements import caches_experts
+from .ranks import agree, sharded_mesh
 from .selection import make_plan
 
 __all__ = ["choose_plan", "options_unused"]
@@ -37,7 +38,25 @@ def choose_plan(
     """The plan `dispatch_model` and the loaders execute: the config's group pattern, or the plan for a budget; with
     `links` (`links.resolve_links`), the other GPUs whose host links carry a share of every streamed layer. The
     loaders' `stored` lets a one-GPU budget's streamed layers that the host budget cannot pin stay in the
-    checkpoint's files (`plan_for_budget`)."""
+    checkpoint's files (`plan_for_budget`). A tensor-parallel model plans its rank's shards, once every rank of its
+    mesh has planned (ranks.py)."""
+    mesh = sharded_mesh(model)
+    if mesh is not None:
+        fingerprint = (repr(config), repr(layers), len(links))
+        plan_share = lambda: _choose(model, config, layers, device, max_memory, links, stored)  # noqa: E731
+        return agree(mesh, fingerprint, plan_share, device)
+    return _choose(model, config, layers, device, max_memory, links, stored)
+
+
+def _choose(
+    model: nn.Module,
+    config: PrefetchConfig,
+    layers: str | Sequence[str] | None,
+    device: torch.device,
+    max_memory: MaxMemory | None,
+    links: tuple[int, ...],
+    stored: Stored | None,
+) -> OffloadPlan:
     check_layout(model, device)
     if config.compute_seconds is not None and max_memory is None:
         raise ValueError(

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from ..formats import bnb
-from ..formats.parts import stored_parts
+from ..formats.parts import is_dtensor, stored_parts
 from ..formats.prequantized import quant_method
 from .placements import INNER_SEP, LayerPlan, ParamSpec, Placement, Routing
 
@@ -151,7 +151,7 @@ def segment_matches(segments: frozenset[str], name: str) -> bool:
     return any(f".{segment}." in dotted for segment in segments)
 
 
-# `Candidate.quantized` of a tensor-parallel shard (torch.distributed's DTensor): not quantized, and not streamable.
+# `Candidate.quantized` of a tensor-parallel shard (DTensor) whose local tensor is a tensor subclass: not streamable.
 SHARDED = "DTensor"
 
 
@@ -197,10 +197,15 @@ class CandidateLayer:
                 continue
             if c.quantized == SHARDED:
                 raise ValueError(
-                    f"{self.path}.{c.spec.name} is a DTensor, a shard of a tensor-parallel model (transformers' "
-                    "tp_plan or distributed_config), which hf_prefetch does not stream yet: every rank would have to "
-                    "stream its own shards. Load the model without tensor parallelism to stream it, or keep these "
-                    "layers resident."
+                    f"{self.path}.{c.spec.name} is a DTensor whose local shard is itself a tensor subclass "
+                    f"({type(c.param._local_tensor).__name__}), which hf_prefetch cannot stream: it streams the "
+                    "shards of tensor-parallel models whose local tensors are dense. Keep these layers resident."
+                )
+            if placement is Placement.MAPPED and is_dtensor(c.param):
+                raise ValueError(
+                    f"{self.path}.{c.spec.name.partition(INNER_SEP)[0]} is a DTensor, a shard of a tensor-parallel "
+                    "model, which the UVA backend does not map. Stream it with the prefetch backend (PrefetchConfig): "
+                    "each rank streams its own shards."
                 )
             if c.quantized is not None:
                 raise ValueError(
@@ -313,7 +318,7 @@ def _quantized(param: torch.Tensor, model: nn.Module) -> str | None:
     data = param.data if isinstance(param, nn.Parameter) else param
     if type(param) in (nn.Parameter, torch.Tensor) and type(data) is torch.Tensor:
         return None
-    if any(cls.__name__ == "DTensor" and cls.__module__.startswith("torch.distributed") for cls in type(data).__mro__):
+    if is_dtensor(data):
         return SHARDED
     method = quant_method(getattr(getattr(model, "config", None), "quantization_config", None))
     name = type(data).__name__ if type(data) is not torch.Tensor else type(param).__name__

@@ -27,6 +27,7 @@ from .placements import (
     kept_plain,
     routed_bytes_per_token,
 )
+from .ranks import RankShare, rank_totals
 
 if TYPE_CHECKING:
     from .memory import MemoryBudget
@@ -72,6 +73,7 @@ class OffloadPlan:
     host_compute: HostCompute | None = None
     # The disk's direct read speed (GB/s) the load measured, for the read time of the layers read from files.
     read_gbps: float | None = None
+    ranks: tuple[RankShare, ...] = ()  # a tensor-parallel model's: every rank's share (ranks.py), this one's too
 
     @property
     def backend(self) -> str:
@@ -418,13 +420,9 @@ def _totals(plan: OffloadPlan) -> list[tuple[str, str]]:
             )
         )
         for index in others:
-            totals.append(
-                (
-                    f"cuda:{index}",
-                    f"staging {size(plan.staging_bytes)}; its link copies {share} per forward, passed on to "
-                    f"cuda:{first} over the peer link",
-                )
-            )
+            passed = f"passed on to cuda:{first} over the peer link"
+            totals.append((f"cuda:{index}", f"staging {size(plan.staging_bytes)}; its link copies {share}, {passed}"))
+    totals += rank_totals(plan.ranks)
     if plan.link_gbps is not None:
         seconds = plan.transfer_seconds_per_forward
         speed = (

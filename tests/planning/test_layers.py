@@ -264,12 +264,13 @@ def test_quantized_parameters_are_refused_with_the_parameter_and_the_fix():
     assert hf_prefetch.get_state(model) is None
 
 
-def test_a_tensor_parallel_shard_is_refused_as_one_not_as_a_quantized_tensor(tmp_path):
+def test_a_tensor_parallel_shard_streams_its_local_tensor(tmp_path):
     # transformers' tensor parallelism (distributed_config, tp_plan) makes the layers' weights DTensors: each rank
-    # holds a shard. A process group of one rank on the CPU (gloo) makes one.
+    # holds a shard, its local tensor, which is what streams. A process group of one rank on the CPU (gloo) makes one;
+    # tests/distributed runs real groups of 2 and 4 ranks.
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
 
     import hf_prefetch
 
@@ -279,7 +280,24 @@ def test_a_tensor_parallel_shard_is_refused_as_one_not_as_a_quantized_tensor(tmp
         model = tiny_llama()
         proj = model.model.layers[1].self_attn.q_proj
         proj.weight = nn.Parameter(distribute_tensor(proj.weight.detach(), mesh, [Shard(0)]))
-        with pytest.raises(ValueError, match=r"q_proj\.weight is a DTensor, a shard of a tensor-parallel model"):
-            hf_prefetch.plan(model, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1), device="cpu")
+        values = proj.weight.to_local().clone()
+        config = hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1)
+        plan = hf_prefetch.plan(model, config, device="cpu")
+        names = [spec.name for spec in plan.rings[0].layers[1].offloaded]
+        assert "self_attn.q_proj.weight:_local_tensor" in names
+        assert [share.rank for share in plan.ranks] == [0] and "rank 0 (cpu)" in str(plan)
+        with pytest.raises(ValueError, match=r"q_proj\.weight is a DTensor, .* which the UVA backend does not map"):
+            hf_prefetch.dispatch_model(model, hf_prefetch.UVAConfig(cpu_offload_gb=1), device="cpu")
+        dispatched = hf_prefetch.dispatch_model(model, config, device="cpu")
+        assert type(proj.weight) is DTensor and proj.weight.device_mesh == mesh
+        assert hf_prefetch.get_state(dispatched).plan.offloaded_bytes == plan.offloaded_bytes
+        hf_prefetch.remove_offload(
+            dispatched
+        )  # (forwards need transformers' tensor-parallel hooks: tests/distributed)
+        assert type(proj.weight) is DTensor and torch.equal(proj.weight.to_local(), values)
+        # A partial placement holds values pending a reduction, not stored ones: refused, naming the parameter.
+        proj.weight = nn.Parameter(DTensor.from_local(proj.weight.to_local(), mesh, [Partial()]))
+        with pytest.raises(ValueError, match=r"q_proj\.weight has a partial placement"):
+            hf_prefetch.plan(model, config, device="cpu")
     finally:
         dist.destroy_process_group()

@@ -1,0 +1,141 @@
+"""Tensor-parallel models: parameters that are torch.distributed DTensors, sharded over a device mesh as transformers'
+tensor parallelism (`distributed_config`, `tp_plan`) or a user's `DeviceMesh` leaves them. Each rank plans, pins and
+streams only its own shards: a DTensor's local tensor is one of its parameter's parts (`weight:_local_tensor`,
+formats/parts.py), so the planner, the pool and the engine see the rank's bytes and nothing else, and the collectives
+the tensor-parallel forward inserts run as before.
+
+Every rank of the mesh dispatches (or plans, or loads) the same model with the same config: `agree` runs the plan on
+each rank, then one collective tells every rank whether the configs match and whether every rank could plan its
+share, so that all of them raise, or none does, before anything moves. Rank 0's plan lists every rank's share.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..formats.parts import is_dtensor
+
+__all__ = ["RankShare", "sharded_mesh", "agree", "rank_totals"]
+
+
+@dataclass(frozen=True)
+class RankShare:
+    """One rank's share of a tensor-parallel plan, in bytes: its device's resident weights and pool, its pinned host
+    memory and what its link copies per forward."""
+
+    rank: int
+    device: str
+    resident_bytes: int
+    pool_bytes: int
+    host_bytes: int
+    streamed_bytes_per_forward: int
+
+
+def sharded_mesh(model: nn.Module) -> Any | None:
+    """The device mesh of `model`'s DTensor parameters and buffers, or None where it has none. `ValueError` for what
+    rank-local streaming cannot take: several meshes, a mesh of more than one dimension, a partial placement, or a
+    mesh whose size does not divide a sharded dimension (ranks would hold shards of different sizes)."""
+    mesh, first = None, None
+    tensors = [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]
+    for name, tensor in tensors:
+        if not is_dtensor(tensor):
+            continue
+        if mesh is None:
+            mesh, first = tensor.device_mesh, name
+        elif tensor.device_mesh != mesh:
+            raise ValueError(
+                f"{name} is sharded over the device mesh {tensor.device_mesh}, and {first} over {mesh}: hf_prefetch "
+                "streams a tensor-parallel model whose tensors share one mesh. Shard the model over one mesh."
+            )
+        if mesh.ndim != 1:
+            raise ValueError(
+                f"{name} is sharded over a {mesh.ndim}-dimensional device mesh ({mesh}); hf_prefetch streams the "
+                "shards of a one-dimensional tensor-parallel mesh. Use tensor parallelism alone "
+                "(DistributedConfig(tp_size=N)), or keep these layers resident."
+            )
+        for placement in tensor.placements:
+            if placement.is_partial():
+                raise ValueError(
+                    f"{name} has a partial placement ({placement}): its values are not stored but pending a "
+                    "reduction. Stream a model whose parameters are sharded or replicated."
+                )
+            if placement.is_shard():
+                dim = placement.dim % tensor.ndim
+                if tensor.shape[dim] % mesh.size():
+                    raise ValueError(
+                        f"{name} has {tensor.shape[dim]} rows in dimension {dim}, which its mesh of {mesh.size()} "
+                        f"ranks does not divide: the ranks would hold shards of different sizes. Choose a tensor-"
+                        f"parallel size (tp_size) that divides {tensor.shape[dim]}."
+                    )
+    return mesh
+
+
+def agree(mesh: Any, fingerprint: Any, make: Callable[[], Any], device: torch.device) -> Any:
+    """`make()`'s plan on this rank, once every rank of `mesh` has planned: one `all_gather_object` carries each
+    rank's `fingerprint` (its config), its share, or the error its planning raised. Every rank raises if the
+    fingerprints differ (naming the ranks that differ from the first) or if any rank's planning failed (naming the
+    rank: its own error on that rank); otherwise the plan comes back with every rank's share in `plan.ranks`."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    group = mesh.get_group()
+    error: BaseException | None = None
+    plan = None
+    try:
+        plan = make()
+    except Exception as err:  # raised once every rank knows (the others would wait in the next collective)
+        error = err
+    share = None if plan is None else _share(plan, dist.get_rank(), device)
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    mine = (dist.get_rank(), fingerprint, share, None if error is None else f"{type(error).__name__}: {error}")
+    dist.all_gather_object(gathered, mine, group)
+    first_rank, first_print = gathered[0][0], gathered[0][1]
+    differ = [(rank, mine) for rank, mine, _, _ in gathered if mine != first_print]
+    if differ:
+        ranks = ", ".join(str(rank) for rank, _ in differ)
+        raise ValueError(
+            f"The ranks of the tensor-parallel mesh dispatch with different settings: rank(s) {ranks} differ from "
+            f"rank {first_rank}.\n  rank {first_rank}: {_shown(first_print)}\n  rank {differ[0][0]}: "
+            f"{_shown(differ[0][1])}\nEvery rank must pass the same config and layers (max_memory may differ: it is "
+            "each rank's own budget). Nothing was dispatched on any rank."
+        )
+    failed = [(rank, message) for rank, _, _, message in gathered if message is not None]
+    if error is not None:
+        raise error
+    if failed:
+        rank, message = failed[0]
+        raise ValueError(
+            f"Rank {rank} of the tensor-parallel mesh cannot plan its share, so no rank dispatches: {message}"
+        )
+    return dataclasses.replace(plan, ranks=tuple(share for _, _, share, _ in gathered))
+
+
+def rank_totals(ranks: tuple[RankShare, ...]) -> list[tuple[str, str]]:
+    """The plan's lines for each rank of a tensor-parallel mesh (its own plan shows its own bytes above them)."""
+    from .offload_plan import format_bytes as size
+
+    return [
+        (
+            f"rank {r.rank} ({r.device})",
+            f"resident {size(r.resident_bytes)}, pool {size(r.pool_bytes)}, pinned host {size(r.host_bytes)}, "
+            f"streams {size(r.streamed_bytes_per_forward)} per forward",
+        )
+        for r in ranks
+    ]
+
+
+def _share(plan: Any, rank: int, device: torch.device) -> RankShare:
+    return RankShare(
+        rank, str(device), plan.resident_bytes, plan.pool_bytes, plan.host_bytes, plan.streamed_bytes_per_forward
+    )
+
+
+def _shown(fingerprint: Any) -> str:
+    text = repr(fingerprint)
+    return text if len(text) <= 400 else text[:400] + "..."

@@ -1,0 +1,195 @@
+"""What each rank of a tensor-parallel test group runs (spawned by test_tensor_parallel.py, or launched by torchrun):
+transformers' tensor-parallel model as the reference, then the same model dispatched and loaded by hf_prefetch, each
+rank checking its own tokens, bytes and errors. A failed check raises in the rank, which fails the test with it."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+# Sizes every tested mesh (2 and 4 ranks) divides: heads, key-value heads, MLP rows and the vocabulary.
+SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, vocab_size=128)
+STRIDE = dict(group_size=1, num_in_group=1, prefetch_step=1)  # every layer streams, through two slots
+NEW_TOKENS = 8
+MESH = None  # the device mesh the ranks shard over (None: transformers makes one)
+
+
+def save_llama(folder: Path, num_layers: int = 4, **overrides) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**SIZES, **overrides}, num_hidden_layers=num_layers, max_position_embeddings=64)
+    LlamaForCausalLM(config).eval().save_pretrained(folder)
+    return folder
+
+
+def ids() -> torch.Tensor:
+    return torch.randint(3, SIZES["vocab_size"], (1, 8), generator=torch.Generator().manual_seed(1))
+
+
+def run(model) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's logits for `ids()` and its greedy tokens after them (on the CPU)."""
+    inputs = ids().to(model.device)
+    with torch.no_grad():
+        logits = model(inputs).logits
+        tokens = model.generate(inputs, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS)
+    return logits.cpu(), tokens.cpu()
+
+
+def main(rank: int, world: int, port: int, folder: str, out: str, device: str = "cpu") -> None:
+    """One rank of `world` on the CPU, or on CUDA device 0 (every rank on one GPU: gloo carries the collectives)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    os.environ["LOCAL_RANK"] = str(rank if device == "cpu" else 0)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    global MESH
+    if device == "cuda":
+        torch.cuda.set_device(0)
+        MESH = dist.init_device_mesh("cuda", (world,))
+    try:
+        results = check_all(Path(folder), rank, world)
+        torch.save(results, Path(out) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def tp_model(folder: Path, world: int):
+    from transformers import AutoModelForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    tp = DistributedConfig(tp_size=world)
+    return AutoModelForCausalLM.from_pretrained(folder, distributed_config=tp, device_mesh=MESH).eval()
+
+
+def local_tensors(model) -> dict[str, torch.Tensor]:
+    return {name: getattr(p, "_local_tensor", p).detach().clone() for name, p in model.named_parameters()}
+
+
+def check_all(folder: Path, rank: int, world: int) -> dict:
+    from transformers.distributed import DistributedConfig
+
+    import hf_prefetch
+
+    want_logits, want_tokens = run(tp_model(folder / "llama", world))
+    results = {"logits": want_logits, "tokens": want_tokens}
+
+    # dispatch_model on transformers' sharded model: every layer streams the rank's shards through two slots.
+    model = tp_model(folder / "llama", world)
+    before = local_tensors(model)
+    model = hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**STRIDE))
+    plan = hf_prefetch.get_state(model).plan
+    assert [share.rank for share in plan.ranks] == list(range(world)), plan.ranks
+    assert plan.ranks[rank].host_bytes == plan.host_bytes and plan.ranks[rank].device == str(model.device)
+    local = sum(getattr(p, "_local_tensor", p).nbytes for name, p in model.named_parameters() if ".layers." in name)
+    assert plan.offloaded_bytes == local, (plan.offloaded_bytes, local)  # the rank's shards, not the whole layers
+    got = run(model)
+    assert torch.equal(got[0], want_logits) and torch.equal(got[1], want_tokens), "dispatch_model differs"
+    assert hf_prefetch.stats(model).misses == 0
+    hf_prefetch.remove_offload(model)
+    assert all(torch.equal(local_tensors(model)[name], value) for name, value in before.items())
+    assert type(model.model.layers[1].mlp.down_proj.weight).__name__ == "DTensor"
+    assert torch.equal(run(model)[0], want_logits), "remove_offload differs"
+
+    results.update(check_loading(folder, world, want_logits, want_tokens))
+    tp = dict(distributed_config=DistributedConfig(tp_size=world), device_mesh=MESH)
+
+    # Budget: the rank's share less half a layer's; a pool of two slots then leaves one layer resident.
+    sharded = tp_model(folder / "llama", world)
+    layer = sum(getattr(p, "_local_tensor", p).nbytes for p in sharded.model.layers[0].parameters())
+    budget = {0: hf_prefetch.plan(sharded, hf_prefetch.PrefetchConfig(group_size=10**6)).resident_bytes - layer // 2}
+    fitted = hf_prefetch.from_pretrained(folder / "llama", max_memory=budget, reserve_bytes=0, **tp)
+    streamed = [layer.index for layer in hf_prefetch.get_state(fitted).plan.rings[0].streamed]
+    assert len(streamed) == 3, streamed
+    got = run(fitted)
+    assert torch.equal(got[0], want_logits) and torch.equal(got[1], want_tokens), "a budget's plan differs"
+
+    # Ranks given different configs: every rank raises, naming the rank, and no model is changed.
+    model = tp_model(folder / "llama", world)
+    before = local_tensors(model)
+    step = 2 if rank == world - 1 else 1
+    expect_error(
+        lambda: hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**{**STRIDE, "prefetch_step": step})),
+        f"rank(s) {world - 1} differ from rank 0",
+    )
+    untouched(model, before, want_logits)
+    # A rank whose budget cannot hold its share: every rank raises, naming it.
+    budget = {0: 10_000} if rank == world - 1 else budget
+    own = (
+        "does not fit max_memory[0]"
+        if rank == world - 1
+        else f"Rank {world - 1} of the tensor-parallel mesh cannot plan"
+    )
+    expect_error(lambda: hf_prefetch.dispatch_model(model, max_memory=budget, reserve_bytes=0), own)
+    untouched(model, before, want_logits)
+
+    # A mesh that does not divide a sharded dimension.
+    uneven = tp_model(folder / "uneven", world)
+    expect_error(lambda: hf_prefetch.dispatch_model(uneven), "which its mesh of")
+    return results
+
+
+def check_loading(folder: Path, world: int, want_logits=None, want_tokens=None) -> dict:
+    from transformers.distributed import DistributedConfig
+
+    import hf_prefetch
+
+    if want_logits is None:
+        want_logits, want_tokens = run(tp_model(folder / "llama", world))
+    results = {"logits": want_logits, "tokens": want_tokens}
+    # from_pretrained reads only the rank's slices (rows of column-parallel weights, column blocks of row-parallel
+    # ones, each a byte range of the stored tensor) straight into its host storage or its resident tensors; by
+    # default a slice stored as loaded stays in the page cache's pages (mapped), with map_files=False it is read.
+    from hf_prefetch.loading import reader
+
+    config = hf_prefetch.PrefetchConfig(**STRIDE)
+    tp = dict(distributed_config=DistributedConfig(tp_size=world), device_mesh=MESH)
+    got = run(hf_prefetch.from_pretrained(folder / "llama", config, **tp))
+    assert torch.equal(got[0], want_logits) and torch.equal(got[1], want_tokens), "from_pretrained differs"
+    read, count = [0], reader.TensorReader._count
+
+    def counting(self, nbytes, direct, mapped=False):
+        read[0] += nbytes
+        count(self, nbytes, direct, mapped)
+
+    reader.TensorReader._count = counting
+    try:
+        loaded = hf_prefetch.from_pretrained(folder / "llama", config, **tp, map_files=False)
+    finally:
+        reader.TensorReader._count = count
+    share = sum(getattr(p, "_local_tensor", p).nbytes for p in loaded.parameters())
+    assert read[0] == share, (read[0], share)
+    got = run(loaded)
+    assert torch.equal(got[0], want_logits) and torch.equal(got[1], want_tokens), "from_pretrained differs"
+    results["read"], results["share"] = read[0], share
+    return results
+
+    # A per-rank budget: max_memory is the rank's own device and host share.
+
+
+def expect_error(call, text: str) -> None:
+    try:
+        call()
+    except ValueError as error:
+        assert text in str(error), f"{text!r} is not in: {error}"
+    else:
+        raise AssertionError(f"no error (expected one with {text!r})")
+
+
+def untouched(model, before: dict[str, torch.Tensor], logits: torch.Tensor) -> None:
+    import hf_prefetch
+
+    assert hf_prefetch.get_state(model) is None
+    assert all(torch.equal(local_tensors(model)[name], value) for name, value in before.items())
+    assert torch.equal(run(model)[0], logits)
+
+
+if __name__ == "__main__":  # under torchrun (python -m torch.distributed.run ... ranks.py FOLDER OUT): the loading
+    dist.init_process_group("gloo")
+    try:
+        results = check_loading(Path(sys.argv[1]), dist.get_world_size())
+        torch.save(results, Path(sys.argv[2]) / f"rank{dist.get_rank()}.pt")
+    finally:
+        dist.destroy_process_group()
