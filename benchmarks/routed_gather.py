@@ -5,8 +5,9 @@ bf16) sits in a pinned `HostArena`. A decode token's gather (`hf_prefetch.runtim
 8 picked experts' rows through the arena's mapped (UVA) view with `index_select`, a kernel whose loads cross the bus:
 its rate depends on how wide each load is. The rows are read as bf16 (2-byte loads) and reinterpreted as int32, int64
 and 16-byte elements; the expert cache's Triton gather reads them as int64, with no pick cached and with half of them
-cached (GB/s: of the bytes that crossed the bus); the copy engine's rate (8 host-indexed row copies, and the whole
-tensors) is the reference.
+cached (GB/s: of the bytes that crossed the bus); the copy engine's rate (8 host-indexed row copies, one batched
+call of them, and the whole tensors) is the reference. End to end after a router-sized matmul: the device-selected
+gather against host-selected copies, which wait for the picks to reach the host first.
 
     python benchmarks/routed_gather.py [--picks 8] [--repeats 20]
 """
@@ -148,6 +149,120 @@ def main() -> None:
     seconds = device_seconds(engine_whole, max(3, args.repeats // 4))
     whole = sum(sizes)
     print(f"{'copy engine, whole tensors':<34} {seconds * 1e3:>7.3f} {whole / seconds / 1e9:>7.1f}")
+
+    # Host-selected copies need the router's picks on the host: the end-to-end time of a decode layer's copies is the
+    # picks' trip to the host (a synchronisation) plus the copies, against the device-selected gather that reads the
+    # picks where the router wrote them. The copies as one row copy each, or as one batched call
+    # (cudaMemcpyBatchAsync, CUDA 12.8+), which the driver may spread over several copy engines.
+    batch = _memcpy_batch()
+    side = torch.cuda.Stream(device)
+
+    def batched(experts: list[int]):
+        dsts = [slots[n][e].data_ptr() for n in SHAPES for e in experts]
+        srcs = [hosts[n][e].data_ptr() for n in SHAPES for e in experts]
+        lengths = [slots[n][e].nbytes for n in SHAPES for e in experts]
+        batch(dsts, srcs, lengths, side.cuda_stream, device.index)
+
+    if batch is not None:
+        for slot in slots.values():
+            slot.zero_()
+        with torch.cuda.stream(side):
+            seconds = device_seconds(lambda: batched(picks.tolist()), args.repeats)
+        print(f"{'copy engine, one batched call':<34} {seconds * 1e3:>7.3f} {moved / seconds / 1e9:>7.1f}  {check()}")
+    else:
+        print("copy engine, one batched call: cudaMemcpyBatchAsync not found in this CUDA runtime")
+
+    def host_selected(copy):
+        def run():
+            experts = rows.tolist()  # waits for the device: the router's picks come back to the host
+            copy(experts)
+
+        return run
+
+    def per_row(experts: list[int]):
+        for name in SHAPES:
+            for expert in experts:
+                slots[name][expert].copy_(hosts[name][expert], non_blocking=True)
+
+    def device_selected():
+        for number, name in enumerate(SHAPES):
+            src = sources[name].view(EXPERTS, -1).view(torch.int64)
+            dst = slots[name].view(EXPERTS, -1).view(torch.int64)
+            launch(rows, None, None, none_cached, src, caches[name], dst, counts, tallies, count=number == 0)
+
+    none_cached = torch.full((EXPERTS,), -1, dtype=torch.long, device=device)
+    router = torch.randn(4096, 4096, device=device, dtype=torch.bfloat16)
+    ends = [
+        ("device-selected: Triton gather", device_selected),
+        ("host-selected: picks, row copies", host_selected(per_row)),
+    ]
+    if batch is not None:
+        ends.append(("host-selected: picks, batched call", lambda: _on(side, host_selected(batched))))
+    for label, copies in ends:
+        for slot in slots.values():
+            slot.zero_()
+
+        def layer(copies=copies):  # a router-sized matmul, then the layer's copies after its picks
+            router @ router
+            copies()
+
+        seconds = device_seconds(layer, args.repeats) - device_seconds(lambda: router @ router, args.repeats)
+        print(f"{label + ', end to end':<34} {seconds * 1e3:>7.3f} {moved / seconds / 1e9:>7.1f}  {check()}")
+
+
+def _on(stream: torch.cuda.Stream, run) -> None:
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+
+
+def _memcpy_batch():
+    """cudaMemcpyBatchAsync of the CUDA runtime torch loaded, as `call(dsts, srcs, sizes, stream, device)` (host to
+    device, stream order), or None where the runtime lacks it (before CUDA 12.8)."""
+    import ctypes
+
+    path = next((line.split()[-1] for line in open("/proc/self/maps") if "libcudart.so" in line), None)
+    if path is None:
+        return None
+    runtime = ctypes.CDLL(path)
+    if not hasattr(runtime, "cudaMemcpyBatchAsync"):
+        return None
+    version = ctypes.c_int()
+    runtime.cudaRuntimeGetVersion(ctypes.byref(version))
+
+    class Location(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+    class Attributes(ctypes.Structure):
+        _fields_ = [
+            ("srcAccessOrder", ctypes.c_int),
+            ("srcLocHint", Location),
+            ("dstLocHint", Location),
+            ("flags", ctypes.c_uint),
+        ]
+
+    def call(dsts, srcs, sizes, stream, device):
+        count = len(dsts)
+        pointers = ctypes.c_void_p * count
+        attrs = Attributes(1, Location(2, 0), Location(1, device), 0)  # stream order; host to device
+        index = (ctypes.c_size_t * 1)(0)
+        args = [
+            pointers(*dsts),
+            pointers(*srcs),
+            (ctypes.c_size_t * count)(*sizes),
+            ctypes.c_size_t(count),
+            ctypes.byref(attrs),
+            index,
+            ctypes.c_size_t(1),
+        ]
+        if version.value < 13000:  # CUDA 12.8-12.9 report the failing copy's index
+            args.append(ctypes.byref(ctypes.c_size_t()))
+        error = runtime.cudaMemcpyBatchAsync(*args, ctypes.c_void_p(stream))
+        if error:
+            raise RuntimeError(f"cudaMemcpyBatchAsync failed with error {error} (CUDA runtime {version.value})")
+
+    return call
 
 
 if __name__ == "__main__":

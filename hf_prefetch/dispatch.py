@@ -32,6 +32,7 @@ from .planning.choose import choose_plan
 from .planning.links import resolve_links
 from .planning.memory import MaxMemory, device_argument, parse_max_memory
 from .planning.placements import INNER_SEP, ParamSpec, Placement
+from .planning.ranks import settle
 from .planning.selection import make_uva_plan
 
 __all__ = ["dispatch_model", "remove_offload"]
@@ -202,7 +203,9 @@ def _dispatch(
             with torch.cuda.device(exec_device):  # registered memory belongs to the current device (UVA views)
                 state.arena.pin()
         attach(model, state)
-    except BaseException:
+        settle(model, plan)  # a tensor-parallel rank: every rank attached, or every rank rolls back
+    except BaseException as error:
+        settle(model, plan, error)  # a tensor-parallel rank that failed: the others learn it and roll back
         rollback(model, state)
         raise
     return model

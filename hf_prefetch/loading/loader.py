@@ -4,9 +4,8 @@ Offloaded parameters are read into their exact-size host arena slots, resident o
 a small ring of pinned staging buffers on CUDA). Which checkpoint key fills which tensor, with transformers' own
 renames and conversions, is `keymap`'s job. Every header, key and shape is validated before anything large is
 allocated, and a failed load leaves the model as it was given. This module orders the load's steps; the steps
-themselves (the arena, the reads, the page-locking, the values installed) are filling.py's. The loader knows
-checkpoints, plans and parameter names; building the buffer pool and hooking layers is `attach.attach`'s job
-(lifecycle/attach.py).
+themselves (the arena, the reads, the page-locking, the values installed) are filling.py's, and building the buffer
+pool and hooking layers is `attach.attach`'s (lifecycle/attach.py).
 """
 
 from __future__ import annotations
@@ -32,6 +31,7 @@ from ..planning.file_tier import READ_ROUTED
 from ..planning.links import resolve_links
 from ..planning.memory import MaxMemory, device_argument, parse_max_memory
 from ..planning.pipeline import home_of
+from ..planning.ranks import settle
 from . import sharded
 from .checkpoint import Checkpoint
 from .file_layers import expert_storage, file_storage, read_layout, stored_layout, with_read_speed
@@ -153,8 +153,7 @@ def from_pretrained(
     refuse_unknown_keywords("from_pretrained", unknown)
     config = resolve_config(offload, "from_pretrained")
     max_memory = parse_max_memory(max_memory, reserve_bytes, config)
-    # Tensor parallelism: (its config, the mesh) or None; a rank's device defaults to its GPU (LOCAL_RANK's)
-    tensor_parallel, device = sharded.prepare(distributed_config, device_mesh, device)
+    tensor_parallel, device = sharded.prepare(distributed_config, device_mesh, device)  # a rank's: its GPU by default
     exec_device = resolve_device(device_argument(max_memory, device))
     link_indices = resolve_links(links, exec_device)
     check_direct_io(direct_io, map_files)
@@ -401,7 +400,7 @@ def _load_unlocked(
         model.tie_weights()
     check_fp8_matmuls(model, device)
     journal = Journal()
-    arena = files = state = pinning = None
+    arena = files = state = pinning = plan = None
     try:
         warmup = warmup if warmup is not None else Warmup(device)
         set_dtypes(model, dtype, cast, journal)
@@ -468,11 +467,13 @@ def _load_unlocked(
             compress_arena(model, state, progress)
             timeline.mark("compress")
         attach.attach(model, state)
+        settle(model, plan)  # a tensor-parallel rank: every rank attached, or every rank rolls back
         timeline.mark("attach", device)  # the pool, the hooks, and the copies of each ring's first layers
-    except BaseException:
+    except BaseException as error:
         # A second Ctrl-C waits for the end of this block: the threads are joined (the arena is released only after
-        # its page-locking ended) and the model is rolled back whatever comes meanwhile.
+        # its page-locking ended), other ranks learn of it, and the model is rolled back whatever comes meanwhile.
         with deferred_interrupts():
+            settle(model, plan, error)
             if warmup is not None:
                 warmup.join()
             if pinning is not None:
@@ -481,10 +482,9 @@ def _load_unlocked(
                 rollback(model, state)
             else:
                 journal.unwind(Phase.PLACE)
-                if arena is not None:
-                    arena.release()
-                if files is not None:
-                    files.release()
+                for storage in (arena, files):
+                    if storage is not None:
+                        storage.release()
         raise
     if isinstance(model, PreTrainedModel):
         model._weight_conversions = keymap.used_conversions  # what save_pretrained reverts, as after from_pretrained

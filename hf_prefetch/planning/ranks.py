@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from ..formats.parts import is_dtensor
+from .placements import format_bytes
 
-__all__ = ["RankShare", "sharded_mesh", "agree", "rank_totals"]
+__all__ = ["RankShare", "RankFailed", "sharded_mesh", "agree", "settle", "rank_totals"]
 
 
 @dataclass(frozen=True)
@@ -116,10 +117,42 @@ def agree(mesh: Any, fingerprint: Any, make: Callable[[], Any], device: torch.de
     return dataclasses.replace(plan, ranks=tuple(share for _, _, share, _ in gathered))
 
 
+class RankFailed(ValueError):
+    """Another rank of the tensor-parallel mesh failed to dispatch its share after every rank had planned: this rank's
+    dispatch is undone as well."""
+
+
+def settle(model: nn.Module, plan: Any, error: BaseException | None = None) -> None:
+    """The end of a tensor-parallel rank's dispatch or load (`plan.ranks`; nothing otherwise): one collective tells
+    every rank whether every rank attached its share (`error` None) or failed after planning (`error`: a full pinned
+    memory, an interrupt). Raises `RankFailed` naming the first failed rank where this rank attached and another did
+    not, so that the caller rolls its dispatch back as after an error of its own; nothing where this rank failed (the
+    caller raises its own error), nor for that `RankFailed` itself."""
+    if plan is None or not plan.ranks or isinstance(error, RankFailed):
+        return
+    import torch.distributed as dist
+
+    group = sharded_mesh(model).get_group()
+    gathered: list[Any] = [None] * dist.get_world_size(group)
+    mine = None if error is None else f"{type(error).__name__}: {error}"
+    try:
+        dist.all_gather_object(gathered, (dist.get_rank(), mine), group)
+    except Exception:
+        if error is None:
+            raise
+        return  # this rank's own error is the one to raise
+    failed = [(rank, message) for rank, message in gathered if message is not None]
+    if error is None and failed:
+        rank, message = failed[0]
+        raise RankFailed(
+            f"Rank {rank} of the tensor-parallel mesh failed to dispatch its share ({message}), so this rank's "
+            "dispatch is undone as well: the model is as it was on every rank."
+        )
+
+
 def rank_totals(ranks: tuple[RankShare, ...]) -> list[tuple[str, str]]:
     """The plan's lines for each rank of a tensor-parallel mesh (its own plan shows its own bytes above them)."""
-    from .offload_plan import format_bytes as size
-
+    size = format_bytes
     return [
         (
             f"rank {r.rank} ({r.device})",

@@ -15,7 +15,6 @@ import torch.distributed as dist
 SIZES = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4, vocab_size=128)
 STRIDE = dict(group_size=1, num_in_group=1, prefetch_step=1)  # every layer streams, through two slots
 NEW_TOKENS = 8
-MESH = None  # the device mesh the ranks shard over (None: transformers makes one)
 
 
 def save_llama(folder: Path, num_layers: int = 4, **overrides) -> Path:
@@ -41,14 +40,12 @@ def run(model) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def main(rank: int, world: int, port: int, folder: str, out: str, device: str = "cpu") -> None:
-    """One rank of `world` on the CPU, or on CUDA device 0 (every rank on one GPU: gloo carries the collectives)."""
+    """One rank of `world` on the CPU (gloo), or on GPU `rank` (NCCL)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    os.environ["LOCAL_RANK"] = str(rank if device == "cpu" else 0)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    global MESH
-    if device == "cuda":
-        torch.cuda.set_device(0)
-        MESH = dist.init_device_mesh("cuda", (world,))
+    os.environ["LOCAL_RANK"] = str(rank)
+    if device == "cpu":  # transformers' tensor parallelism takes the GPUs where there are some
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    dist.init_process_group("gloo" if device == "cpu" else "nccl", rank=rank, world_size=world)
     try:
         results = check_all(Path(folder), rank, world)
         torch.save(results, Path(out) / f"rank{rank}.pt")
@@ -61,7 +58,7 @@ def tp_model(folder: Path, world: int):
     from transformers.distributed import DistributedConfig
 
     tp = DistributedConfig(tp_size=world)
-    return AutoModelForCausalLM.from_pretrained(folder, distributed_config=tp, device_mesh=MESH).eval()
+    return AutoModelForCausalLM.from_pretrained(folder, distributed_config=tp).eval()
 
 
 def local_tensors(model) -> dict[str, torch.Tensor]:
@@ -94,7 +91,7 @@ def check_all(folder: Path, rank: int, world: int) -> dict:
     assert torch.equal(run(model)[0], want_logits), "remove_offload differs"
 
     results.update(check_loading(folder, world, want_logits, want_tokens))
-    tp = dict(distributed_config=DistributedConfig(tp_size=world), device_mesh=MESH)
+    tp = dict(distributed_config=DistributedConfig(tp_size=world))
 
     # Budget: the rank's share less half a layer's; a pool of two slots then leaves one layer resident.
     sharded = tp_model(folder / "llama", world)
@@ -125,6 +122,26 @@ def check_all(folder: Path, rank: int, world: int) -> dict:
     expect_error(lambda: hf_prefetch.dispatch_model(model, max_memory=budget, reserve_bytes=0), own)
     untouched(model, before, want_logits)
 
+    # A rank that fails after every rank planned (its pinned memory full, say): every rank rolls back and raises.
+    from hf_prefetch import dispatch
+    from hf_prefetch.lifecycle import attach
+
+    def full(*args, **kwargs):
+        raise RuntimeError("pinned memory is full")
+
+    failing = "pinned memory is full" if rank == world - 1 else f"Rank {world - 1} of the tensor-parallel mesh failed"
+    for module, call in (
+        (dispatch, lambda: hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**STRIDE))),
+        (attach, lambda: hf_prefetch.from_pretrained(folder / "llama", hf_prefetch.PrefetchConfig(**STRIDE), **tp)),
+    ):
+        kept = module.attach
+        module.attach = full if rank == world - 1 else kept
+        try:
+            expect_error(call, failing, RuntimeError if rank == world - 1 else ValueError)
+        finally:
+            module.attach = kept
+    untouched(model, before, want_logits)
+
     # A mesh that does not divide a sharded dimension.
     uneven = tp_model(folder / "uneven", world)
     expect_error(lambda: hf_prefetch.dispatch_model(uneven), "which its mesh of")
@@ -145,7 +162,7 @@ def check_loading(folder: Path, world: int, want_logits=None, want_tokens=None) 
     from hf_prefetch.loading import reader
 
     config = hf_prefetch.PrefetchConfig(**STRIDE)
-    tp = dict(distributed_config=DistributedConfig(tp_size=world), device_mesh=MESH)
+    tp = dict(distributed_config=DistributedConfig(tp_size=world))
     got = run(hf_prefetch.from_pretrained(folder / "llama", config, **tp))
     assert torch.equal(got[0], want_logits) and torch.equal(got[1], want_tokens), "from_pretrained differs"
     read, count = [0], reader.TensorReader._count
@@ -169,10 +186,10 @@ def check_loading(folder: Path, world: int, want_logits=None, want_tokens=None) 
     # A per-rank budget: max_memory is the rank's own device and host share.
 
 
-def expect_error(call, text: str) -> None:
+def expect_error(call, text: str, kind: type = ValueError) -> None:
     try:
         call()
-    except ValueError as error:
+    except kind as error:
         assert text in str(error), f"{text!r} is not in: {error}"
     else:
         raise AssertionError(f"no error (expected one with {text!r})")
