@@ -171,20 +171,24 @@ def _dispatch(
         else:
             as_is = dense_as_is(model) if offload_folder is not None else None  # layers it may write to files
             plan = choose_plan(model, config, layers, exec_device, max_memory, link_indices, as_is)
-        # UVA on the CPU leaves every weight where it is: host memory is the device's memory.
-        layout = [] if uva and exec_device.type == "cpu" else host_layout(plan)
-        if state is not None:
-            _check_replacement_arena(model, state, layout)  # while the old dispatch still stands
-            if state.in_place is not None:  # values in place or assigned anew: into host storage, which moves over
-                state.in_place.settle()
-            held.append(gateless.enter_context(forwards_held(model, state.plan, plan)))
-            detach(model, state, target=None)
-        elif finished:  # an interrupted dispatch was finished: the new gate's parts wait and refuse as well
-            held.append(gateless.enter_context(forwards_held(model, plan)))
-        # Host memory the arena takes back as it fills: each offloaded parameter's original storage, if on the CPU.
-        on_host = sum(spec.nbytes for path, spec in layout if _param(model, path, spec).device.type == "cpu")
-        arena = HostArena([spec.nbytes for _, spec in layout], freed_bytes=on_host)
-        state = begin(model, plan, exec_device, arena, timing, held=held)
+        try:  # a tensor-parallel rank that fails from here on tells the others (ranks.settle), which roll back
+            # UVA on the CPU leaves every weight where it is: host memory is the device's memory.
+            layout = [] if uva and exec_device.type == "cpu" else host_layout(plan)
+            if state is not None:
+                _check_replacement_arena(model, state, layout)  # while the old dispatch still stands
+                if state.in_place is not None:  # values in place or assigned anew: into host storage, which moves over
+                    state.in_place.settle()
+                held.append(gateless.enter_context(forwards_held(model, state.plan, plan)))
+                detach(model, state, target=None)
+            elif finished:  # an interrupted dispatch was finished: the new gate's parts wait and refuse as well
+                held.append(gateless.enter_context(forwards_held(model, plan)))
+            # Host memory the arena takes back as it fills: each offloaded parameter's original storage, if on the CPU.
+            on_host = sum(spec.nbytes for path, spec in layout if _param(model, path, spec).device.type == "cpu")
+            arena = HostArena([spec.nbytes for _, spec in layout], freed_bytes=on_host)
+            state = begin(model, plan, exec_device, arena, timing, held=held)
+        except BaseException as error:
+            settle(model, plan, error)
+            raise
     try:
         if offload_folder is not None:
             _write_files(model, state, offload_folder)

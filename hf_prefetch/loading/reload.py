@@ -170,6 +170,13 @@ def reload_weights(
     subclassed = list(dict.fromkeys(o.param_name for o in state.offloaded if o.inner is not None))
     if subclassed:
         kind = type(model.get_parameter(subclassed[0])).__name__
+        if kind == "DTensor":
+            raise ValueError(
+                f"reload_weights does not write the shards of a tensor-parallel model yet ({subclassed[0]} is a "
+                "DTensor). Call model.load_state_dict(...) on every rank with values sharded as the model's (its "
+                "state_dict()'s DTensors), which writes each rank's host storage, or "
+                "hf_prefetch.remove_offload(model), write the weights, and dispatch again. Nothing was written."
+            )
         raise ValueError(
             f"reload_weights does not write parameters stored as several tensors ({subclassed[0]}, of type {kind}, "
             f"and {len(subclassed) - 1} more streamed). Use model.load_state_dict(...) with values of the same "

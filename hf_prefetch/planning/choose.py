@@ -42,7 +42,8 @@ def choose_plan(
     mesh has planned (ranks.py)."""
     mesh = sharded_mesh(model)
     if mesh is not None:
-        fingerprint = (repr(config), repr(layers), len(links))
+        # Compared by value on every rank (a frozenset's repr, offload_params', changes with each process's hashing)
+        fingerprint = (config, tuple(layers) if isinstance(layers, list) else layers, len(links))
         plan_share = lambda: _choose(model, config, layers, device, max_memory, links, stored)  # noqa: E731
         return agree(mesh, fingerprint, plan_share, device)
     return _choose(model, config, layers, device, max_memory, links, stored)

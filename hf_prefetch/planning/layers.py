@@ -261,8 +261,11 @@ def candidate_layers(
                 module_path, _, attr = name.rpartition(".")
                 parts = stored_parts(param, layer.get_submodule(module_path))
                 if parts is not None:
-                    # A tensor subclass (torchao) or a bitsandbytes parameter: its tensors stream together,
-                    # each as a dense tensor of its own, never expert by expert.
+                    # A tensor subclass (torchao, a DTensor) or a bitsandbytes parameter: its tensors stream
+                    # together, each as a dense tensor of its own, never expert by expert (which an experts module
+                    # of a tensor-parallel model says: routed_experts=True refuses it, None warns).
+                    owner = _owner(name, experts) if is_dtensor(param) else None
+                    sharded = "its tensors are tensor-parallel shards (DTensors)." if owner is not None else None
                     for attr, tensor in parts:
                         spec = ParamSpec(
                             f"{name}{INNER_SEP}{attr}",
@@ -271,7 +274,7 @@ def candidate_layers(
                             tensor.dtype,
                             _param_bytes(tensor),
                         )
-                        params.append(Candidate(spec, matched, shared, param))
+                        params.append(Candidate(spec, matched, shared, param, sharded, owner))
                     continue
                 spec = ParamSpec(name, tuple(param.shape), _dense_stride(param), param.dtype, _param_bytes(param))
                 owner = _owner(name, experts)

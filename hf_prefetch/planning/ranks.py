@@ -102,9 +102,9 @@ def agree(mesh: Any, fingerprint: Any, make: Callable[[], Any], device: torch.de
         ranks = ", ".join(str(rank) for rank, _ in differ)
         raise ValueError(
             f"The ranks of the tensor-parallel mesh dispatch with different settings: rank(s) {ranks} differ from "
-            f"rank {first_rank}.\n  rank {first_rank}: {_shown(first_print)}\n  rank {differ[0][0]}: "
-            f"{_shown(differ[0][1])}\nEvery rank must pass the same config and layers (max_memory may differ: it is "
-            "each rank's own budget). Nothing was dispatched on any rank."
+            f"rank {first_rank} ({_difference(first_print, differ[0][1], first_rank, differ[0][0])}). Every rank must "
+            "pass the same config and layers (max_memory may differ: it is each rank's own budget). Nothing was "
+            "dispatched on any rank."
         )
     failed = [(rank, message) for rank, _, _, message in gathered if message is not None]
     if error is not None:
@@ -169,6 +169,27 @@ def _share(plan: Any, rank: int, device: torch.device) -> RankShare:
     )
 
 
-def _shown(fingerprint: Any) -> str:
-    text = repr(fingerprint)
-    return text if len(text) <= 400 else text[:400] + "..."
+def _difference(first: Any, other: Any, first_rank: int, other_rank: int) -> str:
+    # What differs between two ranks' (config, layers, number of links): the config's fields by name.
+    import dataclasses
+
+    names = ("config", "layers", "links")
+    found = []
+    for name, a, b in zip(names, first, other, strict=True):
+        if a == b:
+            continue
+        if name == "config" and type(a) is type(b) and dataclasses.is_dataclass(a):
+            for field in dataclasses.fields(a):
+                x, y = getattr(a, field.name), getattr(b, field.name)
+                if x != y:
+                    found.append(f"{field.name}={_short(x)} on rank {first_rank}, {_short(y)} on rank {other_rank}")
+        else:
+            found.append(f"{name} {_short(a)} on rank {first_rank}, {_short(b)} on rank {other_rank}")
+    return "; ".join(found)
+
+
+def _short(value: Any) -> str:
+    if isinstance(value, frozenset | set):
+        value = sorted(value, key=repr)
+    text = repr(value)
+    return text if len(text) <= 200 else text[:200] + "..."

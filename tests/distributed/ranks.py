@@ -109,9 +109,12 @@ def check_all(folder: Path, rank: int, world: int) -> dict:
     step = 2 if rank == world - 1 else 1
     expect_error(
         lambda: hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**{**STRIDE, "prefetch_step": step})),
-        f"rank(s) {world - 1} differ from rank 0",
+        f"rank(s) {world - 1} differ from rank 0 (prefetch_step=1 on rank 0, 2 on rank {world - 1})",
     )
     untouched(model, before, want_logits)
+    # The same config on every rank agrees, whatever each process's hashing does to a frozenset's order.
+    segments = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"})
+    hf_prefetch.plan(model, hf_prefetch.PrefetchConfig(**STRIDE, offload_params=segments))
     # A rank whose budget cannot hold its share: every rank raises, naming it.
     budget = {0: 10_000} if rank == world - 1 else budget
     own = (
@@ -130,16 +133,22 @@ def check_all(folder: Path, rank: int, world: int) -> dict:
         raise RuntimeError("pinned memory is full")
 
     failing = "pinned memory is full" if rank == world - 1 else f"Rank {world - 1} of the tensor-parallel mesh failed"
-    for module, call in (
-        (dispatch, lambda: hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**STRIDE))),
-        (attach, lambda: hf_prefetch.from_pretrained(folder / "llama", hf_prefetch.PrefetchConfig(**STRIDE), **tp)),
+    dispatching = lambda: hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**STRIDE))  # noqa: E731
+    for module, name, call in (
+        (dispatch, "HostArena", dispatching),  # before the dispatch changes anything
+        (dispatch, "attach", dispatching),  # once it has
+        (
+            attach,
+            "attach",
+            lambda: hf_prefetch.from_pretrained(folder / "llama", hf_prefetch.PrefetchConfig(**STRIDE), **tp),
+        ),
     ):
-        kept = module.attach
-        module.attach = full if rank == world - 1 else kept
+        kept = getattr(module, name)
+        setattr(module, name, full if rank == world - 1 else kept)
         try:
             expect_error(call, failing, RuntimeError if rank == world - 1 else ValueError)
         finally:
-            module.attach = kept
+            setattr(module, name, kept)
     untouched(model, before, want_logits)
 
     # A mesh that does not divide a sharded dimension.
@@ -181,6 +190,7 @@ def check_loading(folder: Path, world: int, want_logits=None, want_tokens=None) 
     got = run(loaded)
     assert torch.equal(got[0], want_logits) and torch.equal(got[1], want_tokens), "from_pretrained differs"
     results["read"], results["share"] = read[0], share
+    expect_error(lambda: hf_prefetch.reload_weights(loaded, folder / "llama"), "the shards of a tensor-parallel model")
     return results
 
     # A per-rank budget: max_memory is the rank's own device and host share.

@@ -295,6 +295,17 @@ def test_a_tensor_parallel_shard_streams_its_local_tensor(tmp_path):
             dispatched
         )  # (forwards need transformers' tensor-parallel hooks: tests/distributed)
         assert type(proj.weight) is DTensor and torch.equal(proj.weight.to_local(), values)
+        # Experts sharded as DTensors stream whole, never expert by expert: routed_experts=True says so.
+        from ..moe_models import moe_model
+
+        moe = moe_model("mixtral")
+        experts = moe.model.layers[1].mlp.experts
+        experts.gate_up_proj = nn.Parameter(distribute_tensor(experts.gate_up_proj.detach(), mesh, [Shard(0)]))
+        routed = hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1, routed_experts=True)
+        with pytest.raises(ValueError, match=r"experts\.gate_up_proj:_local_tensor: its tensors are tensor-parallel"):
+            hf_prefetch.plan(moe, routed, device="cpu")
+        with pytest.warns(UserWarning, match="tensor-parallel shards"):
+            hf_prefetch.plan(moe, hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1), device="cpu")
         # A partial placement holds values pending a reduction, not stored ones: refused, naming the parameter.
         proj.weight = nn.Parameter(DTensor.from_local(proj.weight.to_local(), mesh, [Partial()]))
         with pytest.raises(ValueError, match=r"q_proj\.weight has a partial placement"):
