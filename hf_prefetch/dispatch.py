@@ -176,6 +176,8 @@ def _dispatch(
             layout = [] if uva and exec_device.type == "cpu" else host_layout(plan)
             if state is not None:
                 _check_replacement_arena(model, state, layout)  # while the old dispatch still stands
+            settle(model, plan)  # a tensor-parallel rank: every rank validated before any changes its model
+            if state is not None:
                 if state.in_place is not None:  # values in place or assigned anew: into host storage, which moves over
                     state.in_place.settle()
                 held.append(gateless.enter_context(forwards_held(model, state.plan, plan)))

@@ -54,9 +54,9 @@ def stored_parts(param: torch.Tensor, module: nn.Module | None = None) -> list[t
     subclass that holds anything else (a nested subclass, state outside its inner tensors)."""
     if is_traceable_wrapper_subclass(param):
         names, _ = param.__tensor_flatten__()
-        values = [(name, getattr(param, name)) for name in names]
-        # A DTensor also flattens its device mesh, an object the rebuilt tensor keeps (`with_inner`)
-        inner = [(name, value) for name, value in values if isinstance(value, torch.Tensor)]
+        inner = [(name, getattr(param, name)) for name in names]
+        if is_dtensor(param):  # it also flattens its device mesh, an object the rebuilt tensor keeps (`with_inner`)
+            inner = [(name, value) for name, value in inner if isinstance(value, torch.Tensor)]
         if not inner or any(type(tensor) is not torch.Tensor for _, tensor in inner):
             return None
         return inner

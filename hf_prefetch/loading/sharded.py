@@ -102,7 +102,15 @@ def local_shards(model: nn.Module, keymap: KeyMap) -> KeyMap:
 
 def _local_pieces(name: str, param: Any, entry: TensorEntry, region: Region) -> list[tuple[TensorEntry, Region]]:
     # The byte ranges of `entry` that fill this rank's local tensor, each with the region of the local tensor it fills.
-    shards = [(i, p.dim % param.ndim) for i, p in enumerate(param.placements) if p.is_shard()]
+    from torch.distributed.tensor import Replicate, Shard
+
+    packed = [p for p in param.placements if type(p) not in (Shard, Replicate)]
+    if packed:  # transformers' packed shards (_StridedShard: a rank's block of each of gate and up)
+        raise ValueError(
+            f"{name} is sharded as {packed[0]!r}, whose rank's rows are not one block of the stored tensor, which "
+            f"cannot be read by slices yet. Load the model with {_TRANSFORMERS}."
+        )
+    shards = [(i, p.dim % param.ndim) for i, p in enumerate(param.placements) if type(p) is Shard]
     if not shards:  # replicated: the whole tensor
         return [(entry, region)]
     ((mesh_dim, dim),) = shards
@@ -111,11 +119,11 @@ def _local_pieces(name: str, param: Any, entry: TensorEntry, region: Region) -> 
     rows = param.shape[dim] // size
     start = coordinate * rows
     if region is not None:
-        index, first, _ = region
+        index, first, length = region
         if dim == 0:  # experts stacked on dimension 0 and sharded on it: the rank's experts, whole
             if not start <= index < start + rows:
                 return []
-            return [(entry, (index - start, None, None))]
+            return [(entry, (index - start, first, length))]
         if first is not None or dim != 1:
             raise ValueError(
                 f"{name} stacks its experts from several stored tensors and is sharded inside an expert "

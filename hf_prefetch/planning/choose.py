@@ -42,8 +42,12 @@ def choose_plan(
     mesh has planned (ranks.py)."""
     mesh = sharded_mesh(model)
     if mesh is not None:
-        # Compared by value on every rank (a frozenset's repr, offload_params', changes with each process's hashing)
-        fingerprint = (config, tuple(layers) if isinstance(layers, list) else layers, len(links))
+        # Compared by value on every rank (a frozenset's repr, offload_params', changes with each process's hashing);
+        # each rank's own block times (compute_seconds), like its max_memory, may differ.
+        same = (
+            replace(config, compute_seconds=None) if getattr(config, "compute_seconds", None) is not None else config
+        )
+        fingerprint = (same, tuple(layers) if isinstance(layers, list) else layers, len(links))
         plan_share = lambda: _choose(model, config, layers, device, max_memory, links, stored)  # noqa: E731
         return agree(mesh, fingerprint, plan_share, device)
     return _choose(model, config, layers, device, max_memory, links, stored)

@@ -230,7 +230,8 @@ class CandidateLayer:
             elif routed is True and c.unroutable is not None:
                 raise ValueError(
                     f"{self.path}.{c.spec.name}: {c.unroutable} hf_prefetch streams an experts module expert by "
-                    "expert only when it is recognised. Pass PrefetchConfig(routed_experts=None) (the default) or "
+                    "expert only when it recognises it and its tensors are not shards. Pass "
+                    "PrefetchConfig(routed_experts=None) (the default) or "
                     "False to stream its tensors whole in every forward, or leave it out of offload_params."
                 )
             specs.append(replace(c.spec, placement=kind))

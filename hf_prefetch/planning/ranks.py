@@ -65,7 +65,7 @@ def sharded_mesh(model: nn.Module) -> Any | None:
                     f"{name} has a partial placement ({placement}): its values are not stored but pending a "
                     "reduction. Stream a model whose parameters are sharded or replicated."
                 )
-            if placement.is_shard():
+            if type(placement).__name__ == "Shard":  # (transformers' packed shards hold blocks of their own)
                 dim = placement.dim % tensor.ndim
                 if tensor.shape[dim] % mesh.size():
                     raise ValueError(
@@ -90,14 +90,14 @@ def agree(mesh: Any, fingerprint: Any, make: Callable[[], Any], device: torch.de
     plan = None
     try:
         plan = make()
-    except Exception as err:  # raised once every rank knows (the others would wait in the next collective)
+    except BaseException as err:  # raised once every rank knows (the others would wait in the next collective)
         error = err
     share = None if plan is None else _share(plan, dist.get_rank(), device)
     gathered: list[Any] = [None] * dist.get_world_size(group)
-    mine = (dist.get_rank(), fingerprint, share, None if error is None else f"{type(error).__name__}: {error}")
-    dist.all_gather_object(gathered, mine, group)
+    own = (dist.get_rank(), fingerprint, share, None if error is None else f"{type(error).__name__}: {error}")
+    dist.all_gather_object(gathered, own, group)
     first_rank, first_print = gathered[0][0], gathered[0][1]
-    differ = [(rank, mine) for rank, mine, _, _ in gathered if mine != first_print]
+    differ = [(rank, other) for rank, other, _, _ in gathered if other != first_print]
     if differ:
         ranks = ", ".join(str(rank) for rank, _ in differ)
         raise ValueError(
@@ -132,21 +132,23 @@ def settle(model: nn.Module, plan: Any, error: BaseException | None = None) -> N
         return
     import torch.distributed as dist
 
-    group = sharded_mesh(model).get_group()
-    gathered: list[Any] = [None] * dist.get_world_size(group)
     mine = None if error is None else f"{type(error).__name__}: {error}"
     try:
+        group = sharded_mesh(model).get_group()
+        gathered: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, (dist.get_rank(), mine), group)
-    except Exception:
-        if error is None:
-            raise
+    except Exception as failure:
+        if error is None:  # (a RankFailed: the caller rolls back without a second collective)
+            raise RankFailed(
+                f"The ranks of the tensor-parallel mesh could not confirm the dispatch: {failure}"
+            ) from failure
         return  # this rank's own error is the one to raise
     failed = [(rank, message) for rank, message in gathered if message is not None]
     if error is None and failed:
         rank, message = failed[0]
         raise RankFailed(
             f"Rank {rank} of the tensor-parallel mesh failed to dispatch its share ({message}), so this rank's "
-            "dispatch is undone as well: the model is as it was on every rank."
+            "dispatch is undone as well."
         )
 
 

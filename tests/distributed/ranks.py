@@ -150,6 +150,19 @@ def check_all(folder: Path, rank: int, world: int) -> dict:
         finally:
             setattr(module, name, kept)
     untouched(model, before, want_logits)
+    # A re-dispatch that one rank cannot validate: every rank keeps its dispatch, none half-replaced.
+    hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**STRIDE))
+    kept = dispatch._check_replacement_arena
+    dispatch._check_replacement_arena = full if rank == world - 1 else kept
+    try:
+        again = hf_prefetch.PrefetchConfig(group_size=2, num_in_group=1, prefetch_step=1)
+        replacing = lambda: hf_prefetch.dispatch_model(model, again, replace=True)  # noqa: E731
+        expect_error(replacing, failing, RuntimeError if rank == world - 1 else ValueError)
+    finally:
+        dispatch._check_replacement_arena = kept
+    assert hf_prefetch.get_state(model).plan.config == hf_prefetch.PrefetchConfig(**STRIDE)
+    assert torch.equal(run(model)[0], want_logits)
+    hf_prefetch.remove_offload(model)
 
     # A mesh that does not divide a sharded dimension.
     uneven = tp_model(folder / "uneven", world)
@@ -192,8 +205,6 @@ def check_loading(folder: Path, world: int, want_logits=None, want_tokens=None) 
     results["read"], results["share"] = read[0], share
     expect_error(lambda: hf_prefetch.reload_weights(loaded, folder / "llama"), "the shards of a tensor-parallel model")
     return results
-
-    # A per-rank budget: max_memory is the rank's own device and host share.
 
 
 def expect_error(call, text: str, kind: type = ValueError) -> None:

@@ -291,9 +291,8 @@ def test_a_tensor_parallel_shard_streams_its_local_tensor(tmp_path):
         dispatched = hf_prefetch.dispatch_model(model, config, device="cpu")
         assert type(proj.weight) is DTensor and proj.weight.device_mesh == mesh
         assert hf_prefetch.get_state(dispatched).plan.offloaded_bytes == plan.offloaded_bytes
-        hf_prefetch.remove_offload(
-            dispatched
-        )  # (forwards need transformers' tensor-parallel hooks: tests/distributed)
+        # (forwards need transformers' tensor-parallel hooks: tests/distributed)
+        hf_prefetch.remove_offload(dispatched)
         assert type(proj.weight) is DTensor and torch.equal(proj.weight.to_local(), values)
         # Experts sharded as DTensors stream whole, never expert by expert: routed_experts=True says so.
         from ..moe_models import moe_model
