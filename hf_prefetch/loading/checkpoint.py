@@ -52,7 +52,9 @@ _DTYPES: dict[str, torch.dtype] = {
 
 @dataclass(frozen=True)
 class TensorEntry:
-    """One tensor of a checkpoint: where its bytes are (`offset` is absolute in `path`) and what they hold."""
+    """One tensor of a checkpoint: where its bytes are (`offset` is absolute in `path`) and what they hold. A slice
+    of a stored tensor (a tensor-parallel rank's columns, loading/sharded.py) is `rows` runs of `nbytes / rows`
+    bytes, `row_stride` bytes apart; every other entry is one run."""
 
     key: str
     path: Path
@@ -60,6 +62,8 @@ class TensorEntry:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
+    rows: int = 1
+    row_stride: int = 0
 
 
 class Checkpoint:
@@ -151,6 +155,17 @@ class Checkpoint:
         if start < 0 or start + out.nbytes > entry.nbytes:
             raise ValueError(f"Bytes [{start}, {start + out.nbytes}) are outside {entry.key!r} ({entry.nbytes} B).")
         view = memoryview(out).cast("B")
+        if entry.rows > 1:  # each run that bytes [start, start + out.nbytes) cross, read as a one-run entry
+            run, done = entry.nbytes // entry.rows, 0
+            while done < len(view):
+                row, within = divmod(start + done, run)
+                length = min(run - within, len(view) - done)
+                piece = TensorEntry(
+                    entry.key, entry.path, entry.dtype, (length,), entry.offset + row * entry.row_stride, run
+                )
+                self.read(piece, out[done : done + length], within)
+                done += length
+            return
         fd, position, done = self.fd(entry.path), entry.offset + start, 0
         while done < len(view):
             got = os.preadv(fd, [view[done:]], position + done)

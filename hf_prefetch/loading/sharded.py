@@ -4,8 +4,8 @@ The skeleton is sharded on the meta device by transformers' own tensor paralleli
 its forward hooks and collectives), so its sharded parameters are DTensors whose local tensors are meta. Each rank
 then reads only its own slices of the checkpoint's tensors, straight into its pinned host storage or onto its GPU: a
 slice is one or more contiguous byte ranges of the stored tensor (its rows on the sharded dimension, for each index of
-the dimensions before it), each a `TensorEntry` of its own, so the reader reads them as it reads whole tensors. No
-rank holds more than its share, even briefly.
+the dimensions before it), a `TensorEntry` of `rows` runs that `Checkpoint.read` reads run by run. No rank holds more
+than its share, even briefly.
 """
 
 from __future__ import annotations
@@ -101,7 +101,7 @@ def local_shards(model: nn.Module, keymap: KeyMap) -> KeyMap:
 
 
 def _local_pieces(name: str, param: Any, entry: TensorEntry, region: Region) -> list[tuple[TensorEntry, Region]]:
-    # The byte ranges of `entry` that fill this rank's local tensor, each with the region of the local tensor it fills.
+    # The part of `entry` that fills this rank's local tensor, with the region of the local tensor it fills.
     from torch.distributed.tensor import Replicate, Shard
 
     packed = [p for p in param.placements if type(p) not in (Shard, Replicate)]
@@ -118,41 +118,28 @@ def _local_pieces(name: str, param: Any, entry: TensorEntry, region: Region) -> 
     size, coordinate = mesh.size(mesh_dim), mesh.get_local_rank(mesh_dim)
     rows = param.shape[dim] // size
     start = coordinate * rows
-    if region is not None:
-        index, first, length = region
-        if dim == 0:  # experts stacked on dimension 0 and sharded on it: the rank's experts, whole
-            if not start <= index < start + rows:
-                return []
-            return [(entry, (index - start, first, length))]
-        if first is not None or dim != 1:
-            raise ValueError(
-                f"{name} stacks its experts from several stored tensors and is sharded inside an expert "
-                f"(dimension {dim}), which cannot be read by slices yet. Load the model with {_TRANSFORMERS}."
-            )
-        return [(_rows(entry, 0, start, rows, ()), (index, None, None))]
-    if dim == 0:
-        return [(_rows(entry, 0, start, rows, ()), None)]
-    if dim > 2:
+    if region is None:
+        return [(_slice(entry, dim, start, rows), None)]
+    index, first, length = region
+    if dim == 0:  # experts stacked on dimension 0 and sharded on it: the rank's experts, whole
+        if not start <= index < start + rows:
+            return []
+        return [(entry, (index - start, first, length))]
+    if first is not None:
         raise ValueError(
-            f"{name} is sharded on dimension {dim} of {param.ndim}, which cannot be read by slices yet (dimensions "
-            f"0-2 can). Load the model with {_TRANSFORMERS}."
+            f"{name} concatenates stored tensors inside each expert and is sharded inside an expert (dimension "
+            f"{dim}), which cannot be read by slices yet. Load the model with {_TRANSFORMERS}."
         )
-    pieces = []
-    for outer in range(math.prod(entry.shape[:dim])):
-        i, j = divmod(outer, entry.shape[1]) if dim == 2 else (outer, None)
-        piece = _rows(entry, dim, start, rows, (i,) if dim == 1 else (i, j))
-        pieces.append((piece, (i, None, None) if dim == 1 else (i, j, 1)))
-    return pieces
+    return [(_slice(entry, dim - 1, start, rows), region)]  # expert `index`'s own tensor, sliced alike
 
 
-def _rows(entry: TensorEntry, dim: int, start: int, rows: int, outer: tuple[int, ...]) -> TensorEntry:
-    # Rows [start, start + rows) of dimension `dim` at the index `outer` of the dimensions before it: one contiguous
-    # byte range (its shape keeps a leading 1 where the region narrows, see keymap.region_view).
+def _slice(entry: TensorEntry, dim: int, start: int, rows: int) -> TensorEntry:
+    # Rows [start, start + rows) of dimension `dim`: for each index of the dimensions before it, one run of bytes.
     shape = entry.shape
     inner = math.prod(shape[dim + 1 :]) * entry.dtype.itemsize
-    flat = 0
-    for axis, index in enumerate(outer):
-        flat = flat * shape[axis] + index
-    offset = entry.offset + (flat * shape[dim] + start) * inner
-    local = (rows, *shape[dim + 1 :]) if dim < 2 else (1, rows, *shape[dim + 1 :])
-    return replace(entry, shape=local, offset=offset, nbytes=rows * inner)
+    runs = math.prod(shape[:dim])
+    local = (*shape[:dim], rows, *shape[dim + 1 :])
+    offset = entry.offset + start * inner
+    return replace(
+        entry, shape=local, offset=offset, nbytes=runs * rows * inner, rows=runs, row_stride=shape[dim] * inner
+    )

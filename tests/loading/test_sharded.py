@@ -1,6 +1,7 @@
-"""A tensor-parallel rank's slices of stored tensors (loading/sharded.py), checked against torch.chunk on every rank
-of meshes of 2 and 4 without a process group: the byte ranges and regions the reader fills must give exactly the
-rank's local tensor, for a shard on each dimension and for experts stacked from tensors stored one by one."""
+"""A tensor-parallel rank's slices of stored tensors (loading/sharded.py), read from a safetensors file by
+`Checkpoint.read` and checked against torch.chunk on every rank of meshes of 2 and 4, without a process group: the
+entries and regions must give exactly the rank's local tensor, for a shard on each dimension and for experts stacked
+from tensors stored one by one."""
 
 from __future__ import annotations
 
@@ -9,10 +10,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from hf_prefetch.loading.checkpoint import TensorEntry
+from hf_prefetch.loading.checkpoint import Checkpoint
 from hf_prefetch.loading.keymap import region_view
 from hf_prefetch.loading.sharded import _local_pieces
 
@@ -34,63 +36,71 @@ def _param(shape, placement, size, rank):
     )
 
 
-def _entry(tensor: torch.Tensor, offset: int = 24) -> TensorEntry:
-    return TensorEntry("w", Path("model.safetensors"), tensor.dtype, tuple(tensor.shape), offset, tensor.nbytes)
+def _entry(tensor: torch.Tensor, folder: Path, key: str = "w"):
+    save_file({key: tensor.contiguous()}, folder / f"{key}.safetensors")
+    checkpoint = Checkpoint.open(folder / f"{key}.safetensors")
+    return checkpoint, checkpoint[key]
 
 
-def _fill(stored: torch.Tensor, pieces, local: torch.Tensor, offset: int = 24) -> None:
-    # What the reader does: each piece's bytes, from the stored tensor's bytes, into its region of the local tensor.
-    raw = stored.contiguous().view(-1).view(torch.uint8)
+def _fill(checkpoint, pieces, local: torch.Tensor) -> None:
+    # What the reader does: each piece's bytes into its region of the local tensor.
     for entry, region in pieces:
-        start = entry.offset - offset
-        values = raw[start : start + entry.nbytes].view(stored.dtype).view(entry.shape)
-        region_view(local, region).copy_(values)
+        out = region_view(local, region)
+        assert tuple(out.shape) == entry.shape
+        checkpoint.read(entry, out.view(-1).view(torch.uint8).numpy())
 
 
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize(
-    ("shape", "dim"), [((8, 12), 0), ((8, 12), 1), ((4, 8, 12), 0), ((4, 8, 12), 1), ((4, 8, 12), 2)]
+    ("shape", "dim"),
+    [((8, 12), 0), ((8, 12), 1), ((4, 8, 12), 0), ((4, 8, 12), 1), ((4, 8, 12), 2), ((2, 4, 8, 12), 3)],
 )
-def test_a_ranks_slices_are_its_chunk(shape, dim, size):
+def test_a_ranks_slices_are_its_chunk(shape, dim, size, tmp_path):
     stored = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).view(shape)
-    for rank in range(size):
-        want = stored.chunk(size, dim)[rank]
-        local = torch.full_like(want, -1)
-        pieces = _local_pieces("w", _param(shape, Shard(dim), size, rank), _entry(stored), None)
-        _fill(stored, pieces, local)
-        assert torch.equal(local, want), (shape, dim, rank)
-        assert sum(entry.nbytes for entry, _ in pieces) == want.nbytes  # its own bytes, nothing more
+    checkpoint, entry = _entry(stored, tmp_path)
+    with checkpoint:
+        for rank in range(size):
+            want = stored.chunk(size, dim)[rank]
+            local = torch.full_like(want, -1)
+            pieces = _local_pieces("w", _param(shape, Shard(dim), size, rank), entry, None)
+            _fill(checkpoint, pieces, local)
+            assert torch.equal(local, want), (shape, dim, rank)
+            assert [piece.nbytes for piece, _ in pieces] == [want.nbytes]  # its own bytes, nothing more
 
 
 @pytest.mark.parametrize("size", [2, 4])
 @pytest.mark.parametrize("dim", [0, 1])
-def test_stacked_experts_are_read_expert_by_expert(dim, size):
+def test_stacked_experts_are_read_expert_by_expert(dim, size, tmp_path):
     # Four experts stored one by one (8, 12) stack into (4, 8, 12); a region (i, None, None) is expert i's, and a
     # concatenation's (i, first, length) rows [first, first + length) of it (gate before up).
     experts = [torch.randn(8, 12) for _ in range(4)]
     stacked = torch.stack(experts)
+    stored = [_entry(expert, tmp_path, f"e{i}") for i, expert in enumerate(experts)]
     for rank in range(size):
         want = stacked.chunk(size, dim)[rank]
         local = torch.full_like(want, -1)
         param = _param(stacked.shape, Shard(dim), size, rank)
-        for index, expert in enumerate(experts):
-            _fill(expert, _local_pieces("w", param, _entry(expert), (index, None, None)), local)
+        for index, (checkpoint, entry) in enumerate(stored):
+            _fill(checkpoint, _local_pieces("w", param, entry, (index, None, None)), local)
         assert torch.equal(local, want), (dim, rank)
-    halves = [(expert[:4], expert[4:]) for expert in experts]  # gate and up stored apart, concatenated on load
-    for rank in range(size):
+    halves = [_entry(part, tmp_path, f"h{i}{j}") for i, e in enumerate(experts) for j, part in enumerate(e.split(4))]
+    for rank in range(size):  # gate and up stored apart, concatenated on load
         want = stacked.chunk(size, 0)[rank]
         local = torch.full_like(want, -1)
         param = _param(stacked.shape, Shard(0), size, rank)
-        for index, (gate, up) in enumerate(halves):
-            for first, half in ((0, gate), (4, up)):
-                _fill(half, _local_pieces("w", param, _entry(half), (index, first, 4)), local)
+        for number, (checkpoint, entry) in enumerate(halves):
+            index, first = divmod(number, 2)
+            _fill(checkpoint, _local_pieces("w", param, entry, (index, first * 4, 4)), local)
         assert torch.equal(local, want), rank
+    for checkpoint, _ in stored + halves:
+        checkpoint.close()
 
 
-def test_replicated_tensors_are_read_whole_and_packed_shards_are_refused():
+def test_replicated_tensors_are_read_whole_and_packed_shards_are_refused(tmp_path):
     stored = torch.randn(8, 12)
-    pieces = _local_pieces("w", _param(stored.shape, Replicate(), 2, 1), _entry(stored), None)
-    assert [entry.nbytes for entry, _ in pieces] == [stored.nbytes]
-    packed = _StridedShard(0, split_factor=2)  # transformers' packed gate and up: a block of each per rank
-    with pytest.raises(ValueError, match=r"w is sharded as .*cannot be read by slices yet. Load the model with"):
-        _local_pieces("w", _param(stored.shape, packed, 2, 0), _entry(stored), None)
+    checkpoint, entry = _entry(stored, tmp_path)
+    with checkpoint:
+        assert _local_pieces("w", _param(stored.shape, Replicate(), 2, 1), entry, None) == [(entry, None)]
+        packed = _StridedShard(0, split_factor=2)  # transformers' packed gate and up: a block of each per rank
+        with pytest.raises(ValueError, match=r"w is sharded as .*cannot be read by slices yet. Load the model with"):
+            _local_pieces("w", _param(stored.shape, packed, 2, 0), entry, None)
