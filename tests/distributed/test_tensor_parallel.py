@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -71,7 +72,13 @@ TWO_GPUS = [*CUDA, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="nee
 def test_ranks_stream_their_own_shards(checkpoints, tmp_path, world, device):
     # On GPUs, each rank on its own (NCCL): their copies, pools and events are real.
     args = (world, _free_port(), str(checkpoints), str(tmp_path), device)
-    mp.start_processes(ranks.main, args=args, nprocs=world, start_method="spawn")
+    context = mp.start_processes(ranks.main, args=args, nprocs=world, start_method="spawn", join=False)
+    deadline = time.monotonic() + 300  # a rank that waits for the others forever fails the test instead
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {world} ranks did not finish within 300 s")
     results = [torch.load(tmp_path / f"rank{rank}.pt") for rank in range(world)]
     _check(results, checkpoints, world)
 
@@ -109,7 +116,11 @@ def test_torchrun_on_two_nodes(checkpoints, tmp_path):
         )
         for node in range(2)
     ]
-    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    try:
+        outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    finally:  # a node that waits for the other forever fails the test instead
+        for node in nodes:
+            node.kill()
     for node, output in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, output[-4000:]
     _check([torch.load(tmp_path / f"rank{rank}.pt") for rank in range(2)], checkpoints, 2)
