@@ -57,7 +57,7 @@ def sharded_mesh(model: nn.Module) -> Any | None:
             raise ValueError(
                 f"{name} is sharded over a {mesh.ndim}-dimensional device mesh ({mesh}); hf_prefetch streams the "
                 "shards of a one-dimensional tensor-parallel mesh. Use tensor parallelism alone "
-                "(DistributedConfig(tp_size=N)), or keep these layers resident."
+                "(DistributedConfig(tp_size=N))."
             )
         for placement in tensor.placements:
             if placement.is_partial():
@@ -123,11 +123,11 @@ class RankFailed(ValueError):
 
 
 def settle(model: nn.Module, plan: Any, error: BaseException | None = None) -> None:
-    """The end of a tensor-parallel rank's dispatch or load (`plan.ranks`; nothing otherwise): one collective tells
-    every rank whether every rank attached its share (`error` None) or failed after planning (`error`: a full pinned
-    memory, an interrupt). Raises `RankFailed` naming the first failed rank where this rank attached and another did
-    not, so that the caller rolls its dispatch back as after an error of its own; nothing where this rank failed (the
-    caller raises its own error), nor for that `RankFailed` itself."""
+    """The end of a tensor-parallel rank's dispatch or load, or of a dispatch's validation (`plan.ranks`; nothing
+    otherwise): one collective tells every rank whether every rank got there (`error` None) or failed after planning
+    (`error`: a full pinned memory, an interrupt). Raises `RankFailed` naming the first failed rank where this rank
+    got there and another did not, so that the caller rolls its dispatch back as after an error of its own; nothing
+    where this rank failed (the caller raises its own error), nor for that `RankFailed` itself."""
     if plan is None or not plan.ranks or isinstance(error, RankFailed):
         return
     import torch.distributed as dist
