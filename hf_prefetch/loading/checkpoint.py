@@ -65,6 +65,11 @@ class TensorEntry:
     rows: int = 1
     row_stride: int = 0
 
+    @property
+    def one_run(self) -> bool:
+        """Whether the entry's bytes are one run of its file (what mapping, direct I/O and extents need)."""
+        return self.rows == 1
+
 
 class Checkpoint:
     """The validated tensors of a safetensors checkpoint, read with positional reads (thread-safe).
@@ -154,27 +159,21 @@ class Checkpoint:
         """Fill `out` (contiguous uint8) with `out.nbytes` bytes of `entry`, beginning at byte `start` of it."""
         if start < 0 or start + out.nbytes > entry.nbytes:
             raise ValueError(f"Bytes [{start}, {start + out.nbytes}) are outside {entry.key!r} ({entry.nbytes} B).")
-        view = memoryview(out).cast("B")
-        if entry.rows > 1:  # each run that bytes [start, start + out.nbytes) cross, read as a one-run entry
-            run, done = entry.nbytes // entry.rows, 0
-            while done < len(view):
-                row, within = divmod(start + done, run)
-                length = min(run - within, len(view) - done)
-                piece = TensorEntry(
-                    entry.key, entry.path, entry.dtype, (length,), entry.offset + row * entry.row_stride, run
-                )
-                self.read(piece, out[done : done + length], within)
-                done += length
-            return
-        fd, position, done = self.fd(entry.path), entry.offset + start, 0
-        while done < len(view):
-            got = os.preadv(fd, [view[done:]], position + done)
-            if got == 0:
-                raise ValueError(
-                    f"{entry.path}: the file ended while reading {entry.key!r} (byte {position + done}); it was "
-                    "truncated after it was opened. Re-download or re-save the checkpoint."
-                )
-            done += got
+        view, fd = memoryview(out).cast("B"), self.fd(entry.path)
+        run, first = entry.nbytes // entry.rows, 0
+        while first < len(view):  # each run of the entry that bytes [start, start + out.nbytes) cross
+            row, within = divmod(start + first, run)
+            last = min(first + run - within, len(view))
+            position, done = entry.offset + row * entry.row_stride + within, first
+            while done < last:
+                got = os.preadv(fd, [view[done:last]], position + done - first)
+                if got == 0:
+                    raise ValueError(
+                        f"{entry.path}: the file ended while reading {entry.key!r} (byte {position + done - first}); "
+                        "it was truncated after it was opened. Re-download or re-save the checkpoint."
+                    )
+                done += got
+            first = last
 
     def close(self) -> None:
         with self._lock, deferred_interrupts():

@@ -51,7 +51,7 @@ def stored_layout(keymap: KeyMap) -> Stored:
         entry = sources[0][0]
         size = tensor.element_size()
         same = entry.dtype == tensor.dtype and entry.nbytes == tensor.numel() * size > 0
-        return same and _dense(tensor) and not entry.offset % size and entry.rows == 1
+        return same and _dense(tensor) and not entry.offset % size and entry.one_run
 
     @functools.cache  # the planner asks again for every layer it tries
     def row_pieces(name: str) -> int:
@@ -70,7 +70,7 @@ def expert_rows(keymap: KeyMap, name: str) -> ExpertRows | None:
         return None
     size, num_experts = tensor.element_size(), tensor.shape[0]
     row_bytes = tensor.numel() // num_experts * size
-    if any(entry.dtype != tensor.dtype or entry.offset % size or entry.rows > 1 for entry, _ in sources):
+    if any(entry.dtype != tensor.dtype or entry.offset % size or not entry.one_run for entry, _ in sources):
         return None
     if len(sources) == 1 and sources[0][1] is None:
         entry = sources[0][0]

@@ -110,7 +110,7 @@ def file_pieces(
         dense = spec.stride == torch.empty(spec.shape, device="meta").stride()  # torch's contiguous strides
         if entry.dtype != spec.dtype or entry.nbytes != spec.nbytes or not dense or entry.nbytes == 0:
             continue
-        if entry.rows > 1:  # a slice of rows (loading/sharded.py) is not one run of the file
+        if not entry.one_run:  # a slice of rows (loading/sharded.py)
             continue
         if entry.offset % entry.dtype.itemsize:  # a file whose data is not aligned to its dtype: a view cannot be
             continue

@@ -169,7 +169,7 @@ def from_pretrained(
             timeline.mark("open")
             model, torch_dtype = build_skeleton(folder, checkpoint, dtype, model_class)
             if tensor_parallel is not None:
-                model = sharded.shard_skeleton(model, tensor_parallel[0], tensor_parallel[1])
+                model = sharded.shard_skeleton(model, *tensor_parallel)
             set_attention(model, attn_implementation)
             if hub_id(path) is not None:
                 model.config.name_or_path = path  # as transformers names a model loaded from the Hub

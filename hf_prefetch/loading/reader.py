@@ -211,7 +211,7 @@ class TensorReader:
         # raw bytes, or casts whole elements: a cast needs the tensor's elements aligned in the file (window
         # boundaries are multiples of every element size) and is done for device destinations only (host casts go
         # through `_read_cast`).
-        if not out.is_contiguous() or entry.rows > 1:  # (a slice of rows is read by `Checkpoint.read`)
+        if not out.is_contiguous() or not entry.one_run:  # (a slice of rows is read by `Checkpoint.read`)
             return False
         if out.dtype != entry.dtype:
             return out.device.type != "cpu" and entry.offset % entry.dtype.itemsize == 0
@@ -222,7 +222,7 @@ class TensorReader:
         # page the cache lacks is read from the disk when it is page-locked, one fault at a time.
         if not self.mapped or out.device.type != "cuda" or not out.is_contiguous() or out.dtype != entry.dtype:
             return False
-        if entry.rows > 1:
+        if not entry.one_run:
             return False
         key = (out.device, entry.path)
         if key not in self._mapped_files:  # decided once per file and device, in the thread calling load

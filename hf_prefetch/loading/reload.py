@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from ..config import warn_at_caller
+from ..formats.parts import is_dtensor
 from ..lifecycle.state import OffloadState, exclusive, get_state
 from ..planning.offload_plan import OffloadPlan
 from .reload_files import FileSwitch
@@ -170,7 +171,7 @@ def reload_weights(
     subclassed = list(dict.fromkeys(o.param_name for o in state.offloaded if o.inner is not None))
     if subclassed:
         kind = type(model.get_parameter(subclassed[0])).__name__
-        if kind == "DTensor":
+        if is_dtensor(model.get_parameter(subclassed[0])):
             raise ValueError(
                 f"reload_weights does not write the shards of a tensor-parallel model yet ({subclassed[0]} is a "
                 "DTensor). Call model.load_state_dict(...) on every rank with values sharded as the model's (its "

@@ -4,6 +4,7 @@ or the config's group pattern; with several host links, the other GPUs' staging 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -44,11 +45,8 @@ def choose_plan(
     if mesh is not None:
         # Compared by value on every rank (a frozenset's repr, offload_params', changes with each process's hashing);
         # each rank's own block times (compute_seconds), like its max_memory, may differ.
-        same = (
-            replace(config, compute_seconds=None) if getattr(config, "compute_seconds", None) is not None else config
-        )
-        fingerprint = (same, tuple(layers) if isinstance(layers, list) else layers, len(links))
-        plan_share = lambda: _choose(model, config, layers, device, max_memory, links, stored)  # noqa: E731
+        fingerprint = (replace(config, compute_seconds=None), layers, len(links))
+        plan_share = functools.partial(_choose, model, config, layers, device, max_memory, links, stored)
         return agree(mesh, fingerprint, plan_share, device)
     return _choose(model, config, layers, device, max_memory, links, stored)
 

@@ -46,6 +46,8 @@ def sharded_mesh(model: nn.Module) -> Any | None:
     for name, tensor in tensors:
         if not is_dtensor(tensor):
             continue
+        from torch.distributed.tensor import Shard  # (a DTensor's module is loaded already)
+
         if mesh is None:
             mesh, first = tensor.device_mesh, name
         elif tensor.device_mesh != mesh:
@@ -65,7 +67,7 @@ def sharded_mesh(model: nn.Module) -> Any | None:
                     f"{name} has a partial placement ({placement}): its values are not stored but pending a "
                     "reduction. Stream a model whose parameters are sharded or replicated."
                 )
-            if type(placement).__name__ == "Shard":  # (transformers' packed shards hold blocks of their own)
+            if type(placement) is Shard:  # (transformers' packed shards, _StridedShard, hold blocks of their own)
                 dim = placement.dim % tensor.ndim
                 if tensor.shape[dim] % mesh.size():
                     raise ValueError(

@@ -150,6 +150,23 @@ def check_all(folder: Path, rank: int, world: int) -> dict:
         finally:
             setattr(module, name, kept)
     untouched(model, before, want_logits)
+    # A Ctrl-C on one rank while it plans: that rank raises it, the others name it, and no rank waits.
+    from hf_prefetch.planning import choose
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    kept = choose._choose
+    choose._choose = interrupted if rank == world - 1 else kept
+    try:
+        planned = (
+            f"Rank {world - 1} of the tensor-parallel mesh cannot plan its share, so no rank dispatches: Keyboard"
+        )
+        last = rank == world - 1
+        expect_error(dispatching, "" if last else planned, KeyboardInterrupt if last else ValueError)
+    finally:
+        choose._choose = kept
+    untouched(model, before, want_logits)
     # A re-dispatch that one rank cannot validate: every rank keeps its dispatch, none half-replaced.
     hf_prefetch.dispatch_model(model, hf_prefetch.PrefetchConfig(**STRIDE))
     kept = dispatch._check_replacement_arena

@@ -104,3 +104,16 @@ def test_replicated_tensors_are_read_whole_and_packed_shards_are_refused(tmp_pat
         packed = _StridedShard(0, split_factor=2)  # transformers' packed gate and up: a block of each per rank
         with pytest.raises(ValueError, match=r"w is sharded as .*cannot be read by slices yet. Load the model with"):
             _local_pieces("w", _param(stored.shape, packed, 2, 0), entry, None)
+
+
+def test_a_slice_of_a_file_truncated_under_it_names_the_file(tmp_path):
+    stored = torch.randn(8, 12)
+    checkpoint, entry = _entry(stored, tmp_path)
+    with checkpoint:
+        ((piece, _),) = _local_pieces("w", _param(stored.shape, Shard(1), 2, 1), entry, None)
+        assert piece.rows == 8  # one run per row
+        with open(entry.path, "r+b") as file:  # the last rows' bytes are gone
+            file.truncate(entry.offset + entry.nbytes // 2)
+        local = torch.empty(8, 6)
+        with pytest.raises(ValueError, match=r"w\.safetensors: the file ended while reading 'w'"):
+            checkpoint.read(piece, local.view(-1).view(torch.uint8).numpy())
